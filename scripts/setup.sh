@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root and installs ucm with the extras named in
+# UCM_EXTRAS (comma separated). Safe to run again: pip skips what is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${UCM_EXTRAS:-dev}"
+if [ ! -x .venv/bin/python ]; then
+    echo "[setup] creating .venv"
+    python3 -m venv .venv
+fi
+stamp=".venv/.ucm-installed-${extras//,/-}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "[setup] installing ucm[$extras] into .venv"
+    .venv/bin/pip install --quiet --upgrade pip
+    .venv/bin/pip install --quiet -e ".[$extras]"
+    touch "$stamp"
+fi

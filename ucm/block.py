@@ -1,0 +1,207 @@
+"""The on-storage block format, shared by every driver that keeps bytes of its own.
+
+A stored block is a 4 KiB header followed by the payload, so the payload starts 4 KiB-aligned
+(O_DIRECT reads land straight in an aligned caller buffer). The header is self-describing:
+
+    offset  size  field
+    0       4     magic b"UCMB"
+    4       2     format version (1)
+    6       1     codec (0 = none, 1 = zstd)
+    7       1     flags (reserved, 0)
+    8       2     key length      (<= 255)
+    10      2     namespace length (<= 255)
+    12      4     payload offset  (4096)
+    16      8     stored payload length
+    24      8     raw length (bytes the caller gets back)
+    32      8     xxh3-64 of the stored payload
+    40      4     xxh32 of the header bytes before this field, key and namespace included
+    44      .     key bytes, then namespace bytes, then zero padding up to 4096
+
+Every load checks the header checksum and the payload checksum before the block counts as
+loaded; a mismatch raises `BlockCorrupt`, which drivers report as a corrupt miss.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import threading
+from collections.abc import Buffer
+from dataclasses import dataclass
+
+import xxhash
+
+from ucm.errors import BlockCorrupt, InvalidRequest
+
+MAGIC = b"UCMB"
+FORMAT_VERSION = 1
+PAYLOAD_OFFSET = 4096
+MAX_KEY_BYTES = 255
+MAX_NAMESPACE_BYTES = 255
+
+_FIXED = struct.Struct("<4sHBBHHIQQQ")
+_HEADER_CRC = struct.Struct("<I")
+_FIXED_END = _FIXED.size + _HEADER_CRC.size  # 44
+
+
+class Codec(enum.IntEnum):
+    NONE = 0
+    ZSTD = 1
+
+    @classmethod
+    def parse(cls, name: str | int | Codec) -> Codec:
+        if isinstance(name, Codec):
+            return name
+        if isinstance(name, int):
+            return cls(name)
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            choices = ", ".join(c.name.lower() for c in cls)
+            raise InvalidRequest(f"unknown codec {name!r}; choose one of {choices}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    key: bytes
+    namespace: str
+    codec: Codec
+    payload_len: int
+    raw_len: int
+    checksum: int
+
+    @property
+    def stored_len(self) -> int:
+        """Bytes the block takes on storage, header included."""
+        return PAYLOAD_OFFSET + self.payload_len
+
+
+def check_key(key: object) -> bytes:
+    """Returns `key` if it is a valid block key, else raises InvalidRequest naming the problem."""
+    if not isinstance(key, bytes):
+        raise InvalidRequest(f"block key must be bytes, not {type(key).__name__}")
+    if not key:
+        raise InvalidRequest("block key must not be empty")
+    if len(key) > MAX_KEY_BYTES:
+        raise InvalidRequest(f"block key is {len(key)} bytes; the limit is {MAX_KEY_BYTES}")
+    return key
+
+
+def checksum(data: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def encode_header(
+    key: bytes, namespace: str, codec: Codec, payload: Buffer, raw_len: int
+) -> bytes:
+    """Builds the 4 KiB header for `payload` (the bytes as stored, after the codec)."""
+    ns = namespace.encode()
+    if len(ns) > MAX_NAMESPACE_BYTES:
+        raise InvalidRequest(f"namespace is {len(ns)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
+    payload_len = memoryview(payload).nbytes
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, int(codec), 0, len(key), len(ns), PAYLOAD_OFFSET,
+        payload_len, raw_len, checksum(payload),
+    )
+    crc = xxhash.xxh32_intdigest(fixed + key + ns)
+    head = fixed + _HEADER_CRC.pack(crc) + key + ns
+    return head + bytes(PAYLOAD_OFFSET - len(head))
+
+
+def decode_header(data: Buffer, *, expect_key: bytes | None = None) -> BlockHeader:
+    """Parses and checks a header. Raises BlockCorrupt on any inconsistency."""
+    view = memoryview(data)
+    if view.nbytes < _FIXED_END:
+        raise BlockCorrupt(f"header truncated to {view.nbytes} bytes")
+    (magic, version, codec, _flags, key_len, ns_len, offset, payload_len, raw_len,
+     payload_sum) = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise BlockCorrupt("bad magic: not a ucm block")
+    if version != FORMAT_VERSION:
+        raise BlockCorrupt(f"unsupported block format version {version}")
+    if offset != PAYLOAD_OFFSET or key_len > MAX_KEY_BYTES or ns_len > MAX_NAMESPACE_BYTES:
+        raise BlockCorrupt("header fields out of range")
+    end = _FIXED_END + key_len + ns_len
+    if view.nbytes < end:
+        raise BlockCorrupt("header truncated")
+    key = bytes(view[_FIXED_END : _FIXED_END + key_len])
+    ns = bytes(view[_FIXED_END + key_len : end])
+    (crc,) = _HEADER_CRC.unpack_from(view, _FIXED.size)
+    if crc != xxhash.xxh32_intdigest(bytes(view[: _FIXED.size]) + key + ns):
+        raise BlockCorrupt("header checksum mismatch")
+    if expect_key is not None and key != expect_key:
+        raise BlockCorrupt("header names another key")
+    try:
+        codec_value = Codec(codec)
+    except ValueError:
+        raise BlockCorrupt(f"unknown codec {codec}") from None
+    return BlockHeader(key, ns.decode(errors="replace"), codec_value, payload_len, raw_len,
+                       payload_sum)
+
+
+_local = threading.local()
+
+
+def _compressor():
+    import zstandard
+
+    c = getattr(_local, "zc", None)
+    if c is None:
+        c = _local.zc = zstandard.ZstdCompressor(level=1)
+    return c
+
+
+def _decompressor():
+    import zstandard
+
+    d = getattr(_local, "zd", None)
+    if d is None:
+        d = _local.zd = zstandard.ZstdDecompressor()
+    return d
+
+
+def encode_payload(codec: Codec, raw: Buffer) -> Buffer:
+    """The bytes to store for `raw`. For codec NONE this is `raw` itself (no copy)."""
+    if codec is Codec.NONE:
+        return raw
+    return _compressor().compress(raw)
+
+
+def verify_payload(header: BlockHeader, stored: Buffer) -> None:
+    """Raises BlockCorrupt unless `stored` has the length and checksum the header names."""
+    nbytes = memoryview(stored).nbytes
+    if nbytes != header.payload_len:
+        raise BlockCorrupt(f"payload is {nbytes} bytes, header says {header.payload_len}")
+    if checksum(stored) != header.checksum:
+        raise BlockCorrupt("payload checksum mismatch")
+
+
+def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview) -> None:
+    """Verifies `stored` against `header` and writes the raw bytes into `out`.
+
+    A driver that read a codec-NONE payload straight into the caller's buffer calls
+    `verify_payload(header, out)` instead: no copy.
+    """
+    if out.nbytes != header.raw_len:
+        raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
+    verify_payload(header, stored)
+    if header.codec is Codec.NONE:
+        out[:] = as_byte_view(stored)
+        return
+    try:
+        raw = _decompressor().decompress(stored, max_output_size=header.raw_len)
+    except Exception as exc:  # zstd raises its own ZstdError for malformed frames
+        raise BlockCorrupt(f"zstd payload does not decode: {exc}") from None
+    if len(raw) != header.raw_len:
+        raise BlockCorrupt("decoded payload has the wrong length")
+    out[:] = raw
+
+
+def as_byte_view(buf: Buffer) -> memoryview:
+    """A flat, writable-or-not, byte-format view of any contiguous buffer."""
+    view = memoryview(buf)
+    if not view.contiguous:
+        raise InvalidRequest("buffer must be contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

@@ -1,0 +1,153 @@
+"""The one typed config schema. Loads from a dict, a YAML or JSON file, or nothing (the
+embedded default: a memory tier over a posix tier in the user's cache directory).
+
+    tiers:
+      - driver: memory
+        capacity: 2GiB
+      - driver: posix
+        path: /var/cache/ucm
+        capacity: 100GiB
+
+Keys other than the common tier keys below are the driver's own options, checked against the
+driver's `Options` model. Unknown keys and bad values raise ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from ucm.drivers import DriverOptions, get_driver_class
+from ucm.errors import ConfigError
+
+Durability = Literal["memory", "local", "all"]
+
+_TIER_KEYS = {"driver", "name", "capacity", "codec", "concurrency", "options"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TierConfig(_Strict):
+    driver: str
+    name: str | None = None
+    capacity: ByteSize | None = Field(default=None, description="bytes; None is unbounded")
+    codec: Literal["none", "zstd"] = "none"
+    concurrency: int = Field(default=8, ge=1, le=1024)
+    options: DriverOptions
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_driver_options(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        if "driver" not in data:
+            raise ValueError("each tier needs a 'driver' key")
+        if isinstance(data.get("options"), DriverOptions):
+            return data
+        common = {k: v for k, v in data.items() if k in _TIER_KEYS and k != "options"}
+        own = dict(data.get("options") or {})
+        own.update({k: v for k, v in data.items() if k not in _TIER_KEYS})
+        factory = get_driver_class(str(data["driver"]))
+        common["options"] = factory.Options(**own)
+        return common
+
+
+class TraceConfig(_Strict):
+    path: Path
+    max_bytes: ByteSize = ByteSize(256 * 2**20)
+    segment_bytes: ByteSize = ByteSize(8 * 2**20)
+    ring_events: int = Field(default=65536, ge=64)
+
+
+class UCMConfig(_Strict):
+    tiers: list[TierConfig] = Field(min_length=1)
+    durability: Durability = "local"
+    namespace: str = Field(default="default", min_length=1, max_length=255)
+    inbox_size: int = Field(default=4096, ge=1)
+    deadline: float | None = Field(default=None, gt=0, description="default seconds per event")
+    pin_ttl: float = Field(default=60.0, gt=0)
+    eviction: Literal["s3fifo", "lru"] = "s3fifo"
+    trace: TraceConfig | None = None
+
+    @model_validator(mode="after")
+    def _unique_tier_names(self) -> UCMConfig:
+        names = [t.name or t.driver for t in self.tiers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"tier names must be unique; give 'name' to: {', '.join(dupes)}")
+        return self
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ucm"
+
+
+def default_config() -> dict[str, Any]:
+    """The embedded default: 1 GiB of memory over 20 GiB in the user's cache directory."""
+    return {
+        "tiers": [
+            {"driver": "memory", "capacity": "1GiB"},
+            {"driver": "posix", "path": str(default_cache_dir() / "blocks"), "capacity": "20GiB"},
+        ]
+    }
+
+
+def _format_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if p not in ("options",)) or "config"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc}: {msg}")
+    return "; ".join(lines)
+
+
+def load_config(source: UCMConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+                ) -> UCMConfig:
+    """Builds a UCMConfig from a config object, a dict, a .yaml/.yml/.json path, or None."""
+    if isinstance(source, UCMConfig):
+        return source
+    if source is None:
+        data: Any = default_config()
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        path = Path(source)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        if path.suffix == ".json":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}: invalid JSON: {exc}") from None
+        else:
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        return UCMConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
