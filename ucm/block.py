@@ -26,12 +26,15 @@ from __future__ import annotations
 import enum
 import struct
 import threading
-from collections.abc import Buffer
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from ucm.errors import BlockCorrupt, InvalidRequest
+
+if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations only
+    from collections.abc import Buffer
 
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
