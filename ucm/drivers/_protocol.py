@@ -85,4 +85,8 @@ class DriverFactory(Protocol):
     Options: ClassVar[type[DriverOptions]]
 
     @classmethod
-    async def open(cls, options: Any, *, name: str, namespace: str) -> Driver: ...
+    async def open(cls, options: Any, *, name: str, namespace: str, codec: str = "none"
+                   ) -> Driver:
+        """Opens the driver for one tier. `codec` is the tier's codec ("none" or "zstd"): how
+        the driver encodes payloads it stores; loads decode whatever codec a header names."""
+        ...
