@@ -81,6 +81,7 @@ class UCMConfig(_Strict):
     deadline: float | None = Field(default=None, gt=0, description="default seconds per event")
     pin_ttl: float = Field(default=60.0, gt=0)
     eviction: Literal["s3fifo", "lru"] = "s3fifo"
+    promote: bool = Field(default=True, description="copy hits from slower tiers upwards")
     trace: TraceConfig | None = None
 
     @model_validator(mode="after")

@@ -1,0 +1,243 @@
+"""The Kernel: a `KernelCore` hosted by `trio.run` in its own thread.
+
+Host threads (a vLLM scheduler step, a worker's forward pass) call `submit(event)`, which never
+blocks: it counts the event against the inbox bound, hands it to the trio thread with
+`TrioToken.run_sync_soon`, and returns a `Completion`. A full inbox fails the handle at once
+with KernelBusy, which callers treat as a cache miss.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ucm.config import TierConfig, UCMConfig, load_config
+from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UCMError
+from ucm.kernel._completion import Completion
+from ucm.kernel._core import KernelCore
+from ucm.kernel._events import _Event
+
+log = logging.getLogger("ucm.kernel")
+
+
+class Kernel:
+    """One per process. Starts lazily on the first `submit` (or `start()`), after any fork."""
+
+    def __init__(self, config: UCMConfig | dict | str | os.PathLike | None = None, *,
+                 tracer: Any = None, drain_timeout: float = 30.0) -> None:
+        self.config = load_config(config)
+        self.drain_timeout = drain_timeout
+        self._tracer = tracer
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._core: KernelCore | None = None
+        self._events: trio.Nursery | None = None
+        self._stop: trio.Event | None = None
+        self._pid: int | None = None
+        self._ids = itertools.count(1)
+        self._outstanding = 0  # submitted and not yet finished: the inbox bound
+        self._queued = 0  # submitted and not yet started on the trio thread
+        self._busy = 0
+        self._closing = False
+        self._start_error: BaseException | None = None
+
+    # -- life cycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Opens every tier in the kernel thread. Raises what opening a driver raised."""
+        with self._lock:
+            if self._closing:
+                raise KernelClosed("the kernel was closed")
+            if self._thread is not None:
+                self._check_process()
+                return
+            ready = threading.Event()
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=trio.run, args=(self._main, ready),
+                                            name="ucm-kernel", daemon=True)
+            self._thread.start()
+        ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            error, self._start_error = self._start_error, None
+            with self._lock:
+                self._thread = None
+            raise error
+
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():
+            raise KernelError("this Kernel was started in another process; create one Kernel "
+                              "per process, after fork")
+
+    async def _main(self, ready: threading.Event) -> None:
+        try:
+            async with KernelCore.open(self.config, tracer=self._tracer,
+                                       drain_timeout=self.drain_timeout) as core:
+                with trio.move_on_after(float("inf")) as drain:
+                    async with trio.open_nursery() as events:
+                        self._core, self._events = core, events
+                        self._stop = trio.Event()
+                        self._token = trio.lowlevel.current_trio_token()
+                        ready.set()
+                        await self._stop.wait()
+                        # Stop accepting; let in-flight events finish, up to drain_timeout.
+                        drain.deadline = trio.current_time() + self.drain_timeout
+                self._events = None
+        except BaseException as exc:
+            if not ready.is_set():
+                self._start_error = exc
+                ready.set()
+                return
+            log.exception("ucm kernel thread failed")
+            raise
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops accepting events, lets in-flight ones finish (up to `drain_timeout`; the
+        rest fail with KernelClosed), closes the drivers and joins the thread."""
+        with self._lock:
+            if self._closing:
+                thread = self._thread
+            else:
+                self._closing = True
+                thread = self._thread
+                if thread is not None and self._token is not None:
+                    try:
+                        self._token.run_sync_soon(self._stop.set)
+                    except trio.RunFinishedError:
+                        pass
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise KernelError("the kernel thread did not stop in time")
+
+    def __enter__(self) -> Kernel:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- submission ------------------------------------------------------------------------------
+    def submit(self, event: _Event) -> Completion:
+        """Hands an event to the kernel; never blocks once the kernel runs. The returned
+        Completion resolves to the event's result or raises its error."""
+        if not isinstance(event, _Event):
+            raise InvalidRequest(f"submit takes a ucm event, not {type(event).__name__}")
+        if self._token is None:
+            self.start()
+        return self._submit(event, lambda core, eid: core.run(event, event_id=eid))
+
+    def attach(self, tier: TierConfig | dict, *, position: int | None = None) -> Completion:
+        """Adds a tier to the running kernel; resolves to its name."""
+        if self._token is None:
+            self.start()
+        return self._submit(None, lambda core, _: core.attach(tier, position=position))
+
+    def detach(self, name: str) -> Completion:
+        """Removes a tier once the events that use it have finished; loses none of them."""
+        if self._token is None:
+            self.start()
+        return self._submit(None, lambda core, _: core.detach(name))
+
+    def _submit(self, event: Any, work: Callable[[KernelCore, int], Any]) -> Completion:
+        event_id = next(self._ids)
+        completion = Completion(event, event_id)
+        with self._lock:
+            self._check_process()
+            if self._closing:
+                completion._resolve(exc=KernelClosed("the kernel is closed"))
+                return completion
+            if self._outstanding >= self.config.inbox_size:
+                self._busy += 1
+                completion._resolve(exc=KernelBusy(
+                    f"inbox full ({self.config.inbox_size} events outstanding)"))
+                return completion
+            self._outstanding += 1
+            self._queued += 1
+        tracer = self._tracer
+        if tracer is not None and event is not None:
+            tracer.emit("submit", event_id, {"type": type(event).__name__,
+                                             "keys": len(event.keys),
+                                             "request_id": event.request_id})
+        try:
+            self._token.run_sync_soon(self._accept, completion, work)
+        except trio.RunFinishedError:
+            self._finished(started=False)
+            completion._resolve(exc=KernelClosed("the kernel has stopped"))
+        return completion
+
+    def _finished(self, *, started: bool) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            if not started:
+                self._queued -= 1
+
+    # Runs on the trio thread: must never raise.
+    def _accept(self, completion: Completion, work: Callable) -> None:
+        events = self._events
+        if events is None:
+            self._finished(started=False)
+            completion._resolve(exc=KernelClosed("the kernel is closing"))
+            return
+        events.start_soon(self._run, completion, work)
+
+    async def _run(self, completion: Completion, work: Callable) -> None:
+        with self._lock:
+            self._queued -= 1
+        try:
+            with trio.CancelScope() as scope:
+                token = self._token
+
+                def cancel_soon() -> None:
+                    try:
+                        token.run_sync_soon(scope.cancel)
+                    except trio.RunFinishedError:
+                        pass
+
+                completion._set_cancel_hook(cancel_soon)
+                try:
+                    result = await work(self._core, completion.event_id)
+                except trio.Cancelled:
+                    if not (scope.cancel_called and completion.cancel_requested):
+                        completion._resolve(exc=KernelClosed(
+                            "the kernel closed before the event finished"))
+                    raise
+                except UCMError as exc:
+                    completion._resolve(exc=exc)
+                except Exception as exc:
+                    log.exception("internal error while handling event %d", completion.event_id)
+                    completion._resolve(exc=KernelError(f"internal error: {exc!r}"))
+                else:
+                    completion._resolve(result)
+            if scope.cancelled_caught:
+                completion._finish_cancelled()
+        finally:
+            self._finished(started=True)
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._token is not None and not self._closing
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters and per-tier occupancy (a snapshot taken on the kernel thread)."""
+        with self._lock:
+            base = {"inbox_queued": self._queued, "in_flight": self._outstanding - self._queued,
+                    "busy_rejections": self._busy}
+        if self._token is None or self._core is None:
+            return base
+        try:
+            snap = trio.from_thread.run_sync(self._core.snapshot, trio_token=self._token)
+        except trio.RunFinishedError:
+            return base
+        return {**snap, **base}
+
+    def tier_names(self) -> list[str]:
+        core = self._core
+        return [t.name for t in core.tiers] if core is not None else []

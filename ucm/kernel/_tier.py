@@ -1,0 +1,89 @@
+"""One tier of the stack: a driver plus what the kernel keeps about it (index, capacity,
+pins, concurrency limit, and a count of the events that may still use it)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from ucm.block import PAYLOAD_OFFSET
+from ucm.config import TierConfig
+from ucm.drivers import Driver
+from ucm.kernel._limiter import PriorityLimiter
+from ucm.kernel._policy import Policy
+
+T = TypeVar("T")
+
+
+class Tier:
+    def __init__(self, config: TierConfig, driver: Driver, policy: Policy) -> None:
+        self.config = config
+        self.name = config.name or config.driver
+        self.driver = driver
+        self.persistent = bool(driver.persistent)
+        self.policy = policy
+        self.limiter = PriorityLimiter(config.concurrency)
+        self.raw_sizes: dict[bytes, int] = {}  # bytes a loader needs, where this kernel knows
+        self.reserved = 0  # bytes promised to stores in flight
+        self.users = 0  # events holding this tier in their snapshot
+        self.detaching = False
+        self._idle = trio.Event()
+
+    async def call(self, priority: int, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        async with self.limiter.slot(priority):
+            return await fn(*args)
+
+    # -- index -------------------------------------------------------------------------------
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.policy
+
+    def add(self, key: bytes, stored_bytes: int, raw_bytes: int | None) -> None:
+        self.policy.insert(key, stored_bytes)
+        if raw_bytes is not None:
+            self.raw_sizes[key] = raw_bytes
+
+    def discard(self, key: bytes) -> None:
+        self.policy.remove(key)
+        self.raw_sizes.pop(key, None)
+
+    @staticmethod
+    def estimate(raw_bytes: int) -> int:
+        """Bytes a block will take before the driver says (codecs only shrink it)."""
+        return PAYLOAD_OFFSET + raw_bytes
+
+    def reserve(self, needed: int) -> list[bytes] | None:
+        """Makes room for `needed` more bytes: returns the victims (already out of the index)
+        or None if pinned blocks leave too little room. The caller deletes the victims and
+        calls `unreserve(needed)` once the store is accounted."""
+        if self.policy.capacity is not None:
+            victims = self.policy.make_room(needed + self.reserved)
+            if victims is None:
+                return None
+            for key in victims:
+                self.raw_sizes.pop(key, None)
+        else:
+            victims = []
+        self.reserved += needed
+        return victims
+
+    def unreserve(self, needed: int) -> None:
+        self.reserved -= needed
+
+    # -- users (for detach) ------------------------------------------------------------------
+    def enter(self) -> None:
+        self.users += 1
+
+    def leave(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self.detaching:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        if self.users:
+            await self._idle.wait()
+
+
+def keys_of(keys: Sequence[bytes], indices: Sequence[int]) -> list[bytes]:
+    return [keys[i] for i in indices]
