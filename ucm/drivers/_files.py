@@ -1,0 +1,642 @@
+"""Shared machinery of the built-in drivers: batch validation, the async plumbing that moves
+blocking work to worker threads, and the block-file store used by `posix` and shared `memory`.
+
+`ThreadedDriver` is the async face: it validates every call, hands the batch to a synchronous
+backend in `trio.to_thread.run_sync` (one hop per chunk of a few MiB, so cancellation and the
+thread pool stay responsive), and keeps the counters on the trio thread (no locks needed).
+
+`BlockFiles` keeps each block as one file in the `ucm.block` format:
+
+    <root>/<aa>/<bb>/<hex key>.blk      keys of up to 120 bytes (shards from the key's hex)
+    <root>/<aa>/<bb>/<digest>.lblk      longer keys (the name would pass NAME_MAX); the header
+                                        holds the key, so listing reads it back from there
+    <root>/.tmp/<host>.<pid>.<tid>.<rand>.tmp   blocks being written
+
+A store writes a temp file and `os.replace`s it into place, so a reader opens the old whole
+block or the new whole block, never a mix, and a writer killed mid-write leaves only a temp file
+that no lookup sees; `BlockFiles.open` removes the temp files of dead processes on this host.
+A load reads the header and the payload with one `preadv` straight into the caller's buffer and
+verifies the checksum there: no extra copy for codec none.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import random
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+import xxhash
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    BlockHeader,
+    Codec,
+    as_byte_view,
+    check_key,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+    verify_payload,
+)
+from ucm.drivers._protocol import LoadState
+from ucm.errors import (
+    BlockCorrupt,
+    ConfigError,
+    DriverError,
+    InvalidRequest,
+    NoCapacity,
+    StorageUnavailable,
+)
+
+ALIGN = 4096
+# A thread hop per part of at most this many bytes: big enough that the hop costs nothing
+# next to the copy, small enough that a cancelled batch stops within a few milliseconds.
+CHUNK_BYTES = 32 * 2**20
+# Batches of at least this many bytes are split over PARALLEL worker threads: xxh3 and the
+# copies release the GIL, so checksumming one part overlaps the I/O of another.
+SPLIT_BYTES = 4 * 2**20
+PARALLEL = 2
+_LONG_KEY = 120  # longer keys are named by a digest: 2 * 120 hex chars + suffix < NAME_MAX
+_TMP_DIR = ".tmp"
+
+
+# --- validation --------------------------------------------------------------------------
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """The keys as a list, or InvalidRequest naming the first problem."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise InvalidRequest("keys must be a sequence of bytes keys, not a single key")
+    keys = list(keys)
+    if not keys:
+        raise InvalidRequest("empty batch: pass at least one key")
+    for key in keys:
+        check_key(key)
+    return keys
+
+
+def check_batch(
+    keys: Sequence[bytes], buffers: Sequence[Any], *, writable: bool
+) -> tuple[list[bytes], list[memoryview]]:
+    """Validated keys and flat byte views of their buffers (one per key)."""
+    keys = check_keys(keys)
+    buffers = list(buffers)
+    if len(buffers) != len(keys):
+        raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
+    views = []
+    for i, buf in enumerate(buffers):
+        try:
+            view = as_byte_view(buf)
+        except TypeError:
+            raise InvalidRequest(f"buffer {i} is a {type(buf).__name__}, not a buffer") from None
+        if writable and view.readonly:
+            raise InvalidRequest(f"buffer {i} is read-only; a load needs a writable buffer")
+        views.append(view)
+    return keys, views
+
+
+def size_mismatch(view: memoryview, header: BlockHeader) -> InvalidRequest:
+    return InvalidRequest(f"buffer is {view.nbytes} bytes; the block holds {header.raw_len}")
+
+
+def os_error(exc: OSError, driver: str) -> DriverError:
+    """Translates an OSError that failed a whole batch into the ucm tree."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoCapacity(f"no space left{where}", driver=driver)
+    return StorageUnavailable(f"{exc.strerror or exc}{where}", driver=driver)
+
+
+def parse_codec(codec: str | Codec) -> Codec:
+    try:
+        return Codec.parse(codec)
+    except InvalidRequest as exc:
+        raise ConfigError(f"codec: {exc}") from None
+
+
+# --- async plumbing ----------------------------------------------------------------------
+
+
+class Backend:
+    """What a ThreadedDriver runs in worker threads. Methods are synchronous and batched.
+
+    load returns one (state, bytes read) per key and raises InvalidRequest for a buffer whose
+    size differs from the block; store returns the stored bytes per key (0 = not stored) and
+    raises OSError only when no key was stored.
+    """
+
+    def lookup(self, keys: list[bytes]) -> list[bool]:
+        raise NotImplementedError
+
+    def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+        raise NotImplementedError
+
+    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+        raise NotImplementedError
+
+    def delete(self, keys: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def list_units(self) -> list[Any]:
+        """Opaque units of listing work (for example directories), each one thread hop."""
+        raise NotImplementedError
+
+    def list_unit(self, unit: Any) -> list[tuple[bytes, int]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _partition(views: list[memoryview]) -> list[slice]:
+    """Contiguous parts of about equal bytes: one for a small batch, else at least PARALLEL
+    (as keys allow) and none much over CHUNK_BYTES."""
+    total = sum(v.nbytes for v in views)
+    if total < SPLIT_BYTES or len(views) == 1:
+        return [slice(0, len(views))]
+    count = min(len(views), max(PARALLEL, -(-total // CHUNK_BYTES)))
+    target = total / count
+    parts, start, acc = [], 0, 0
+    for i, view in enumerate(views):
+        acc += view.nbytes
+        if acc >= target * (len(parts) + 1) and len(parts) < count - 1:
+            parts.append(slice(start, i + 1))
+            start = i + 1
+    parts.append(slice(start, len(views)))
+    return [p for p in parts if p.start < p.stop]
+
+
+class ThreadedDriver:
+    """Validation, thread hops, counters and error translation around a Backend."""
+
+    name: str
+    persistent: bool
+    # Batches of at most this many bytes run on the trio thread (a memcpy of a few KiB costs
+    # less than a thread hop), and so do lookup, delete and listing when `inline_meta` is set.
+    # Both stay off for backends that make syscalls.
+    inline_bytes = 0
+    inline_meta = False
+
+    def __init__(self, backend: Backend, *, name: str) -> None:
+        self._backend = backend
+        self.name = name
+        self._closed = False
+        self._stats: dict[str, int] = dict.fromkeys(
+            ("lookups", "hits", "loads", "loaded", "missing", "corrupt", "failed",
+             "bytes_read", "stores", "stored", "bytes_written", "store_failed", "deletes"), 0)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False) -> Any:
+        if self._closed:
+            raise StorageUnavailable("driver is closed", driver=self.name)
+        try:
+            if inline:
+                await trio.lowlevel.checkpoint()
+                return fn(*args)
+            # Not abandon_on_cancel: the thread may still be writing into the caller's buffer.
+            return await trio.to_thread.run_sync(fn, *args)
+        except OSError as exc:
+            raise os_error(exc, self.name) from exc
+
+    async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
+                   views: list[memoryview]) -> list[Any]:
+        """Runs `fn` over the batch's parts, PARALLEL at a time, results in key order."""
+        parts = _partition(views)
+        if len(parts) == 1:
+            inline = sum(v.nbytes for v in views) <= self.inline_bytes
+            return await self._run(fn, keys, views, inline=inline)
+        results: list[list[Any]] = [[] for _ in parts]
+        limiter = trio.CapacityLimiter(PARALLEL)
+
+        async def run_part(i: int, part: slice) -> None:
+            async with limiter:
+                results[i] = await self._run(fn, keys[part], views[part])
+
+        async with trio.open_nursery() as nursery:
+            for i, part in enumerate(parts):
+                nursery.start_soon(run_part, i, part)
+        return [r for rs in results for r in rs]
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = check_keys(keys)
+        found = await self._run(self._backend.lookup, keys, inline=self.inline_meta)
+        self._stats["lookups"] += len(keys)
+        self._stats["hits"] += sum(found)
+        return found
+
+    async def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[LoadState]:
+        keys, views = check_batch(keys, buffers, writable=True)
+        states: list[LoadState] = await self._map(self._backend.load, keys, views)
+        stats = self._stats
+        stats["loads"] += len(keys)
+        for state, view in zip(states, views, strict=True):
+            if state is LoadState.OK:
+                stats["loaded"] += 1
+                stats["bytes_read"] += view.nbytes
+            elif state is LoadState.MISSING:
+                stats["missing"] += 1
+            elif state is LoadState.CORRUPT:
+                stats["corrupt"] += 1
+            else:
+                stats["failed"] += 1
+        if all(s is LoadState.FAILED for s in states):
+            raise StorageUnavailable(f"all {len(keys)} reads failed", driver=self.name)
+        return states
+
+    async def store(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        keys, views = check_batch(keys, buffers, writable=False)
+        sizes: list[int] = await self._map(self._backend.store, keys, views)
+        stats = self._stats
+        stats["stores"] += len(keys)
+        for size in sizes:
+            if size:
+                stats["stored"] += 1
+                stats["bytes_written"] += size
+            else:
+                stats["store_failed"] += 1
+        return sizes
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        keys = check_keys(keys)
+        await self._run(self._backend.delete, keys, inline=self.inline_meta)
+        self._stats["deletes"] += len(keys)
+
+    async def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
+        units = await self._run(self._backend.list_units, inline=self.inline_meta)
+        for unit in units:
+            for item in await self._run(self._backend.list_unit, unit, inline=self.inline_meta):
+                yield item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._backend.close()
+        await trio.lowlevel.checkpoint()
+
+    def statistics(self) -> dict[str, int | float]:
+        return dict(self._stats)
+
+
+# --- block files -------------------------------------------------------------------------
+
+
+_HOST = socket.gethostname().replace(os.sep, "_").replace(".", "_") or "host"
+
+
+def _tmp_name() -> str:
+    return f"{_HOST}.{os.getpid()}.{threading.get_ident()}.{random.getrandbits(40):x}.tmp"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temp_files(tmp_dir: str) -> int:
+    """Removes temp files left by dead processes of this host; returns how many. A live
+    writer's files, and files of other hosts (their pids mean nothing here), are kept."""
+    removed = 0
+    try:
+        entries = list(os.scandir(tmp_dir))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        parts = entry.name.rsplit(".", 4)
+        if len(parts) != 5 or parts[4] != "tmp" or parts[0] != _HOST:
+            continue
+        try:
+            pid = int(parts[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not pid_alive(pid):
+            try:
+                os.unlink(entry.path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def safe_dir_name(namespace: str) -> str:
+    """A directory name for a namespace: itself when it is plain, else a readable prefix plus
+    a digest, so two namespaces never share a directory."""
+    plain = "".join(c if c.isalnum() or c in "-_." else "_" for c in namespace)
+    if plain == namespace and not namespace.startswith("."):
+        return namespace
+    digest = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+    return f"{plain.lstrip('.')[:64]}-{digest}"
+
+
+class _Scratch(threading.local):
+    """Per-thread page-aligned buffers: the header read target, and the O_DIRECT bounce."""
+
+    def __init__(self) -> None:
+        self.head = memoryview(mmap.mmap(-1, ALIGN))
+        self.body: memoryview | None = None
+
+    def bounce(self, size: int) -> memoryview:
+        if self.body is None or self.body.nbytes < size:
+            self.body = memoryview(mmap.mmap(-1, max(_round_up(size), 2**20)))
+        return self.body[:size]
+
+
+_scratch = _Scratch()
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _aligned(view: memoryview) -> bool:
+    import numpy as np  # only O_DIRECT needs an address; numpy reads it from any buffer
+
+    return view.nbytes % ALIGN == 0 and np.frombuffer(view, np.uint8).ctypes.data % ALIGN == 0
+
+
+def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    while parts:
+        n = os.pwritev(fd, parts, offset)
+        offset += n
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
+
+
+def _read_into(fd: int, parts: list[memoryview], offset: int, *, once: bool = False) -> int:
+    """Fills `parts` from `offset`; fewer bytes only at end of file. `once` for O_DIRECT,
+    where a retry at an unaligned offset would fail with EINVAL."""
+    total = 0
+    while parts:
+        n = os.preadv(fd, parts, offset)
+        if n == 0 or once:
+            return total + n
+        total += n
+        offset += n
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class FileLayout:
+    roots: tuple[str, ...]  # each already holds the namespace
+    shard_depth: int
+
+    def root_for(self, key: bytes) -> str:
+        if len(self.roots) == 1:
+            return self.roots[0]
+        return self.roots[xxhash.xxh3_64_intdigest(key) % len(self.roots)]
+
+    def path_for(self, key: bytes) -> str:
+        if len(key) <= _LONG_KEY:
+            stem = key.hex()
+            name = stem + ".blk"
+        else:
+            stem = hashlib.blake2b(key, digest_size=32).hexdigest()
+            name = stem + ".lblk"
+        stem = stem.ljust(2 * self.shard_depth, "0")
+        shards = [stem[2 * i : 2 * i + 2] for i in range(self.shard_depth)]
+        return os.path.join(self.root_for(key), *shards, name)
+
+
+class BlockFiles(Backend):
+    """Blocks as files in the ucm block format. See the module docstring for the layout."""
+
+    def __init__(self, layout: FileLayout, *, namespace: str, codec: Codec, fsync: bool,
+                 direct: bool) -> None:
+        self.layout = layout
+        self.namespace = namespace
+        self.codec = codec
+        self.fsync = fsync
+        self.direct = direct
+        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        self._write_flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                             | (os.O_DIRECT if direct else 0))
+
+    @classmethod
+    def open(cls, layout: FileLayout, **kwargs: Any) -> BlockFiles:
+        """Creates the directories, removes dead writers' temp files, and checks O_DIRECT."""
+        files = cls(layout, **kwargs)
+        for root in layout.roots:
+            tmp = os.path.join(root, _TMP_DIR)
+            os.makedirs(tmp, exist_ok=True)
+            remove_stale_temp_files(tmp)
+            if files.direct:
+                _probe_direct(tmp, root)
+        return files
+
+    def path_for(self, key: bytes) -> str:
+        return self.layout.path_for(key)
+
+    # lookup / delete
+
+    def lookup(self, keys: list[bytes]) -> list[bool]:
+        found = []
+        for key in keys:
+            try:
+                os.stat(self.layout.path_for(key))
+            except (FileNotFoundError, NotADirectoryError):
+                found.append(False)
+            else:
+                found.append(True)
+        return found
+
+    def delete(self, keys: list[bytes]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self.layout.path_for(key))
+            except FileNotFoundError:
+                pass
+
+    # load
+
+    def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+        states = []
+        for key, view in zip(keys, views, strict=True):
+            try:
+                fd = os.open(self.layout.path_for(key), self._read_flags)
+            except (FileNotFoundError, NotADirectoryError):
+                states.append(LoadState.MISSING)
+                continue
+            except OSError:
+                states.append(LoadState.FAILED)
+                continue
+            try:
+                states.append(self._load_fd(fd, key, view))
+            except BlockCorrupt:
+                states.append(LoadState.CORRUPT)
+            except OSError:
+                states.append(LoadState.FAILED)
+            finally:
+                os.close(fd)
+        return states
+
+    def _load_fd(self, fd: int, key: bytes, out: memoryview) -> LoadState:
+        head = _scratch.head
+        if self.codec is Codec.NONE and (not self.direct or _aligned(out)):
+            # The expected case: header and payload in one syscall, payload into `out`.
+            n = _read_into(fd, [head, out], 0, once=self.direct)
+            header = decode_header(head[: min(n, ALIGN)], expect_key=key)
+            if header.raw_len != out.nbytes:
+                raise size_mismatch(out, header)
+            if header.codec is Codec.NONE:
+                if n - PAYLOAD_OFFSET != header.payload_len:
+                    raise BlockCorrupt("payload truncated")
+                verify_payload(header, out)
+                return LoadState.OK
+        else:
+            n = _read_into(fd, [head], 0, once=self.direct)
+            header = decode_header(head[: min(n, ALIGN)], expect_key=key)
+            if header.raw_len != out.nbytes:
+                raise size_mismatch(out, header)
+        # A compressed block, or an O_DIRECT read into an unaligned buffer: stage the payload.
+        size = header.payload_len
+        stage = _scratch.bounce(_round_up(size)) if self.direct else memoryview(bytearray(size))
+        if _read_into(fd, [stage], PAYLOAD_OFFSET, once=self.direct) < size:
+            raise BlockCorrupt("payload truncated")
+        decode_payload_into(header, stage[:size], out)
+        return LoadState.OK
+
+    # store
+
+    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+        sizes = []
+        error: OSError | None = None
+        for key, view in zip(keys, views, strict=True):
+            try:
+                sizes.append(self._store_one(key, view))
+            except OSError as exc:
+                error = error or exc
+                sizes.append(0)
+        if error is not None and not any(sizes):
+            raise error
+        return sizes
+
+    def _store_one(self, key: bytes, view: memoryview) -> int:
+        payload = as_byte_view(encode_payload(self.codec, view))
+        header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+        final = self.layout.path_for(key)
+        root = self.layout.root_for(key)
+        tmp = os.path.join(root, _TMP_DIR, _tmp_name())
+        fd = os.open(tmp, self._write_flags, 0o644)
+        try:
+            try:
+                self._write_block(fd, header, payload)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.replace(tmp, final)
+            except FileNotFoundError:  # first block in this shard directory
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if self.fsync:
+            _fsync_dir(os.path.dirname(final))
+        return PAYLOAD_OFFSET + payload.nbytes
+
+    def _write_block(self, fd: int, header: bytes, payload: memoryview) -> None:
+        if not self.direct:
+            _write_all(fd, [memoryview(header), payload], 0)
+            return
+        # O_DIRECT wants page-aligned addresses and lengths: write the caller's buffer as it
+        # is when it qualifies, else through the bounce buffer, then cut the padding off.
+        head = _scratch.head
+        head[:] = header
+        size = payload.nbytes
+        if _aligned(payload):
+            _write_all(fd, [head, payload], 0)
+            return
+        stage = _scratch.bounce(_round_up(size))
+        stage[:size] = payload
+        stage[size:] = bytes(stage.nbytes - size)
+        _write_all(fd, [head, stage], 0)
+        os.ftruncate(fd, PAYLOAD_OFFSET + size)
+
+    # listing
+
+    def list_units(self) -> list[str]:
+        units = []
+        for root in self.layout.roots:
+            if self.layout.shard_depth == 0:
+                units.append(root)
+                continue
+            with os.scandir(root) as it:
+                units += [e.path for e in it if e.is_dir() and e.name != _TMP_DIR]
+        return units
+
+    def list_unit(self, top: str) -> list[tuple[bytes, int]]:
+        found = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            if _TMP_DIR in dirnames:
+                dirnames.remove(_TMP_DIR)
+            for fname in filenames:
+                path = os.path.join(dirpath, fname)
+                try:
+                    if fname.endswith(".blk"):
+                        key = bytes.fromhex(fname[:-4])
+                    elif fname.endswith(".lblk"):
+                        key = self._key_from_header(path)
+                    else:
+                        continue
+                    found.append((key, os.stat(path).st_size))
+                except (ValueError, BlockCorrupt, FileNotFoundError):
+                    continue  # not a block name, a bad header, or deleted while listing
+        return found
+
+    def _key_from_header(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return decode_header(f.read(ALIGN)).key
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _probe_direct(tmp_dir: str, root: str) -> None:
+    probe = os.path.join(tmp_dir, _tmp_name())
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        try:
+            os.pwrite(fd, _scratch.head, 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise ConfigError(
+                f"direct: the filesystem of {root} does not support O_DIRECT (tmpfs on older "
+                "kernels); set direct: false") from None
+        raise
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass

@@ -1,0 +1,80 @@
+"""The `posix` driver: blocks as files on local filesystems (ext4, xfs, tmpfs, a mounted NFS).
+
+    - driver: posix
+      path: /var/cache/ucm            # or a list of roots: keys are striped over them by hash
+      fsync: false                    # fsync each block and its directory before it counts
+      direct: false                   # O_DIRECT (page-aligned I/O; not on old-kernel tmpfs)
+      shard_depth: 2                  # <root>/<namespace>/<aa>/<bb>/<hex key>.blk
+
+Blocks are published by temp file + rename, so they survive restarts (`persistent`) and a
+writer killed mid-block leaves nothing visible. The work happens in `_files.BlockFiles`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Self
+
+import trio
+from pydantic import Field, field_validator
+
+from ucm.drivers._files import (
+    BlockFiles,
+    FileLayout,
+    ThreadedDriver,
+    os_error,
+    parse_codec,
+    safe_dir_name,
+)
+from ucm.drivers._protocol import DriverOptions
+
+
+class PosixDriver(ThreadedDriver):
+    """Blocks as files under one or more directory roots."""
+
+    persistent = True
+
+    class Options(DriverOptions):
+        path: str | list[str]
+        fsync: bool = False
+        direct: bool = False
+        shard_depth: int = Field(default=2, ge=0, le=4)
+
+        @field_validator("path")
+        @classmethod
+        def _paths(cls, value: str | list[str]) -> str | list[str]:
+            paths = [value] if isinstance(value, str) else value
+            if not paths or not all(paths):
+                raise ValueError("path must name at least one directory")
+            if len(set(paths)) != len(paths):
+                raise ValueError("path lists a directory twice")
+            return value
+
+        @property
+        def paths(self) -> list[str]:
+            paths = [self.path] if isinstance(self.path, str) else self.path
+            return [os.path.abspath(os.path.expanduser(p)) for p in paths]
+
+    def __init__(self, files: BlockFiles, *, name: str) -> None:
+        super().__init__(files, name=name)
+        self.files = files
+
+    @classmethod
+    async def open(cls, options: Options | dict, *, name: str = "posix", namespace: str,
+                   codec: str = "none") -> Self:
+        if not isinstance(options, cls.Options):
+            options = cls.Options.model_validate(options)
+        ns_dir = safe_dir_name(namespace)
+        layout = FileLayout(tuple(os.path.join(p, ns_dir) for p in options.paths),
+                            options.shard_depth)
+        try:
+            files = await trio.to_thread.run_sync(
+                lambda: BlockFiles.open(layout, namespace=namespace, codec=parse_codec(codec),
+                                        fsync=options.fsync, direct=options.direct))
+        except OSError as exc:
+            raise os_error(exc, name) from exc
+        return cls(files, name=name)
+
+    def block_path(self, key: bytes) -> str:
+        """Where `key`'s block lives (tests and tools; the file may not exist)."""
+        return self.files.path_for(key)
