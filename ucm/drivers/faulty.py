@@ -1,0 +1,156 @@
+"""The `faulty` driver: wraps another driver and injects faults, for tests of everything above
+the drivers (kernel deadlines, retries, corrupt-miss handling, detach).
+
+    - driver: faulty
+      inner: {driver: memory}        # a tier-like dict: the wrapped driver and its options
+      latency: 0.05                  # seconds before each affected op (trio.sleep: cancellable)
+      error_rate: 0.1                # chance an affected op raises StorageUnavailable
+      corrupt_rate: 0.0              # chance a loaded block is reported CORRUPT instead of OK
+      hang: false                    # every affected op sleeps until cancelled
+      seed: 0
+      ops: [lookup, load, store, delete, list_blocks]   # the ops affected (default all)
+
+`driver.faults` holds the live settings; a test changes them while the driver runs
+(`driver.faults.hang = True`). Faults draw from one seeded random generator, so a run repeats.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Self
+
+import trio
+from pydantic import Field, field_validator
+
+from ucm.drivers._files import check_batch, check_keys
+from ucm.drivers._protocol import Driver, DriverOptions, Listing, LoadState
+from ucm.drivers._registry import get_driver_class
+from ucm.errors import StorageUnavailable
+
+Op = Literal["lookup", "load", "store", "delete", "list_blocks"]
+ALL_OPS: tuple[Op, ...] = ("lookup", "load", "store", "delete", "list_blocks")
+
+
+def _split_inner(inner: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
+    """(driver name, codec or None, the driver's own options) from a tier-like dict."""
+    rest = dict(inner)
+    driver = rest.pop("driver", None)
+    if not isinstance(driver, str):
+        raise ValueError("inner needs a 'driver' key naming the wrapped driver")
+    codec = rest.pop("codec", None)
+    for common in ("name", "capacity", "concurrency"):
+        rest.pop(common, None)
+    rest.update(rest.pop("options", None) or {})
+    return driver, codec, rest
+
+
+@dataclass
+class Faults:
+    """The live fault settings of one FaultyDriver."""
+
+    latency: float = 0.0
+    error_rate: float = 0.0
+    corrupt_rate: float = 0.0
+    hang: bool = False
+    ops: set[str] = field(default_factory=lambda: set(ALL_OPS))
+
+
+class FaultyDriver:
+    """A driver that delegates to `inner` after injecting the configured faults."""
+
+    class Options(DriverOptions):
+        inner: dict[str, Any]
+        latency: float = Field(default=0.0, ge=0)
+        error_rate: float = Field(default=0.0, ge=0, le=1)
+        corrupt_rate: float = Field(default=0.0, ge=0, le=1)
+        hang: bool = False
+        seed: int = 0
+        ops: list[Op] = Field(default_factory=lambda: list(ALL_OPS))
+
+        @field_validator("inner")
+        @classmethod
+        def _inner_options(cls, inner: dict[str, Any]) -> dict[str, Any]:
+            driver, _, own = _split_inner(inner)
+            get_driver_class(driver).Options(**own)  # bad inner options fail at config time
+            return inner
+
+    def __init__(self, inner: Driver, options: Options, *, name: str) -> None:
+        self.inner = inner
+        self.name = name
+        self.persistent = inner.persistent
+        self.faults = Faults(options.latency, options.error_rate, options.corrupt_rate,
+                             options.hang, set(options.ops))
+        self._random = random.Random(options.seed)
+        self._injected = {"injected_errors": 0, "injected_corrupt": 0, "injected_delays": 0}
+        if isinstance(inner, Listing):
+            # An instance attribute, so isinstance(self, Listing) holds only when the inner
+            # driver can list.
+            self.list_blocks = self._list_blocks
+
+    @classmethod
+    async def open(cls, options: Options | dict, *, name: str = "faulty", namespace: str,
+                   codec: str = "none") -> Self:
+        if not isinstance(options, cls.Options):
+            options = cls.Options.model_validate(options)
+        driver, inner_codec, own = _split_inner(options.inner)
+        factory = get_driver_class(driver)
+        inner = await factory.open(factory.Options(**own), name=f"{name}.{driver}",
+                                   namespace=namespace, codec=inner_codec or codec)
+        return cls(inner, options, name=name)
+
+    async def _inject(self, op: str) -> None:
+        faults = self.faults
+        if op not in faults.ops:
+            return
+        if faults.hang:
+            await trio.sleep_forever()
+        if faults.latency:
+            self._injected["injected_delays"] += 1
+            await trio.sleep(faults.latency)
+        if faults.error_rate and self._random.random() < faults.error_rate:
+            self._injected["injected_errors"] += 1
+            raise StorageUnavailable(f"injected {op} failure", driver=self.name)
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        check_keys(keys)
+        await self._inject("lookup")
+        return await self.inner.lookup(keys)
+
+    async def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[LoadState]:
+        check_batch(keys, buffers, writable=True)
+        await self._inject("load")
+        states = await self.inner.load(keys, buffers)
+        rate = self.faults.corrupt_rate if "load" in self.faults.ops else 0.0
+        if rate:
+            for i, state in enumerate(states):
+                if state is LoadState.OK and self._random.random() < rate:
+                    states[i] = LoadState.CORRUPT
+                    self._injected["injected_corrupt"] += 1
+        return states
+
+    async def store(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        check_batch(keys, buffers, writable=False)
+        await self._inject("store")
+        return await self.inner.store(keys, buffers)
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        check_keys(keys)
+        await self._inject("delete")
+        await self.inner.delete(keys)
+
+    async def _list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
+        await self._inject("list_blocks")
+        async for item in self.inner.list_blocks():  # type: ignore[attr-defined]
+            yield item
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def statistics(self) -> dict[str, int | float]:
+        stats = dict(self.inner.statistics())
+        stats.update(self._injected)
+        # Injected corrupt blocks count as corrupt, as the caller saw them.
+        stats["corrupt"] = stats.get("corrupt", 0) + self._injected["injected_corrupt"]
+        return stats
