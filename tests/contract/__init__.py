@@ -1,0 +1,1 @@
+"""The driver contract suite (see conftest.py for how to add a driver)."""

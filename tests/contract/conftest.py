@@ -1,0 +1,146 @@
+"""The driver contract suite: every test in this directory runs against every driver spec.
+
+One fixture, `spec`, is parametrized over SPECS. To add a driver (S3, NFS, Mooncake, PMEM...),
+append one DriverSpec:
+
+    DriverSpec(
+        id="s3",                                   # the pytest id
+        driver="s3",                               # the registry name
+        options=lambda scratch: {"bucket": ...},   # options, given this test's Scratch dirs
+        corrupt=flip_file_byte,                    # flips one payload byte in storage
+        cross_process=True,                        # other processes see its blocks
+        persistent=True,                           # a new instance finds the blocks again
+        available=lambda: ...,                     # optional: False skips (server missing)
+    )
+
+`open_driver(spec, scratch)` opens one instance (a second call on the same Scratch is a
+"restart" or another client of the same storage). The `driver` fixture opens one and closes it
+after the test. Hooks get the driver as opened, so a wrapper (faulty) unwraps itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ucm.drivers import Driver, get_driver_class
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Fresh per-test places: `disk` on the test's tmp_path (ext4 here), `shm` on /dev/shm."""
+
+    disk: Path
+    shm: Path
+
+
+def _unwrap(driver: Any) -> Any:
+    while hasattr(driver, "inner"):
+        driver = driver.inner
+    return driver
+
+
+def block_file(driver: Any) -> Callable[[bytes], str]:
+    return _unwrap(driver).block_path
+
+
+def flip_file_byte(driver: Any, key: bytes) -> None:
+    """Flips the middle byte of the stored payload of a file-backed block."""
+    path = block_file(driver)(key)
+    size = os.path.getsize(path)
+    offset = 4096 + (size - 4096) // 2
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def truncate_file(driver: Any, key: bytes) -> None:
+    path = block_file(driver)(key)
+    os.truncate(path, 4096 + (os.path.getsize(path) - 4096) // 2)
+
+
+def flip_record_byte(driver: Any, key: bytes) -> None:
+    """Flips a byte of the process-local memory driver's private copy."""
+    payload = _unwrap(driver).backend.records[key].payload
+    payload[len(payload) // 2] ^= 0x40
+
+
+@dataclass(frozen=True)
+class DriverSpec:
+    id: str
+    driver: str
+    options: Callable[[Scratch], dict[str, Any]]
+    corrupt: Callable[[Any, bytes], Awaitable[None] | None]
+    codec: str = "none"
+    cross_process: bool = False
+    persistent: bool = False
+    truncate: Callable[[Any, bytes], Awaitable[None] | None] | None = None
+    available: Callable[[], bool] = field(default=lambda: True)
+
+
+SPECS: list[DriverSpec] = [
+    DriverSpec("memory", "memory", lambda s: {}, flip_record_byte),
+    DriverSpec("memory-zstd", "memory", lambda s: {}, flip_record_byte, codec="zstd"),
+    DriverSpec("memory-shared", "memory", lambda s: {"shared": True, "shm_dir": str(s.shm)},
+               flip_file_byte, cross_process=True, truncate=truncate_file),
+    DriverSpec("posix", "posix", lambda s: {"path": str(s.disk / "root")}, flip_file_byte,
+               cross_process=True, persistent=True, truncate=truncate_file),
+    DriverSpec("posix-zstd", "posix", lambda s: {"path": str(s.disk / "root")}, flip_file_byte,
+               codec="zstd", cross_process=True, persistent=True, truncate=truncate_file),
+    DriverSpec("posix-striped", "posix",
+               lambda s: {"path": [str(s.disk / "a"), str(s.disk / "b")], "shard_depth": 1},
+               flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
+    DriverSpec("posix-fsync", "posix", lambda s: {"path": str(s.disk / "root"), "fsync": True},
+               flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
+    DriverSpec("posix-direct", "posix", lambda s: {"path": str(s.disk / "root"), "direct": True},
+               flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
+    DriverSpec("faulty-memory", "faulty", lambda s: {"inner": {"driver": "memory"}},
+               flip_record_byte),
+]
+
+
+async def open_driver(spec: DriverSpec, scratch: Scratch, *, namespace: str = "contract",
+                      name: str | None = None) -> Driver:
+    factory = get_driver_class(spec.driver)
+    options = factory.Options(**spec.options(scratch))
+    return await factory.open(options, name=name or spec.id, namespace=namespace,
+                              codec=spec.codec)
+
+
+async def call_hook(hook: Callable[[Any, bytes], Any], driver: Driver, key: bytes) -> None:
+    result = hook(driver, key)
+    if isinstance(result, Awaitable):
+        await result
+
+
+@pytest.fixture(params=SPECS, ids=[s.id for s in SPECS])
+def spec(request: pytest.FixtureRequest) -> DriverSpec:
+    spec: DriverSpec = request.param
+    if not spec.available():
+        pytest.skip(f"{spec.id}: backend not available here")
+    return spec
+
+
+@pytest.fixture
+def scratch(tmp_path: Path):
+    shm = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
+    yield Scratch(disk=tmp_path, shm=shm)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture
+async def driver(spec: DriverSpec, scratch: Scratch):
+    drv = await open_driver(spec, scratch)
+    try:
+        yield drv
+    finally:
+        await drv.aclose()
