@@ -1,0 +1,140 @@
+"""The on-storage block format: headers, checksums and codecs."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import xxhash
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    BlockHeader,
+    Codec,
+    check_key,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+    verify_payload,
+)
+from ucm.errors import BlockCorrupt, InvalidRequest
+
+KEY, NS = b"\x01key-bytes\xff", "model-ns"
+FIXED = struct.Struct("<4sHBBHHIQQQ")
+
+
+def make(payload: bytes = b"payload" * 100, codec: Codec = Codec.NONE) -> tuple[bytes, bytes]:
+    stored = bytes(encode_payload(codec, payload))
+    return encode_header(KEY, NS, codec, stored, len(payload)), stored
+
+
+def reseal(fields: list) -> bytes:
+    """A header with `fields` changed but a valid header checksum: tests semantic checks."""
+    fixed = FIXED.pack(*fields)
+    key_len, ns_len = fields[4], fields[5]
+    key, ns = KEY[:key_len], NS.encode()[:ns_len]
+    crc = xxhash.xxh32_intdigest(fixed + key + ns)
+    head = fixed + struct.pack("<I", crc) + key + ns
+    return head + bytes(PAYLOAD_OFFSET - len(head))
+
+
+def test_header_round_trip():
+    header, stored = make()
+    assert len(header) == PAYLOAD_OFFSET
+    parsed = decode_header(header, expect_key=KEY)
+    assert parsed == BlockHeader(KEY, NS, Codec.NONE, len(stored), len(stored),
+                                 xxhash.xxh3_64_intdigest(stored))
+    assert parsed.stored_len == PAYLOAD_OFFSET + len(stored)
+    verify_payload(parsed, stored)
+
+
+def test_every_header_byte_is_covered():
+    header, _ = make()
+    covered = FIXED.size + 4 + len(KEY) + len(NS)
+    for offset in range(covered):
+        bad = bytearray(header)
+        bad[offset] ^= 0x01
+        with pytest.raises(BlockCorrupt):
+            decode_header(bad, expect_key=KEY)
+
+
+@pytest.mark.parametrize(("index", "value", "match"), [
+    (0, b"XXXX", "bad magic"),
+    (1, 2, "unsupported block format version 2"),
+    (2, 9, "unknown codec 9"),
+    (4, 256, "out of range"),
+    (5, 256, "out of range"),
+    (6, 8192, "out of range"),
+])
+def test_semantic_header_checks(index, value, match):
+    fields = list(FIXED.unpack_from(make()[0]))
+    fields[index] = value
+    with pytest.raises(BlockCorrupt, match=match):
+        decode_header(reseal(fields))
+
+
+def test_header_truncated_and_wrong_key():
+    header, _ = make()
+    with pytest.raises(BlockCorrupt, match="truncated to 10 bytes"):
+        decode_header(header[:10])
+    with pytest.raises(BlockCorrupt, match="header truncated"):
+        decode_header(header[:50])
+    with pytest.raises(BlockCorrupt, match="names another key"):
+        decode_header(header, expect_key=b"other")
+
+
+def test_payload_length_and_checksum_fields_are_checked():
+    header, stored = make()
+    parsed = decode_header(header)
+    with pytest.raises(BlockCorrupt, match="payload is"):
+        verify_payload(parsed, stored[:-1])
+    bad = bytearray(stored)
+    bad[3] ^= 0x80
+    with pytest.raises(BlockCorrupt, match="checksum mismatch"):
+        verify_payload(parsed, bad)
+
+
+def test_zstd_round_trip():
+    raw = os.urandom(1000) * 50  # compressible
+    header, stored = make(raw, Codec.ZSTD)
+    assert len(stored) < len(raw)
+    parsed = decode_header(header, expect_key=KEY)
+    assert parsed.codec is Codec.ZSTD and parsed.raw_len == len(raw)
+    out = memoryview(bytearray(len(raw)))
+    decode_payload_into(parsed, stored, out)
+    assert out == raw
+
+
+def test_corrupt_zstd_is_detected():
+    raw = b"abc" * 10000
+    header, stored = make(raw, Codec.ZSTD)
+    parsed = decode_header(header)
+    bad = bytearray(stored)
+    bad[len(bad) // 2] ^= 0x10
+    out = memoryview(bytearray(len(raw)))
+    with pytest.raises(BlockCorrupt, match="checksum mismatch"):
+        decode_payload_into(parsed, bad, out)
+    # A frame that passes its checksum but does not decode is still corrupt, never data.
+    garbage = b"\x28\xb5\x2f\xfd" + os.urandom(64)
+    forged = decode_header(encode_header(KEY, NS, Codec.ZSTD, garbage, len(raw)))
+    with pytest.raises(BlockCorrupt, match="does not decode"):
+        decode_payload_into(forged, garbage, out)
+
+
+def test_decode_into_wrong_size_is_invalid():
+    header, stored = make()
+    with pytest.raises(InvalidRequest, match="buffer is 3 bytes"):
+        decode_payload_into(decode_header(header), stored, memoryview(bytearray(3)))
+
+
+def test_codec_parse_and_keys():
+    assert Codec.parse("zstd") is Codec.ZSTD and Codec.parse(0) is Codec.NONE
+    with pytest.raises(InvalidRequest, match="unknown codec 'lz4'"):
+        Codec.parse("lz4")
+    assert check_key(b"k") == b"k"
+    with pytest.raises(InvalidRequest, match="limit is 255"):
+        check_key(b"x" * 256)
+    with pytest.raises(InvalidRequest, match="namespace is 300 bytes"):
+        encode_header(KEY, "n" * 300, Codec.NONE, b"", 0)
