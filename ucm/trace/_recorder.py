@@ -1,0 +1,173 @@
+"""The recorder: a bounded ring that the kernel appends to, and the task that drains it.
+
+`Tracer.emit` runs on the kernel's trio thread and on host threads (`Kernel.submit`). It only
+appends a tuple to a `collections.deque` (thread-safe in CPython) with a sequence number from
+`itertools.count` (atomic) and a `time.monotonic_ns` stamp: no lock, no I/O. When the ring is
+full the oldest records fall out; the drain sees the gap in sequence numbers and counts them.
+
+`Tracer.serve` runs in the kernel's nursery: every `interval` (or sooner when the ring is half
+full) it drains the ring in a worker thread, writes one compressed frame, and feeds the sinks
+(metrics). On exit it drains a last time and closes the segment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+log = logging.getLogger("ucm.trace")
+
+Record = tuple  # (t_ns, phase, event_id, fields)
+
+
+class Sink(Protocol):
+    """Receives every drained batch, in the drain's worker thread, in order."""
+
+    def consume(self, records: Sequence[Record]) -> None: ...
+
+
+class Tracer:
+    """Records kernel events. `path` (a directory) enables trace files; `sinks` receive the
+    records too (e.g. `ucm.trace.metrics.MetricsSink`). With neither, records are kept in the
+    ring only (see `drain`)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int = 256 << 20,
+                 segment_bytes: int = 8 << 20, ring_events: int = 65536,
+                 interval: float = 0.1, sinks: Iterable[Sink] = ()) -> None:
+        if ring_events < 2:
+            raise ValueError("ring_events must be >= 2")
+        if interval <= 0:
+            raise ValueError("interval must be > 0 seconds")
+        self.path = Path(path) if path is not None else None
+        self.max_bytes = int(max_bytes)
+        self.segment_bytes = int(segment_bytes)
+        self.ring_events = ring_events
+        self.interval = interval
+        self.sinks: list[Sink] = list(sinks)
+        self._ring: deque[tuple] = deque(maxlen=ring_events)
+        self._append = self._ring.append
+        self._next_seq = itertools.count().__next__
+        self._last_seq = -1  # highest sequence number drained
+        self._received = 0  # records drained
+        self.dropped = 0  # records lost to ring overflow
+        self._writer: Any = None
+        self._serving = False
+
+    @classmethod
+    def from_config(cls, trace: Any, **kwargs: Any) -> Tracer:
+        """From a `ucm.config.TraceConfig`."""
+        return cls(trace.path, max_bytes=int(trace.max_bytes),
+                   segment_bytes=int(trace.segment_bytes), ring_events=trace.ring_events,
+                   **kwargs)
+
+    # -- hot path ------------------------------------------------------------------------------
+    def emit(self, phase: str, event_id: int, fields: dict) -> None:
+        self._append((self._next_seq(), time.monotonic_ns(), phase, event_id, fields))
+
+    # -- draining ------------------------------------------------------------------------------
+    def drain(self) -> list[Record]:
+        """Takes every buffered record out of the ring, oldest first, as
+        `(t_ns, phase, event_id, fields)`; counts records lost to overflow."""
+        ring = self._ring
+        popleft = ring.popleft
+        taken = []
+        try:
+            for _ in range(len(ring)):
+                taken.append(popleft())
+        except IndexError:  # pragma: no cover - only this thread pops
+            pass
+        if not taken:
+            return []
+        taken.sort()  # host-thread emits may land slightly out of sequence order
+        top = taken[-1][0]
+        self._received += len(taken)
+        if top > self._last_seq:
+            self._last_seq = top
+        lost = self._last_seq + 1 - self._received
+        records: list[Record] = [r[1:] for r in taken]
+        if lost > self.dropped:
+            new = lost - self.dropped
+            self.dropped = lost
+            log.warning("trace ring overflowed: %d records dropped (%d in all); raise "
+                        "trace.ring_events", new, lost)
+            records.append((time.monotonic_ns(), "dropped", 0, {"count": new, "total": lost}))
+        return records
+
+    def flush(self) -> int:
+        """Drains the ring into the trace file and the sinks (blocking). Returns the number
+        of records written."""
+        records = self.drain()
+        if not records:
+            return 0
+        if self.path is not None:
+            if self._writer is None:
+                from ucm.trace._format import SegmentWriter
+
+                self._writer = SegmentWriter(self.path, max_bytes=self.max_bytes,
+                                             segment_bytes=self.segment_bytes)
+            self._writer.write(records)
+        for sink in self.sinks:
+            try:
+                sink.consume(records)
+            except Exception:  # a broken sink must not stop the trace
+                log.exception("trace sink %r failed", sink)
+        return len(records)
+
+    def close(self) -> None:
+        """Flushes and closes the current segment; a later flush starts a new one."""
+        try:
+            self.flush()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+    async def serve(self, *, clock: Callable[[], float] = trio.current_time) -> None:
+        """Drains the ring until cancelled, then flushes and closes. Run it in the kernel's
+        nursery; a second concurrent call returns at once."""
+        if self._serving:
+            return
+        self._serving = True
+        half = self.ring_events // 2
+        tick = min(self.interval, 0.02)
+        try:
+            due = clock() + self.interval
+            while True:
+                await trio.sleep(tick)
+                if len(self._ring) >= half or clock() >= due:
+                    await trio.to_thread.run_sync(self.flush)
+                    due = clock() + self.interval
+        finally:
+            self._serving = False
+            self.close()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._ring)
+
+    @property
+    def segment(self) -> Path | None:
+        """The segment being written, if any."""
+        return self._writer.current if self._writer is not None else None
+
+
+_OFF = {"", "0", "off", "false", "no"}
+
+
+def tracer_from_config(config: Any) -> Tracer | None:
+    """The tracer that `config.trace` or the `UCM_TRACE` environment variable (a directory)
+    asks for; None when tracing is off. `config.trace` wins."""
+    if getattr(config, "trace", None) is not None:
+        return Tracer.from_config(config.trace)
+    path = os.environ.get("UCM_TRACE", "")
+    if path.strip().lower() in _OFF:
+        return None
+    return Tracer(path)
