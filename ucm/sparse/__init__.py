@@ -1,0 +1,126 @@
+"""Sparse attention for ucm: block-selection methods, the per-request session, the fetcher
+that turns selections into kernel events, Blend (CacheBlend) and KV codecs for storage.
+
+Names resolve lazily, so `from ucm.sparse import SparseConfig` (scheduler side) does not import
+torch; everything else imports torch on first use. `python -m ucm.sparse.bench` prints the
+selection latency, fetched bytes per step and the codec table.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "SparseConfig": "config",
+    "BlockReps": "methods",
+    "SparseMethod": "methods",
+    "Quest": "methods",
+    "Adaptive": "methods",
+    "ESA": "methods",
+    "GSA": "methods",
+    "KVStar": "methods",
+    "Random": "methods",
+    "METHODS": "methods",
+    "make_method": "methods",
+    "SparseSession": "session",
+    "StepPlan": "session",
+    "PrefetchStats": "session",
+    "select_blocks": "session",
+    "BlockFetcher": "fetch",
+    "FetchStats": "fetch",
+    "PendingLoad": "fetch",
+    "dense_attention": "attention",
+    "sparse_attention": "attention",
+    "masked_attention": "attention",
+    "block_mass": "attention",
+    "block_token_mask": "attention",
+    "mass_recall": "attention",
+    "apply_rope": "blend",
+    "rerotate": "blend",
+    "blend_prefill": "blend",
+    "BlendLayer": "blend",
+    "BlendResult": "blend",
+    "LosslessCodec": "codecs",
+    "QuantCodec": "codecs",
+    "CodecReport": "codecs",
+    "decode_any": "codecs",
+    "measure": "codecs",
+}
+
+__all__ = [
+    "ESA",
+    "GSA",
+    "METHODS",
+    "Adaptive",
+    "BlendLayer",
+    "BlendResult",
+    "BlockFetcher",
+    "BlockReps",
+    "CodecReport",
+    "FetchStats",
+    "KVStar",
+    "LosslessCodec",
+    "PendingLoad",
+    "PrefetchStats",
+    "QuantCodec",
+    "Quest",
+    "Random",
+    "SparseConfig",
+    "SparseMethod",
+    "SparseSession",
+    "StepPlan",
+    "apply_rope",
+    "blend_prefill",
+    "block_mass",
+    "block_token_mask",
+    "decode_any",
+    "dense_attention",
+    "make_method",
+    "masked_attention",
+    "mass_recall",
+    "measure",
+    "rerotate",
+    "select_blocks",
+    "sparse_attention",
+]
+
+if TYPE_CHECKING:
+    from ucm.sparse.attention import (
+        block_mass,
+        block_token_mask,
+        dense_attention,
+        masked_attention,
+        mass_recall,
+        sparse_attention,
+    )
+    from ucm.sparse.blend import BlendLayer, BlendResult, apply_rope, blend_prefill, rerotate
+    from ucm.sparse.codecs import CodecReport, LosslessCodec, QuantCodec, decode_any, measure
+    from ucm.sparse.config import SparseConfig
+    from ucm.sparse.fetch import BlockFetcher, FetchStats, PendingLoad
+    from ucm.sparse.methods import (
+        ESA,
+        GSA,
+        METHODS,
+        Adaptive,
+        BlockReps,
+        KVStar,
+        Quest,
+        Random,
+        SparseMethod,
+        make_method,
+    )
+    from ucm.sparse.session import PrefetchStats, SparseSession, StepPlan, select_blocks
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ucm.sparse' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ucm.sparse.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,187 @@
+"""Sparse block-selection methods: block representatives at prefill, block scores per step.
+
+Runs in the worker process, on whatever device the keys are on (torch; the CPU in tests and in
+the benchmark). Shapes: keys are (Hkv, N, D) for one layer, N a multiple of the block size
+(the session pads the last partial block by repeating its last key); queries are (W, Hq, D),
+the W most recent decode queries, newest last. `block_scores` returns (nb,) non-negative
+importances on a common scale (roughly an attention-mass estimate), so the session can add
+them across layers and rank.
+
+- quest:    per-channel key box (min/max); upper bound of q.k per block (never below the true
+            max); per head a softmax over blocks, max over heads. Needle-safe.
+- esa:      mean key per block; one dot product (summed over heads, as ESA concatenates heads).
+            Cheap, but averaging a block hides a single outstanding key: weak on needles.
+- gsa:      ESA's representative with the prefetch predictor switched on (see SparseSession).
+- kvstar:   sub-block means of `sub_block` tokens on the `channel_fraction` channels with the
+            largest mean |K|; every recent query votes with its softmax mass over them.
+- adaptive: Quest's box and score, and the budget is the smallest one whose estimated mass
+            (softmax of the upper bounds) reaches `mass_target`, per step; the configured
+            budget is the ceiling (mass_target 1.0 means the ceiling).
+- random:   uniform random scores (a baseline that shows a recall test can fail).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ucm.ops.score import mean_scores, quest_scores
+from ucm.sparse.config import SparseConfig
+
+Static = dict[str, torch.Tensor]  # per-layer state fixed at prefill (kvstar's channels)
+
+
+@dataclass
+class BlockReps:
+    """Representatives of one layer's blocks: `per_block` tensors have blocks on dim 1."""
+
+    per_block: dict[str, torch.Tensor]
+    static: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_blocks(self) -> int:
+        return next(iter(self.per_block.values())).shape[1]
+
+    def extend(self, more: BlockReps) -> BlockReps:
+        merged = {k: torch.cat((v, more.per_block[k]), dim=1) for k, v in self.per_block.items()}
+        return BlockReps(merged, self.static)
+
+
+def _blocks(keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    hkv, n, d = keys.shape
+    if n % block_size:
+        raise ValueError(f"keys ({n} tokens) must be a multiple of block_size ({block_size})")
+    return keys.reshape(hkv, n // block_size, block_size, d)
+
+
+class SparseMethod:
+    """Base of every method. Subclasses set `name` and override `prepare` and `block_scores`."""
+
+    name: ClassVar[str]
+    queries_needed: int = 1
+
+    def __init__(self, config: SparseConfig) -> None:
+        self.config = config
+
+    def prepare(self, keys: torch.Tensor, static: Static | None = None) -> BlockReps:
+        raise NotImplementedError
+
+    def block_scores(self, reps: BlockReps, queries: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def choose_budget(
+        self, reps: BlockReps, queries: torch.Tensor, resident: torch.Tensor
+    ) -> int | None:
+        """Blocks to pick by score this step, or None for the configured budget."""
+        return None
+
+
+class Quest(SparseMethod):
+    name = "quest"
+
+    def prepare(self, keys: torch.Tensor, static: Static | None = None) -> BlockReps:
+        kb = _blocks(keys.float(), self.config.block_size)
+        kmax, kmin = kb.amax(2), kb.amin(2)
+        return BlockReps({"center": (kmax + kmin) * 0.5, "radius": (kmax - kmin) * 0.5})
+
+    def head_bounds(self, reps: BlockReps, query: torch.Tensor) -> torch.Tensor:
+        """(Hq, nb) upper bounds of the scaled logit q.k / sqrt(D)."""
+        d = query.shape[-1]
+        center, radius = reps.per_block["center"], reps.per_block["radius"]
+        return quest_scores(query, center, radius) / math.sqrt(d)
+
+    def block_scores(self, reps: BlockReps, queries: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.head_bounds(reps, queries[-1]), dim=-1).amax(0)
+
+
+class Adaptive(Quest):
+    name = "adaptive"
+
+    def choose_budget(self, reps: BlockReps, queries: torch.Tensor, resident: torch.Tensor) -> int:
+        cap = self.config.budget_blocks(int((~resident).sum()))
+        if self.config.mass_target >= 1.0 or cap == 0:
+            return cap
+        mass = torch.softmax(self.head_bounds(reps, queries[-1]), dim=-1)  # (Hq, nb)
+        ranked = mass[:, ~resident].sort(dim=-1, descending=True).values.cumsum(-1)
+        need = self.config.mass_target - mass[:, resident].sum(-1)  # (Hq,)
+        reached = ranked >= (need[:, None] - 1e-7)
+        first = reached.float().argmax(-1) + 1.0  # argmax finds the first True
+        counts = torch.where(reached.any(-1), first, torch.full_like(first, ranked.shape[1]))
+        counts = torch.where(need <= 0, torch.zeros_like(counts), counts)
+        return min(cap, max(self.config.min_budget, int(counts.max().item())))
+
+
+class ESA(SparseMethod):
+    name = "esa"
+
+    def prepare(self, keys: torch.Tensor, static: Static | None = None) -> BlockReps:
+        return BlockReps({"mean": _blocks(keys.float(), self.config.block_size).mean(2)})
+
+    def block_scores(self, reps: BlockReps, queries: torch.Tensor) -> torch.Tensor:
+        q = queries[-1]
+        dots = mean_scores(q, reps.per_block["mean"]).mean(0) / math.sqrt(q.shape[-1])
+        return torch.softmax(dots, dim=-1)
+
+
+class GSA(ESA):
+    name = "gsa"
+
+
+class KVStar(SparseMethod):
+    name = "kvstar"
+
+    @property
+    def queries_needed(self) -> int:  # type: ignore[override]
+        return self.config.vote_queries
+
+    def prepare(self, keys: torch.Tensor, static: Static | None = None) -> BlockReps:
+        cfg = self.config
+        hkv, _, d = keys.shape
+        if static is None:
+            n_ch = max(1, round(d * cfg.channel_fraction))
+            static = {"channels": keys.float().abs().mean(1).topk(n_ch, dim=-1).indices}
+        channels = static["channels"]  # (Hkv, C)
+        kb = _blocks(keys.float(), cfg.block_size)
+        sub = kb.reshape(hkv, kb.shape[1], cfg.block_size // cfg.sub_block, cfg.sub_block, d)
+        sub = sub.mean(3)  # (Hkv, nb, S, D)
+        index = channels[:, None, None, :].expand(*sub.shape[:3], channels.shape[1])
+        return BlockReps({"sub": torch.gather(sub, 3, index)}, static)
+
+    def block_scores(self, reps: BlockReps, queries: torch.Tensor) -> torch.Tensor:
+        sub = reps.per_block["sub"]  # (Hkv, nb, S, C)
+        hkv, nb, s, c = sub.shape
+        w, hq, d = queries.shape
+        channels = reps.static["channels"]  # (Hkv, C)
+        q = queries.float().reshape(w, hkv, hq // hkv, d)
+        q = torch.gather(q, 3, channels[None, :, None, :].expand(w, hkv, hq // hkv, c))
+        logits = torch.einsum("wkgc,kbsc->wkgbs", q, sub) / math.sqrt(d)
+        mass = torch.softmax(logits.reshape(w, hkv, hq // hkv, nb * s), dim=-1)
+        return mass.reshape(w * hq, nb, s).sum(-1).mean(0)
+
+
+class Random(SparseMethod):
+    name = "random"
+
+    def __init__(self, config: SparseConfig) -> None:
+        super().__init__(config)
+        self._generator = torch.Generator().manual_seed(config.seed)
+
+    def prepare(self, keys: torch.Tensor, static: Static | None = None) -> BlockReps:
+        nb = keys.shape[1] // self.config.block_size
+        return BlockReps({"none": torch.zeros(1, nb)})
+
+    def block_scores(self, reps: BlockReps, queries: torch.Tensor) -> torch.Tensor:
+        return torch.rand(reps.n_blocks, generator=self._generator)
+
+
+METHODS: dict[str, type[SparseMethod]] = {
+    cls.name: cls for cls in (Quest, Adaptive, ESA, GSA, KVStar, Random)
+}
+
+
+def make_method(config: SparseConfig) -> SparseMethod:
+    """The method that `config.method` names."""
+    return METHODS[config.method](config)
