@@ -1,0 +1,124 @@
+"""Tiny Llama-style models with random weights and a locally trained tokenizer, built on disk
+in seconds, for the demo, the benchmarks and the vLLM tests (no model hub).
+
+    path = build_model("/tmp/m", ModelSpec(layers=2, hidden=128))
+
+Weights are written straight to safetensors (no transformers model is instantiated, so an
+8-layer, 1024-wide model takes seconds). The same spec and seed give the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_WORD_TEXT = (
+    "the a of to and in is it that for on with as was at by this be from or an are not have "
+    "cache block key value storage load store prefix tier memory disk request token model "
+    "layer attention prompt chat user assistant document section report summary question "
+    "answer system engine worker scheduler kernel driver event trace hit miss latency fast "
+    "slow data page file write read copy shared long short first second third next last time"
+)
+WORDS = tuple(_WORD_TEXT.split())
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int | None = None
+    vocab: int = 2048
+    max_positions: int = 4096
+    dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def kv_bytes_per_token(self, dtype: str | None = None) -> int:
+        size = 2 if (dtype or self.dtype) in ("bfloat16", "float16") else 4
+        return 2 * self.layers * self.kv_heads * self.head_dim * size
+
+
+def sample_text(n_words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def _train_tokenizer(out: Path, vocab: int, max_len: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    corpus = [sample_text(200, seed) for seed in range(50)] + [" ".join(WORDS)] * 10
+    tok.train_from_iterator(corpus, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 pad_token="<pad>", model_max_length=max_len)
+    hf.save_pretrained(str(out))
+
+
+def build_model(path: str | os.PathLike, spec: ModelSpec | None = None) -> Path:
+    """Writes config, tokenizer and random weights into `path` (reused if already built)."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = spec or ModelSpec()
+    out = Path(path)
+    stamp = out / "ucm-model-spec.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    _train_tokenizer(out, spec.vocab, spec.max_positions)
+    inter = spec.intermediate or spec.hidden * 2
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": spec.vocab, "hidden_size": spec.hidden, "intermediate_size": inter,
+        "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads, "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_positions, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+        "torch_dtype": spec.dtype, "initializer_range": 0.02,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    dtype = getattr(torch, spec.dtype)
+    gen = torch.Generator().manual_seed(spec.seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        # Larger than the usual init so a random model's greedy output depends on its input.
+        scale = 2.0 / shape[-1] ** 0.5
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
+    weights = {"model.embed_tokens.weight": rand(spec.vocab, h),
+               "model.norm.weight": torch.ones(h, dtype=dtype),
+               "lm_head.weight": rand(spec.vocab, h)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": rand(h, h),
+            p + "self_attn.k_proj.weight": rand(kv, h),
+            p + "self_attn.v_proj.weight": rand(kv, h),
+            p + "self_attn.o_proj.weight": rand(h, h),
+            p + "mlp.gate_proj.weight": rand(inter, h),
+            p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+        })
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    stamp.write_text(json.dumps(asdict(spec)))
+    return out

@@ -1,0 +1,111 @@
+"""`UCMConnector`: the KVConnectorBase_V1 facade vLLM loads. Runs in both processes: vLLM
+builds it once with role SCHEDULER (in the EngineCore process) and once per worker with role
+WORKER; the facade builds the matching side and forwards the calls that side answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ucm.vllm_hook.metadata import UCMConnectorMetadata
+from ucm.vllm_hook.settings import settings_from_vllm
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("ucm.vllm_hook")
+
+_live: weakref.WeakSet[UCMConnector] = weakref.WeakSet()
+
+
+def live_connectors() -> list[UCMConnector]:
+    """The connectors alive in this process (for statistics and tests)."""
+    return list(_live)
+
+
+class UCMConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
+                 ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = settings_from_vllm(vllm_config)
+        self.scheduler = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from ucm.vllm_hook.scheduler import SchedulerSide
+
+            self.scheduler = SchedulerSide(self.settings)
+            # A block that does not load is a miss: vLLM recomputes it (unless the user asked
+            # for "fail"). The scheduler reads this right after building its connector.
+            kvt = vllm_config.kv_transfer_config
+            if kvt.kv_load_failure_policy != self.settings.load_failure:
+                kvt.kv_load_failure_policy = self.settings.load_failure
+        else:
+            from ucm.vllm_hook.worker import WorkerSide
+
+            self.worker = WorkerSide(self.settings)
+            self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        _live.add(self)
+
+    def _meta(self) -> UCMConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UCMConnectorMetadata)
+        return meta
+
+    # -- scheduler side --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
+                                   ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
+                                 ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int],
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # -- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches, self._num_blocks)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self.worker.save_kv_layer(self._meta(), layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors() if self.worker else set()
+
+    # -- both ------------------------------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        """Counters of this side (and its kernel, on the worker side)."""
+        if self.worker is not None:
+            return self.worker.statistics()
+        return dict(self.scheduler.stats)
+
+    def shutdown(self) -> None:
+        side = self.worker or self.scheduler
+        if side is not None:
+            side.shutdown()

@@ -1,0 +1,112 @@
+"""Block keys: content addressed, equal in every process, restart and host.
+
+Runs in both the scheduler process and the worker processes; imports neither vLLM nor torch.
+
+A request's blocks get a chain of digests: `d_i = H(d_{i-1} || tokens of block i)`, seeded with
+`d_{-1} = H(namespace || cache_salt || lora)`. The namespace names everything that changes the
+bytes of a block except the TP rank (model identity, dtype, block size, KV layout, scheme
+version); it is also the kernel's namespace (the storage directory). The scheduler computes one
+chain per request and ships it to every worker; each rank turns a digest into the key of its
+own shard with `rank_key(digest, rank, size)`. H is BLAKE2b,
+never Python's `hash`, so keys do not depend on PYTHONHASHSEED.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+KEY_SCHEME_VERSION = 1
+DIGEST_BYTES = 16
+
+# Fields of a Hugging Face config that name where a model lives or which library wrote it,
+# not what the model computes.
+_NOT_IDENTITY = {"_name_or_path", "name_or_path", "transformers_version", "_commit_hash",
+                 "_attn_implementation_autoset", "_attn_implementation"}
+
+
+def _blake(data: bytes, *, person: bytes = b"") -> bytes:
+    return hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=person[:16]).digest()
+
+
+def model_identity(hf_config: Mapping[str, Any]) -> str:
+    """A short, path-free fingerprint of a model's config dict."""
+    clean = {k: v for k, v in hf_config.items() if k not in _NOT_IDENTITY}
+    text = json.dumps(clean, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def make_namespace(*, model_type: str, model_id: str, dtype: str, block_size: int,
+                   kv_layout: str) -> str:
+    """The rank-independent namespace string: readable, under 255 bytes, safe in paths."""
+    parts = [model_type or "model", model_id, dtype.replace("torch.", ""), f"bs{block_size}",
+             kv_layout, f"k{KEY_SCHEME_VERSION}"]
+    return "-".join(_safe(p) for p in parts)[:200]
+
+
+def _safe(part: str) -> str:
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in str(part))
+
+
+def chain_seed(namespace: str, *, cache_salt: str | None = None, lora: str | None = None,
+               ) -> bytes:
+    """The digest before a request's first block."""
+    fields = [namespace, cache_salt or "", lora or ""]
+    return _blake("\x00".join(fields).encode(), person=b"ucm-seed")
+
+
+def chain_digests(seed: bytes, token_ids: Sequence[int], block_size: int, n_blocks: int, *,
+                  start: int = 0, prev: bytes | None = None) -> list[bytes]:
+    """Digests of blocks `start .. n_blocks-1`; `prev` is block `start-1`'s digest (the seed
+    when `start` is 0)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be > 0")
+    if n_blocks * block_size > len(token_ids):
+        raise ValueError(f"{n_blocks} blocks of {block_size} need {n_blocks * block_size} "
+                         f"tokens; the request has {len(token_ids)}")
+    digest = seed if prev is None else prev
+    out = []
+    for i in range(start, n_blocks):
+        block = array("q", token_ids[i * block_size:(i + 1) * block_size])
+        digest = _blake(digest + _le(block), person=b"ucm-block")
+        out.append(digest)
+    return out
+
+
+def _le(block: array) -> bytes:
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        block = array(block.typecode, block)
+        block.byteswap()
+    return block.tobytes()
+
+
+def rank_key(digest: bytes, rank: int, size: int) -> bytes:
+    """The storage key of one rank's shard of the block named by `digest`."""
+    if size == 1:
+        return digest
+    return _blake(digest + rank.to_bytes(4, "little") + size.to_bytes(4, "little"),
+                  person=b"ucm-rank")
+
+
+class RequestChain:
+    """A request's digests, extended as its tokens grow (prompt, then generated tokens)."""
+
+    __slots__ = ("block_size", "digests", "seed")
+
+    def __init__(self, seed: bytes, block_size: int) -> None:
+        self.seed = seed
+        self.block_size = block_size
+        self.digests: list[bytes] = []
+
+    def upto(self, token_ids: Sequence[int], n_blocks: int) -> list[bytes]:
+        """The digests of the first `n_blocks` blocks (computed once, then cached)."""
+        have = len(self.digests)
+        if n_blocks > have:
+            prev = self.digests[-1] if have else None
+            self.digests += chain_digests(self.seed, token_ids, self.block_size, n_blocks,
+                                          start=have, prev=prev)
+        return self.digests[:n_blocks]

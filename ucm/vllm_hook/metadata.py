@@ -1,0 +1,29 @@
+"""What the scheduler side sends the worker side each step: plain dataclasses, pickled across
+processes in vLLM's multiprocess layout. Digests are rank-independent; each worker derives its
+own shard's keys from them (`keys.rank_key`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    """Blocks of one request to load or to save: `block_ids[i]` holds `digests[i]`."""
+
+    req_id: str
+    block_ids: list[int]
+    digests: list[bytes]
+
+
+@dataclass
+class UCMConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.loads or self.saves)

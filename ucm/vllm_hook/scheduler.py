@@ -1,0 +1,231 @@
+"""The scheduler side of the connector: runs in the scheduler process (vLLM's EngineCore).
+
+For each waiting request it posts one Lookup (prefix semantics) to the kernel and answers
+`get_num_new_matched_tokens` without stalling the scheduler step: it waits at most
+`lookup_wait` inline, then answers None ("ask again later") until the lookup finishes or
+`lookup_timeout` passes (a miss). Any kernel error (KernelBusy, a deadline, a failing driver) is
+a miss. The last prompt token is never claimed, so vLLM always computes at least one token.
+Each step it tells the workers which blocks to load and which newly computed full blocks to
+save.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ucm.errors import UCMError
+from ucm.kernel import Lookup
+from ucm.vllm_hook.keys import RequestChain, chain_seed, rank_key
+from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.vllm_hook.settings import (
+    HookSettings,
+    acquire_kernel,
+    find_kernel,
+    scheduler_config,
+)
+
+log = logging.getLogger("ucm.vllm_hook")
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    chain: RequestChain
+    lookup: concurrent.futures.Future | None = None
+    lookup_started: float = 0.0
+    looked_up_blocks: int = 0  # blocks the finished lookup covered
+    hit_blocks: int | None = None  # leading blocks storage holds (None: not known yet)
+    local_tokens: int = 0  # tokens vLLM's own prefix cache supplied
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # leading blocks already stored (or being stored)
+    pending_load: BlockTransfer | None = None
+    external_tokens: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, settings: HookSettings) -> None:
+        self.settings = settings
+        self.block_size = settings.block_size
+        self.stats: Counter[str] = Counter()
+        self._reqs: dict[str, _RequestState] = {}
+        self._kernel: Any = None
+        self._own_kernel = False
+
+    # -- the kernel ------------------------------------------------------------------------------
+    def _get_kernel(self) -> Any:
+        if self._kernel is None:
+            shared = find_kernel(self.settings.ucm_config)  # the worker's, in one-process mode
+            if shared is not None:
+                self._kernel = shared
+            else:
+                self._kernel = acquire_kernel(scheduler_config(self.settings.ucm_config),
+                                              register=False)
+                self._own_kernel = True
+        return self._kernel
+
+    # -- matching --------------------------------------------------------------------------------
+    def _state(self, request: Any) -> _RequestState:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            lora = getattr(request, "lora_request", None)
+            seed = chain_seed(self.settings.namespace,
+                              cache_salt=getattr(request, "cache_salt", None),
+                              lora=getattr(lora, "lora_name", None) if lora else None)
+            st = _RequestState(request, RequestChain(seed, self.block_size))
+            self._reqs[request.request_id] = st
+            self.stats["requests"] += 1
+        return st
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
+                                   ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        st.local_tokens = num_computed_tokens
+        tokens = request.all_token_ids
+        n_full = (len(tokens) - 1) // self.block_size  # never the last token
+        if n_full * self.block_size <= num_computed_tokens:
+            st.hit_blocks = st.hit_blocks or 0
+            return 0, False
+        if st.hit_blocks is None or st.looked_up_blocks < n_full:
+            hit = self._poll_lookup(st, tokens, n_full)
+            if hit is None:
+                return None, False
+            st.hit_blocks, st.looked_up_blocks = hit, n_full
+        n_external = max(0, st.hit_blocks * self.block_size - num_computed_tokens)
+        return n_external, False
+
+    def _poll_lookup(self, st: _RequestState, tokens: Any, n_full: int) -> int | None:
+        """Leading hit blocks once known; None while the lookup is in flight."""
+        if st.lookup is None:
+            digests = st.chain.upto(tokens, n_full)
+            size = self.settings.tp_size
+            keys = [rank_key(d, r, size) for r in range(size) for d in digests]
+            try:
+                st.lookup = self._get_kernel().submit(
+                    Lookup(keys, prefix=size == 1, request_id=st.request.request_id))
+            except UCMError as exc:
+                return self._lookup_failed(st, exc)
+            st.lookup_started = time.monotonic()
+            self.stats["lookups"] += 1
+        try:
+            result = st.lookup.result(timeout=self.settings.lookup_wait)
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() - st.lookup_started < self.settings.lookup_timeout:
+                self.stats["lookup_deferred"] += 1
+                return None
+            st.lookup.cancel()
+            self.stats["lookup_timeouts"] += 1
+            st.lookup = None
+            return 0
+        except (UCMError, concurrent.futures.CancelledError) as exc:
+            return self._lookup_failed(st, exc)
+        st.lookup = None
+        # With TP, a block is a hit only when every rank's shard is stored.
+        hits, n = result.hits, n_full
+        per_rank = [hits[r * n:(r + 1) * n] for r in range(self.settings.tp_size)]
+        return min(_leading(h) for h in per_rank)
+
+    def _lookup_failed(self, st: _RequestState, exc: BaseException) -> int:
+        st.lookup = None
+        self.stats["lookup_errors"] += 1
+        log.debug("ucm lookup for %s failed (a miss): %s", st.request.request_id, exc)
+        return 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
+                                 ) -> None:
+        st = self._state(request)
+        local_blocks = st.local_tokens // self.block_size
+        # Blocks storage holds, or this engine computed already, are not saved again.
+        st.saved_blocks = max(st.saved_blocks, st.hit_blocks or 0, local_blocks)
+        if num_external_tokens <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        n = num_external_tokens // self.block_size
+        digests = st.chain.digests[local_blocks:local_blocks + n]
+        st.pending_load = BlockTransfer(request.request_id,
+                                        list(block_ids[local_blocks:local_blocks + n]), digests)
+        st.external_tokens = num_external_tokens
+        self.stats["hit_tokens"] += num_external_tokens
+        log.debug("ucm: %s loads %d tokens (%d local)", request.request_id,
+                  num_external_tokens, st.local_tokens)
+
+    # -- per-step plan ---------------------------------------------------------------------------
+    def build_connector_meta(self, so: Any) -> UCMConnectorMetadata:
+        meta = UCMConnectorMetadata()
+        computed_before: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            computed_before[new.req_id] = new.num_computed_tokens
+            if st.pending_load is not None:
+                meta.loads.append(st.pending_load)
+                st.pending_load = None
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            computed_before[req_id] = cached.num_computed_tokens[i]
+            if st.pending_load is not None:
+                meta.loads.append(st.pending_load)
+                st.pending_load = None
+        for req_id, n_scheduled in so.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or req_id not in computed_before:
+                continue
+            save = self._plan_save(st, computed_before[req_id] + n_scheduled)
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _plan_save(self, st: _RequestState, computed_after: int) -> BlockTransfer | None:
+        request = st.request
+        tokens = request.all_token_ids
+        limit = len(tokens) if self.settings.save_generated else len(request.prompt_token_ids)
+        n_full = min(computed_after, limit) // self.block_size
+        n_full = min(n_full, len(st.block_ids))
+        if n_full <= st.saved_blocks:
+            return None
+        digests = st.chain.upto(tokens, n_full)
+        start, st.saved_blocks = st.saved_blocks, n_full
+        self.stats["save_blocks"] += n_full - start
+        return BlockTransfer(request.request_id, st.block_ids[start:n_full], digests[start:])
+
+    def request_finished(self, request: Any, block_ids: list[int],
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None:
+            st.lookup.cancel()
+        # Saves snapshot their blocks inside the step that computed them, so vLLM may free
+        # the blocks at once.
+        return False, None
+
+    def hit_tokens(self, req_id: str) -> int:
+        st = self._reqs.get(req_id)
+        return st.external_tokens if st else 0
+
+    def shutdown(self) -> None:
+        if self._own_kernel and self._kernel is not None:
+            self._kernel.close()
+        self._kernel = None
+
+
+def _leading(hits: Any) -> int:
+    n = 0
+    for hit in hits:
+        if not hit:
+            break
+        n += 1
+    return n

@@ -1,0 +1,254 @@
+"""The worker side of the connector: runs in each worker process (one per TP rank).
+
+Loads: `start_load_kv` posts one Load event for every block the step needs, into a reused
+staging buffer, and copies the verified blocks into the KV cache: all layers before the forward
+pass, or (layerwise) each layer just before it runs, in `wait_for_layer_load`. A block that does
+not load (missing, corrupt, I/O error, KernelBusy, deadline, `load_timeout`) is reported through
+`get_block_ids_with_load_errors`, and vLLM recomputes it and everything after it.
+
+Saves: `save_kv_layer` snapshots this step's new full blocks of that layer into a staging
+buffer as soon as the layer has written them; `wait_for_save` posts one Store per step and
+returns. The write happens in the background; the snapshot, not the KV cache, stays alive until
+it completes, so vLLM never has to hold blocks for us. Snapshots waiting to be written are
+bounded by `max_store_bytes`: beyond it a save is dropped (a future miss, never a stall).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from ucm.drivers import LoadState
+from ucm.errors import UCMError
+from ucm.kernel import Load, Store
+from ucm.vllm_hook.keys import rank_key
+from ucm.vllm_hook.layout import BlockLayout
+from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.vllm_hook.settings import HookSettings, acquire_kernel, release_kernel
+
+log = logging.getLogger("ucm.vllm_hook")
+
+
+class _PendingLoad:
+    """One step's loads: the Load completion and where each row goes."""
+
+    def __init__(self, transfers: list[BlockTransfer], staging: torch.Tensor,
+                 completion: concurrent.futures.Future | None) -> None:
+        self.transfers = transfers
+        self.staging = staging
+        self.completion = completion
+        self.ok_rows: list[tuple[BlockTransfer, int, int]] | None = None  # (t, first row, n ok)
+        self.copied_layers: set[str] = set()
+
+
+class WorkerSide:
+    def __init__(self, settings: HookSettings) -> None:
+        self.settings = settings
+        self.stats: Counter[str] = Counter()
+        self.layout: BlockLayout | None = None
+        self._kernel: Any = None
+        self._load_staging: torch.Tensor | None = None
+        self._load: _PendingLoad | None = None
+        self._load_errors: set[int] = set()
+        self._save_staging: torch.Tensor | None = None
+        self._save_rows: list[tuple[BlockTransfer, int]] = []
+        self._save_layers_done: set[str] = set()
+        self._lock = threading.Lock()
+        self._store_bytes = 0  # snapshots not yet written
+        self._stores: dict[int, tuple[concurrent.futures.Future, torch.Tensor]] = {}
+        self._stores_idle = threading.Event()
+        self._stores_idle.set()
+
+    def _key(self, digest: bytes) -> bytes:
+        return rank_key(digest, self.settings.tp_rank, self.settings.tp_size)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
+                           num_blocks: int | None = None) -> None:
+        self.layout = BlockLayout(kv_caches, num_blocks)
+        self._kernel = acquire_kernel(self.settings.ucm_config, register=True)
+        self._kernel.start()
+        log.info("ucm: %d layers, %d blocks of %d bytes, namespace %s, rank %d/%d",
+                 len(self.layout.by_layer), self.layout.num_blocks, self.layout.block_bytes,
+                 self.settings.namespace, self.settings.tp_rank, self.settings.tp_size)
+
+    # -- loads -----------------------------------------------------------------------------------
+    def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
+        if not meta.loads or self.layout is None:
+            return
+        n = sum(len(t.block_ids) for t in meta.loads)
+        staging = self._load_staging
+        if staging is None or staging.shape[0] < n:
+            staging = self._load_staging = self.layout.new_staging(n)
+        keys = [self._key(d) for t in meta.loads for d in t.digests]
+        buffers = [staging[i].numpy() for i in range(n)]
+        try:
+            completion = self._kernel.submit(Load(keys, buffers=buffers,
+                                                  request_id=meta.loads[0].req_id))
+        except UCMError as exc:
+            log.warning("ucm: load not submitted (%s); recomputing", exc)
+            completion = None
+        self._load = _PendingLoad(meta.loads, staging, completion)
+        self.stats["load_blocks"] += n
+        if not self.settings.layerwise:
+            self._finish_load(self._load)
+            self._copy_all(self._load)
+            self._load = None
+
+    def _finish_load(self, pending: _PendingLoad) -> None:
+        """Waits for the Load and decides, per request, how many leading blocks loaded."""
+        if pending.ok_rows is not None:
+            return
+        t0 = time.perf_counter()
+        states: tuple[LoadState, ...] | None = None
+        if pending.completion is not None:
+            try:
+                states = pending.completion.result(timeout=self.settings.load_timeout).states
+            except concurrent.futures.TimeoutError:
+                pending.completion.cancel()
+                self.stats["load_timeouts"] += 1
+                self._load_staging = None  # a driver may still write into it
+            except (UCMError, concurrent.futures.CancelledError) as exc:
+                self.stats["load_failed_events"] += 1
+                log.warning("ucm: load failed (%s); recomputing", exc)
+        self.stats["load_wait_ns"] += int((time.perf_counter() - t0) * 1e9)
+        ok_rows = []
+        row = 0
+        for t in pending.transfers:
+            n = len(t.block_ids)
+            good = 0
+            if states is not None:
+                while good < n and states[row + good] is LoadState.OK:
+                    good += 1
+                for s in states[row + good:row + n]:
+                    self.stats[f"load_{s.name.lower()}"] += 1
+            else:
+                self.stats["load_failed"] += n
+            if good < n:
+                self._load_errors.update(t.block_ids[good:])
+                self.stats["load_error_blocks"] += n - good
+            self.stats["loaded_blocks"] += good
+            self.stats["loaded_bytes"] += good * self.layout.block_bytes
+            ok_rows.append((t, row, good))
+            row += n
+        pending.ok_rows = ok_rows
+
+    def _copy_all(self, pending: _PendingLoad, layer: str | None = None) -> None:
+        for t, first_row, good in pending.ok_rows or ():
+            if good:
+                self.layout.copy_in(t.block_ids[:good], pending.staging, layer=layer,
+                                    first_row=first_row)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pending = self._load
+        if pending is None or layer_name in pending.copied_layers:
+            return
+        self._finish_load(pending)
+        self._copy_all(pending, layer=layer_name)
+        pending.copied_layers.add(layer_name)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------------------
+    def save_kv_layer(self, meta: UCMConnectorMetadata, layer_name: str) -> None:
+        if not meta.saves or self.layout is None:
+            return
+        if self._save_staging is None and not self._save_layers_done:
+            self._begin_snapshot(meta)
+        if self._save_staging is None or layer_name in self._save_layers_done:
+            return
+        for t, first_row in self._save_rows:
+            self.layout.copy_out(t.block_ids, self._save_staging, layer=layer_name,
+                                 first_row=first_row)
+        self._save_layers_done.add(layer_name)
+
+    def _begin_snapshot(self, meta: UCMConnectorMetadata) -> None:
+        n = sum(len(t.block_ids) for t in meta.saves)
+        nbytes = n * self.layout.block_bytes
+        with self._lock:
+            if self._store_bytes + nbytes > self.settings.max_store_bytes:
+                self.stats["save_dropped_blocks"] += n
+                self._save_layers_done.add("")  # marks this step as skipped
+                return
+            self._store_bytes += nbytes
+        self._save_staging = self.layout.new_staging(n)
+        row = 0
+        for t in meta.saves:
+            self._save_rows.append((t, row))
+            row += len(t.block_ids)
+
+    def wait_for_save(self) -> None:
+        staging, rows = self._save_staging, self._save_rows
+        self._save_staging, self._save_rows, self._save_layers_done = None, [], set()
+        if staging is None:
+            return
+        self.layout.synchronize()
+        keys = [self._key(d) for t, _ in rows for d in t.digests]
+        buffers = [staging[i].numpy() for i in range(len(keys))]
+        try:
+            completion = self._kernel.submit(Store(keys, buffers=buffers,
+                                                   request_id=rows[0][0].req_id))
+        except UCMError as exc:
+            log.debug("ucm: store not submitted (%s): a future miss", exc)
+            self._release(staging)
+            return
+        with self._lock:
+            self._stores[id(completion)] = (completion, staging)
+            self._stores_idle.clear()
+        completion.add_done_callback(self._store_done)
+        self.stats["save_blocks"] += len(keys)
+
+    def _store_done(self, completion: concurrent.futures.Future) -> None:
+        # Runs on the kernel's trio thread (or here if already done): must not raise.
+        try:
+            with self._lock:
+                entry = self._stores.pop(id(completion), None)
+                if not self._stores:
+                    self._stores_idle.set()
+            if entry is None:
+                return
+            staging = entry[1]
+            self._release(staging)
+            if completion.cancelled() or completion.exception() is not None:
+                self.stats["save_failed_events"] += 1
+            else:
+                result = completion.result()
+                self.stats["saved_blocks"] += sum(result.stored)
+                self.stats["save_failed_blocks"] += result.stored.count(False)
+        except Exception:  # pragma: no cover - never let the trio thread see an error
+            log.exception("ucm: store callback failed")
+
+    def _release(self, staging: torch.Tensor) -> None:
+        with self._lock:
+            self._store_bytes -= staging.numel()
+
+    def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Blocks until every posted store finished (for shutdown and tests)."""
+        return self._stores_idle.wait(timeout)
+
+    # -- end -------------------------------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        stats = dict(self.stats)
+        if self._kernel is not None:
+            try:
+                stats["kernel"] = self._kernel.statistics()
+            except UCMError:
+                pass
+        return stats
+
+    def shutdown(self) -> None:
+        if self._kernel is None:
+            return
+        if not self.wait_for_stores(60.0):
+            log.warning("ucm: stores still running at shutdown; closing the kernel anyway")
+        release_kernel(self._kernel)
+        self._kernel.close()
+        self._kernel = None

@@ -1,0 +1,191 @@
+"""Runs a vLLM engine (with or without a KV connector) over token-id prompts, in this process
+or in a fresh one, and reports what happened: the shared runner of `ucm demo`,
+`ucm bench vllm` and the vLLM tests.
+
+    result = run_in_subprocess(EngineSpec(model=path, connector="ucm"), phases)
+
+A fresh process per engine is what "a second engine" means: nothing but storage is shared.
+Inside it vLLM runs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), which
+starts in about 2 s instead of 15 on a small CPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 256 * 2**20
+    connector: str | None = None  # None, "ucm" or "example"
+    ucm: dict | None = None  # the ucm config; None is the embedded default
+    extra: dict = field(default_factory=dict)  # more kv_connector_extra_config keys
+    prefix_caching: bool = False
+    chunked_prefill_tokens: int | None = None  # max_num_batched_tokens
+    max_num_seqs: int = 64
+    tensor_parallel_size: int = 1
+    multiprocess: bool = False  # vLLM's own process layout (EngineCore + worker processes)
+
+
+@dataclass
+class Phase:
+    """A batch of prompts (token ids) generated together, greedy."""
+
+    prompts: list[list[int]]
+    max_tokens: int = 8
+    name: str = ""
+    repeat: int = 1  # run the batch this many times; results of the last run are kept
+    stepwise: bool = False  # step the engine to time each request's first token
+
+
+def kv_transfer_config(spec: EngineSpec) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if spec.connector is None:
+        return None
+    if spec.connector == "example":
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                kv_connector_extra_config=dict(spec.extra))
+    if spec.connector == "ucm":
+        extra = dict(spec.extra)
+        if spec.ucm is not None:
+            extra["ucm"] = spec.ucm
+        return KVTransferConfig(kv_connector="UCMConnector",
+                                kv_connector_module_path="ucm.vllm_hook", kv_role="kv_both",
+                                kv_connector_extra_config=extra)
+    raise ValueError(f"unknown connector {spec.connector!r}")
+
+
+def make_engine(spec: EngineSpec) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if not spec.multiprocess:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if spec.chunked_prefill_tokens:
+        kwargs["max_num_batched_tokens"] = spec.chunked_prefill_tokens
+        kwargs["enable_chunked_prefill"] = True
+    else:
+        kwargs["max_num_batched_tokens"] = max(spec.max_model_len, 2048)
+    return LLM(model=spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
+               enforce_eager=True, block_size=spec.block_size, seed=0,
+               kv_cache_memory_bytes=spec.kv_cache_bytes,
+               enable_prefix_caching=spec.prefix_caching,
+               kv_transfer_config=kv_transfer_config(spec),
+               max_num_seqs=spec.max_num_seqs,
+               tensor_parallel_size=spec.tensor_parallel_size,
+               distributed_executor_backend=None if spec.multiprocess else "uni",
+               **kwargs)
+
+
+def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=phase.max_tokens, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in phase.prompts]
+    walls, ttft = [], []
+    outs: list[Any] = []
+    for _ in range(phase.repeat):
+        t0 = time.perf_counter()
+        if phase.stepwise:
+            outs, ttft = _stepwise(llm, prompts, params)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t0)
+    return {
+        "name": phase.name,
+        "wall_s": walls,
+        "ttft_s": ttft,
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
+        "prompt_tokens": [len(p) for p in phase.prompts],
+    }
+
+
+def _stepwise(llm: Any, prompts: list[Any], params: Any) -> tuple[list[Any], list[float]]:
+    """Submits every prompt at once and records when each one's first token appears."""
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    ids = []
+    for i, prompt in enumerate(prompts):
+        rid = f"r{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, prompt, params)
+        ids.append(rid)
+    first: dict[str, float] = {}
+    done: dict[str, Any] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                first[out.request_id] = time.perf_counter() - t0
+            if out.finished:
+                done[out.request_id] = out
+    return [done[r] for r in ids], [first.get(r, 0.0) for r in ids]
+
+
+def connector_stats(wait: float = 120.0) -> dict[str, Any]:
+    """Waits for the ucm worker's stores, then returns both sides' counters."""
+    try:
+        from ucm.vllm_hook.connector import live_connectors
+    except ImportError:
+        return {}
+    stats: dict[str, Any] = {}
+    for conn in live_connectors():
+        if conn.worker is not None:
+            conn.worker.wait_for_stores(wait)
+            stats["worker"] = conn.statistics()
+        else:
+            stats["scheduler"] = conn.statistics()
+    return stats
+
+
+def run(spec: EngineSpec, phases: list[Phase]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    llm = make_engine(spec)
+    start_s = time.perf_counter() - t0
+    results = [run_phase(llm, p) for p in phases]
+    return {"engine_start_s": start_s, "phases": results, "stats": connector_stats()}
+
+
+def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float = 600,
+                      env: dict[str, str] | None = None, log_path: str | None = None,
+                      ) -> dict[str, Any]:
+    """Runs `run(spec, phases)` in a fresh Python process and returns its result."""
+    payload = json.dumps({"spec": asdict(spec), "phases": [asdict(p) for p in phases]})
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "ucm.vllm_run"], input=payload,
+                          capture_output=True, text=True, timeout=timeout, env=full_env)
+    if log_path:
+        with open(log_path, "a") as f:
+            f.write(proc.stdout + proc.stderr)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("UCM_RESULT "):
+            return json.loads(line[len("UCM_RESULT "):])
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{tail}")
+
+
+def _main() -> None:
+    data = json.loads(sys.stdin.read())
+    spec = EngineSpec(**data["spec"])
+    phases = [Phase(**p) for p in data["phases"]]
+    result = run(spec, phases)
+    sys.stdout.write("UCM_RESULT " + json.dumps(result, default=str) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown of vLLM's threads; stores were waited for
+
+
+if __name__ == "__main__":
+    _main()
