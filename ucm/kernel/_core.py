@@ -10,6 +10,7 @@ drivers' worker-thread calls, or in `trio.to_thread` here (single-flight copies)
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -52,6 +53,27 @@ _COPY_IN_THREAD_BYTES = 1 << 20  # smaller single-flight copies stay on the trio
 _BACKGROUND_QUEUE_LIMIT = 1024  # background copies beyond this are dropped (a future miss)
 
 
+@contextmanager
+def _unwrap_single():
+    """Re-raises a nursery's one-exception group as that exception, so callers see the
+    ucm error (with its message) rather than a group around it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup):
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
 class _Flight:
     """One key being loaded; later loads of the key wait for it instead of reading storage."""
 
@@ -86,22 +108,27 @@ class KernelCore:
                    drain_timeout: float = 30.0) -> AsyncIterator[KernelCore]:
         """Opens every tier; on exit drains background work (up to `drain_timeout`), then
         closes the drivers."""
-        async with trio.open_nursery() as nursery:
-            core = cls(config, nursery, tracer=tracer)
-            try:
-                for tier_config in config.tiers:
-                    await core.attach(tier_config)
-                yield core
-                core._closing = True
-                with trio.move_on_after(drain_timeout):
-                    await core.wait_background_idle()
-            finally:
-                core._closing = True
-                nursery.cancel_scope.cancel()
-                with trio.CancelScope(shield=True):
-                    for tier in core.tiers:
-                        await core._close_driver(tier)
-                    core.tiers = []
+        if tracer is None:
+            tracer = _configured_tracer(config)
+        with _unwrap_single():
+            async with trio.open_nursery() as nursery:
+                core = cls(config, nursery, tracer=tracer)
+                if hasattr(tracer, "serve"):  # writes the trace; flushes and closes on cancel
+                    nursery.start_soon(tracer.serve)
+                try:
+                    for tier_config in config.tiers:
+                        await core.attach(tier_config)
+                    yield core
+                    core._closing = True
+                    with trio.move_on_after(drain_timeout):
+                        await core.wait_background_idle()
+                finally:
+                    core._closing = True
+                    nursery.cancel_scope.cancel()
+                    with trio.CancelScope(shield=True):
+                        for tier in core.tiers:
+                            await core._close_driver(tier)
+                        core.tiers = []
 
     async def attach(self, tier_config: TierConfig | dict, *, position: int | None = None,
                      ) -> str:
@@ -115,7 +142,8 @@ class KernelCore:
         driver = await factory.open(tier_config.options, name=name,
                                     namespace=self.config.namespace, codec=tier_config.codec)
         policy = make_policy(self.config.eviction,
-                             int(tier_config.capacity) if tier_config.capacity else None)
+                             int(tier_config.capacity) if tier_config.capacity else None,
+                             clock=trio.current_time)
         tier = Tier(tier_config, driver, policy)
         if isinstance(driver, Listing):
             async for key, size in driver.list_blocks():
@@ -165,8 +193,11 @@ class KernelCore:
         if self._closing:
             raise KernelClosed("the kernel is closing")
         deadline = event.deadline if event.deadline is not None else self.config.deadline
-        self._emit("start", event_id, type=type(event).__name__, keys=len(event.keys),
-                   request_id=event.request_id)
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.emit("start", event_id, {"type": type(event).__name__, "keys": len(event.keys),
+                                            "request_id": event.request_id,
+                                            "key": event.keys[0][:8].hex()})
         try:
             if deadline is None:
                 result = await self._dispatch(event, event_id)
@@ -180,7 +211,13 @@ class KernelCore:
                 f"{type(event).__name__} of {len(event.keys)} blocks did not finish within "
                 f"{deadline:g} s") from None
         except UCMError as exc:
-            self._emit("done", event_id, outcome="error", error=str(exc))
+            self._emit("done", event_id, outcome="error", kind=type(exc).__name__,
+                       error=str(exc))
+            raise
+        except BaseException as exc:  # cancelled, or an internal error: the trace still ends
+            if self.tracer is not None:
+                self._emit("done", event_id, kind=type(exc).__name__,
+                           outcome="cancelled" if isinstance(exc, trio.Cancelled) else "error")
             raise
         self._emit("done", event_id, outcome="ok")
         return result
@@ -238,8 +275,10 @@ class KernelCore:
                 if tier is not None:
                     tier.policy.pin(key, self.config.pin_ttl)
         self.stats["lookup_keys"] += len(keys)
-        for tier in tiers:
-            self.stats[f"lookup_hits.{tier.name}"] += sum(1 for t in found if t is tier)
+        by_tier = {tier.name: sum(1 for t in found if t is tier) for tier in tiers}
+        for name, count in by_tier.items():
+            self.stats[f"lookup_hits.{name}"] += count
+        self._emit("result", event_id, op="lookup", keys=len(keys), hits=by_tier)
         if self.config.promote:
             self._promote(keys, found, tiers)
         return LookupResult(hits, tuple(t.name if t else None for t in found))
@@ -250,6 +289,8 @@ class KernelCore:
             hits = await tier.call(Priority.LOOKUP, tier.driver.lookup, keys)
         except DriverError as exc:
             self._count_error(tier, "lookup", exc)
+            self._emit("op", event_id, tier=tier.name, op="lookup", keys=len(keys), t0=t0,
+                       error=type(exc).__name__)
             return [False] * len(keys)
         self._emit("op", event_id, tier=tier.name, op="lookup", keys=len(keys), t0=t0,
                    hits=sum(hits))
@@ -310,6 +351,8 @@ class KernelCore:
                 raise
             except DriverError as exc:
                 self._count_error(tier, "load", exc)
+                self._emit("op", event_id, tier=tier.name, op="load", keys=len(pending), t0=t0,
+                           error=type(exc).__name__)
                 errors.append(str(exc))
                 failed.update(pending)
                 continue
@@ -412,9 +455,10 @@ class KernelCore:
             results[tier.name] = await self._store_into(tier, keys, buffers, indices, errors,
                                                         Priority.STORE, event_id)
 
-        async with trio.open_nursery() as nursery:
-            for tier in required:
-                nursery.start_soon(store_one, tier)
+        with _unwrap_single():
+            async with trio.open_nursery() as nursery:
+                for tier in required:
+                    nursery.start_soon(store_one, tier)
         stored = tuple(all(results[t.name][i] for t in required) for i in indices)
         self.stats["store_keys"] += len(keys)
         self.stats["store_failed"] += stored.count(False)
@@ -460,6 +504,8 @@ class KernelCore:
                                         [buffers[i] for i in chosen])
             except DriverError as exc:
                 self._count_error(tier, "store", exc)
+                self._emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
+                           error=type(exc).__name__)
                 errors.append(str(exc))
                 return ok
             nbytes = 0
@@ -583,12 +629,13 @@ class KernelCore:
 
     # -- delete ----------------------------------------------------------------------------------
     async def _delete(self, event: Delete, tiers: list[Tier]) -> DoneResult:
-        async with trio.open_nursery() as nursery:
-            for tier in tiers:
-                for key in event.keys:
-                    tier.discard(key)
-                nursery.start_soon(tier.call, Priority.STORE, tier.driver.delete,
-                                   list(event.keys))
+        with _unwrap_single():
+            async with trio.open_nursery() as nursery:
+                for tier in tiers:
+                    for key in event.keys:
+                        tier.discard(key)
+                    nursery.start_soon(tier.call, Priority.STORE, tier.driver.delete,
+                                       list(event.keys))
         return DoneResult(len(event.keys))
 
     # -- accounting ------------------------------------------------------------------------------
@@ -597,6 +644,7 @@ class KernelCore:
         kind = kind or type(exc).__name__
         self.stats[f"errors.{tier.name}.{op}.{kind}"] += 1
         self.stats["errors"] += 1
+        self._emit("error", 0, tier=tier.name, op=op, kind=kind)
         if exc is not None:
             log.debug("tier %s: %s failed: %s", tier.name, op, exc)
 
@@ -617,6 +665,15 @@ class KernelCore:
         out["background_pending"] = self._background_pending
         out["single_flight_keys"] = len(self._loading)
         return out
+
+
+def _configured_tracer(config: UCMConfig) -> Any:
+    """The tracer that `config.trace` or `UCM_TRACE` asks for; None (and no import) when off."""
+    if config.trace is None and not os.environ.get("UCM_TRACE"):
+        return None
+    from ucm.trace import tracer_from_config
+
+    return tracer_from_config(config)
 
 
 def _copy_all(copies: list[tuple[memoryview, memoryview]]) -> None:

@@ -1,0 +1,155 @@
+"""The thread-hosted Kernel: non-blocking submit, busy inbox, cancellation, clean shutdown."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+
+import pytest
+
+from ucm.drivers import LoadState
+from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, UCMError
+from ucm.kernel import Kernel, Load, Lookup, Store
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def own_threads() -> list[str]:
+    """Threads other than trio's idle worker cache (those exit on their own after 10 s)."""
+    return [t.name for t in threading.enumerate() if not t.name.startswith("Trio thread")]
+
+
+def faulty(tmp_path, **faults) -> dict:
+    return {"tiers": [{"driver": "faulty", "name": "disk",
+                       "inner": {"driver": "posix", "path": str(tmp_path / "b")},
+                       "ops": ["load", "lookup", "store"], **faults}]}
+
+
+def test_round_trip_and_no_leaks(tmp_path):
+    threads, files = own_threads(), fds()
+    kernel = Kernel({"tiers": [{"driver": "memory"},
+                               {"driver": "posix", "path": str(tmp_path / "b")}]})
+    data = os.urandom(1 << 20)
+    assert kernel.submit(Store([b"k"], buffers=[data])).result(10).ok
+    out = bytearray(len(data))
+    result = kernel.submit(Load([b"k"], buffers=[out])).result(10)
+    assert result.states == (LoadState.OK,) and out == data
+    stats = kernel.statistics()
+    assert stats["load_hits.memory"] == 1 and stats["in_flight"] == 0
+    kernel.close()
+    assert own_threads() == threads
+    assert fds() == files
+
+
+def test_submit_never_blocks_and_a_full_inbox_fails_at_once(tmp_path):
+    kernel = Kernel({**faulty(tmp_path, hang=True), "inbox_size": 3}, drain_timeout=0.2)
+    kernel.start()
+    try:
+        handles = [kernel.submit(Lookup([b"k"])) for _ in range(3)]
+        start = time.perf_counter()
+        busy = kernel.submit(Lookup([b"k"]))
+        assert time.perf_counter() - start < 0.05
+        assert busy.done()
+        with pytest.raises(KernelBusy, match="inbox full"):
+            busy.result()
+        assert not any(h.done() for h in handles)
+        assert kernel.statistics()["busy_rejections"] == 1
+    finally:
+        kernel.close()
+    for handle in handles:  # drain_timeout passed: they fail with a clear error
+        with pytest.raises(KernelClosed, match="closed before the event finished"):
+            handle.result(5)
+
+
+def test_cancel_reaches_the_driver(tmp_path):
+    kernel = Kernel(faulty(tmp_path, hang=True))
+    try:
+        handle = kernel.submit(Load([b"k"], buffers=[bytearray(8)]))
+        with pytest.raises(concurrent.futures.TimeoutError):
+            handle.result(timeout=0.1)
+        assert handle.cancel()
+        with pytest.raises(concurrent.futures.CancelledError):
+            handle.result(timeout=5)
+        assert kernel.statistics()["in_flight"] == 0
+    finally:
+        kernel.close()
+
+
+def test_close_lets_in_flight_events_finish(tmp_path):
+    kernel = Kernel(faulty(tmp_path, latency=0.3))
+    kernel.submit(Store([b"k"], buffers=[b"x" * 100])).result(10)
+    handle = kernel.submit(Load([b"k"], buffers=[bytearray(100)]))
+    kernel.close()
+    assert handle.result(0).ok
+    late = kernel.submit(Lookup([b"k"]))
+    with pytest.raises(KernelClosed):
+        late.result(0)
+
+
+def test_deadline_from_config_fails_the_handle(tmp_path):
+    kernel = Kernel({**faulty(tmp_path, hang=True), "deadline": 0.2})
+    try:
+        with pytest.raises(TimeoutError, match="did not finish within 0.2 s"):
+            kernel.submit(Lookup([b"k"])).result(5)
+    finally:
+        kernel.close()
+
+
+def test_start_reports_a_driver_that_cannot_open(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    kernel = Kernel({"tiers": [{"driver": "posix", "path": str(blocker / "sub")}]})
+    with pytest.raises(UCMError, match="sub"):
+        kernel.start()
+    assert "ucm-kernel" not in own_threads()
+    kernel.close()
+
+
+def test_attach_and_detach_on_a_running_kernel(tmp_path):
+    kernel = Kernel({"tiers": [{"driver": "memory"}]})
+    try:
+        name = kernel.attach({"driver": "posix", "path": str(tmp_path / "b")}).result(5)
+        assert kernel.tier_names() == ["memory", name]
+        kernel.submit(Store([b"k"], buffers=[b"v" * 10], durability="all")).result(5)
+        kernel.detach("memory").result(5)
+        result = kernel.submit(Lookup([b"k"])).result(5)
+        assert result.tiers == ("posix",)
+        with pytest.raises(InvalidRequest, match="no tier named"):
+            kernel.detach("memory").result(5)
+    finally:
+        kernel.close()
+
+
+def test_submit_rejects_what_is_not_an_event():
+    kernel = Kernel({"tiers": [{"driver": "memory"}]})
+    with pytest.raises(InvalidRequest, match="ucm event"):
+        kernel.submit("lookup")
+    kernel.close()
+
+
+def test_many_threads_submit_at_once(tmp_path):
+    kernel = Kernel({"tiers": [{"driver": "memory"}]})
+    errors = []
+
+    def worker(n: int) -> None:
+        try:
+            for i in range(50):
+                key = f"{n}-{i}".encode()
+                assert kernel.submit(Store([key], buffers=[key * 10])).result(10).ok
+                buf = bytearray(len(key) * 10)
+                assert kernel.submit(Load([key], buffers=[buf])).result(10).ok
+                assert bytes(buf) == key * 10
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    kernel.close()
+    assert errors == []
