@@ -144,3 +144,15 @@ def test_session_plans_drive_the_fetcher(setup):
         assert (pending.blocks if pending else []) == plan.load
     loaded = sum(len(b) for b in rec.loaded())
     assert loaded == fetcher.stats.blocks_loaded < 16 * 6  # far less than reloading each step
+
+
+def test_default_events_are_the_kernels():
+    kernel = pytest.importorskip("ucm.kernel")
+    if not hasattr(kernel, "Load") or not hasattr(kernel, "Prefetch"):
+        pytest.skip("ucm.kernel does not export Load and Prefetch yet")
+    rec = Recorder()
+    cache = bytearray(BLOCK_BYTES * 4)
+    fetcher = BlockFetcher(rec, _key, lambda b: memoryview(cache)[b * 64 : (b + 1) * 64])
+    fetcher.fetch([1], prefetch=[2])
+    assert [type(e) for e in rec.events] == [kernel.Load, kernel.Prefetch]
+    assert list(rec.events[0].keys) == [_key(1)] and rec.events[0].buffers[0].nbytes == 64
