@@ -93,7 +93,7 @@ def test_close_lets_in_flight_events_finish(tmp_path):
 def test_deadline_from_config_fails_the_handle(tmp_path):
     kernel = Kernel({**faulty(tmp_path, hang=True), "deadline": 0.2})
     try:
-        with pytest.raises(TimeoutError, match="did not finish within 0.2 s"):
+        with pytest.raises(TimeoutError, match=r"did not finish within 0\.2 s"):
             kernel.submit(Lookup([b"k"])).result(5)
     finally:
         kernel.close()

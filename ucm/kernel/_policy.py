@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 
 
 class Policy:
@@ -38,8 +38,8 @@ class Policy:
     def size_of(self, key: bytes) -> int | None:
         return self._sizes.get(key)
 
-    def keys(self) -> Iterable[bytes]:
-        return self._sizes.keys()
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._sizes)
 
     # -- pins --------------------------------------------------------------------------------
     def pin(self, key: bytes, ttl: float) -> None:
