@@ -250,9 +250,9 @@ class KernelCore:
         pending = range(len(keys))
         for tier in tiers:
             ask = []
-            policy = tier.policy
+            index = tier.policy.index
             for i in pending:
-                if keys[i] in policy:
+                if keys[i] in index:
                     found[i] = tier
                 else:
                     ask.append(i)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ucm.block import as_byte_view, check_key
+from ucm.block import MAX_KEY_BYTES, as_byte_view, check_key
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest
 
@@ -32,7 +32,12 @@ class Priority(enum.IntEnum):
 def _check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
     if not keys:
         raise InvalidRequest("empty batch: an event needs at least one key")
-    return tuple(check_key(k) for k in keys)
+    keys = tuple(keys)
+    # One pass of cheap checks (10,000-key lookups are common); details only on failure.
+    if not all(type(k) is bytes and 0 < len(k) <= MAX_KEY_BYTES for k in keys):
+        for k in keys:
+            check_key(k)
+    return keys
 
 
 def _check_buffers(keys: tuple[bytes, ...], buffers: Sequence, *, writable: bool,

@@ -20,7 +20,7 @@ import trio
 from ucm.config import TierConfig, UCMConfig, load_config
 from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UCMError
 from ucm.kernel._completion import Completion
-from ucm.kernel._core import KernelCore
+from ucm.kernel._core import KernelCore, _configured_tracer
 from ucm.kernel._events import _Event
 
 log = logging.getLogger("ucm.kernel")
@@ -33,6 +33,8 @@ class Kernel:
                  tracer: Any = None, drain_timeout: float = 30.0) -> None:
         self.config = load_config(config)
         self.drain_timeout = drain_timeout
+        if tracer is None:  # config.trace or UCM_TRACE; the core runs its writer task
+            tracer = _configured_tracer(self.config)
         self._tracer = tracer
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -221,6 +223,12 @@ class Kernel:
             self._finished(started=True)
 
     # -- introspection ---------------------------------------------------------------------------
+    @property
+    def tracer(self) -> Any:
+        """The tracer (None when tracing is off): the vLLM hook emits its own records into
+        it, e.g. `tracer.emit("hook", 0, {"request_id": ..., "step": ...})`."""
+        return self._tracer
+
     @property
     def running(self) -> bool:
         return self._token is not None and not self._closing

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 
 class Policy:
@@ -37,6 +37,11 @@ class Policy:
 
     def size_of(self, key: bytes) -> int | None:
         return self._sizes.get(key)
+
+    @property
+    def index(self) -> Mapping[bytes, int]:
+        """key -> bytes, read-only by convention (a plain dict, for fast membership probes)."""
+        return self._sizes
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self._sizes)
