@@ -2,8 +2,10 @@
 blocking work to worker threads, and the block-file store used by `posix` and shared `memory`.
 
 `ThreadedDriver` is the async face: it validates every call, hands the batch to a synchronous
-backend in `trio.to_thread.run_sync` (one hop per chunk of a few MiB, so cancellation and the
-thread pool stay responsive), and keeps the counters on the trio thread (no locks needed).
+backend in `trio.to_thread.run_sync` and keeps the counters on the trio thread (no locks
+needed). A small batch is one thread hop; a batch of several MiB is split into a few parts that
+run in two worker threads at a time (xxh3 and the copies release the GIL, so verifying one part
+overlaps reading the next), each part at most CHUNK_BYTES so a cancel lands within milliseconds.
 
 `BlockFiles` keeps each block as one file in the `ucm.block` format:
 

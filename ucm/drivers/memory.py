@@ -93,7 +93,7 @@ class LocalBlocks(Backend):
             header = BlockHeader(key, self.namespace, self.codec, len(payload), view.nbytes,
                                  checksum(payload))
             self.records[key] = _Record(header, payload)
-            sizes.append(len(payload))
+            sizes.append(max(len(payload), 1))  # 0 would mean "not stored"
         return sizes
 
     def delete(self, keys: list[bytes]) -> None:
