@@ -1,0 +1,108 @@
+"""The kernel's half of the driver contract, run against every driver spec: capacity eviction
+keeps pinned blocks, detach while busy loses nothing, deadlines and cancellation reach the
+driver, prefix lookup through the tier."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from tests.contract.conftest import DriverSpec, Scratch
+from ucm.config import load_config
+from ucm.drivers import LoadState
+from ucm.errors import DeadlineExceeded
+from ucm.kernel import KernelCore, Load, Lookup, Store
+
+BLOCK = 32 * 1024
+
+
+def tier_of(spec: DriverSpec, scratch: Scratch, **common) -> dict:
+    return {"driver": spec.driver, "name": "t", "codec": spec.codec,
+            **spec.options(scratch), **common}
+
+
+def faulty_of(spec: DriverSpec, scratch: Scratch, **faults) -> dict:
+    inner = {"driver": spec.driver, "codec": spec.codec, **spec.options(scratch)}
+    return {"driver": "faulty", "name": "t", "inner": inner, "ops": ["load", "lookup"],
+            **faults}
+
+
+def data(n: int, seed: int) -> tuple[list[bytes], list[bytes]]:
+    rng = random.Random(seed)
+    return ([rng.randbytes(12) for _ in range(n)], [rng.randbytes(BLOCK) for _ in range(n)])
+
+
+async def test_prefix_lookup_and_load_through_the_kernel(spec, scratch):
+    keys, blocks = data(4, 1)
+    cfg = load_config({"tiers": [tier_of(spec, scratch)], "namespace": "kc-prefix"})
+    async with KernelCore.open(cfg) as core:
+        assert (await core.run(Store(keys[:2], buffers=blocks[:2]))).ok
+        assert (await core.run(Lookup(keys, prefix=True))).prefix_len == 2
+        out = [bytearray(BLOCK) for _ in keys]
+        result = await core.run(Load(keys, buffers=out))
+        assert result.states[:2] == (LoadState.OK, LoadState.OK)
+        assert result.states[2:] == (LoadState.MISSING, LoadState.MISSING)
+        assert [bytes(b) for b in out[:2]] == blocks[:2]
+
+
+async def test_capacity_eviction_keeps_pinned_blocks(spec, scratch):
+    keys, blocks = data(10, 2)
+    capacity = 4 * (BLOCK + 4096)
+    cfg = load_config({"tiers": [tier_of(spec, scratch, capacity=capacity)],
+                       "namespace": "kc-capacity"})
+    async with KernelCore.open(cfg) as core:
+        await core.run(Store(keys[:4], buffers=blocks[:4]))
+        pinned = await core.run(Lookup(keys[:2], pin=True))
+        assert pinned.hits == (True, True)
+        for i in range(4, 10):
+            assert (await core.run(Store([keys[i]], buffers=[blocks[i]]))).ok
+        tier = core.tiers[0]
+        assert tier.policy.used <= capacity
+        out = [bytearray(BLOCK) for _ in range(2)]
+        result = await core.run(Load(keys[:2], buffers=out))
+        assert result.ok, "a pinned block was evicted"
+        assert [bytes(b) for b in out] == blocks[:2]
+        evicted = await core.run(Lookup(keys[2:6]))
+        assert evicted.hits.count(False) >= 3  # the unpinned old blocks went
+
+
+async def test_detach_while_busy_loses_nothing(spec, scratch, autojump_clock):
+    keys, blocks = data(4, 3)
+    cfg = load_config({"tiers": [faulty_of(spec, scratch, latency=0.5)],
+                       "namespace": "kc-detach"})
+    async with KernelCore.open(cfg) as core:
+        await core.run(Store(keys, buffers=blocks))
+        outcomes = []
+
+        async def load(i: int) -> None:
+            buf = bytearray(BLOCK)
+            result = await core.run(Load([keys[i]], buffers=[buf]))
+            outcomes.append(result.ok and bytes(buf) == blocks[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(load, i)
+            await trio.testing.wait_all_tasks_blocked()
+            await core.detach("t")
+        assert outcomes == [True] * 4
+
+
+async def test_deadline_and_cancellation_reach_the_driver(spec, scratch, autojump_clock):
+    keys, blocks = data(1, 4)
+    cfg = load_config({"tiers": [faulty_of(spec, scratch)], "namespace": "kc-deadline"})
+    async with KernelCore.open(cfg) as core:
+        await core.run(Store(keys, buffers=blocks))
+        core.tiers[0].driver.faults.hang = True
+        start = trio.current_time()
+        with pytest.raises(DeadlineExceeded):
+            await core.run(Load(keys, buffers=[bytearray(BLOCK)], deadline=1.5))
+        assert trio.current_time() - start == pytest.approx(1.5)
+        with trio.move_on_after(0.7) as scope:  # a key the index lacks goes to the driver
+            await core.run(Lookup([b"not-in-the-index"]))
+        assert scope.cancelled_caught
+        core.tiers[0].driver.faults.hang = False
+        out = bytearray(BLOCK)
+        assert (await core.run(Load(keys, buffers=[out]))).ok and bytes(out) == blocks[0]
