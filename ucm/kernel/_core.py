@@ -53,6 +53,27 @@ _COPY_IN_THREAD_BYTES = 1 << 20  # smaller single-flight copies stay on the trio
 _BACKGROUND_QUEUE_LIMIT = 1024  # background copies beyond this are dropped (a future miss)
 
 
+@contextmanager
+def _unwrap_single():
+    """Re-raises a nursery's one-exception group as that exception, so callers see the
+    ucm error (with its message) rather than a group around it."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup):
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
 class _Flight:
     """One key being loaded; later loads of the key wait for it instead of reading storage."""
 
@@ -89,24 +110,25 @@ class KernelCore:
         closes the drivers."""
         if tracer is None:
             tracer = _configured_tracer(config)
-        async with trio.open_nursery() as nursery:
-            core = cls(config, nursery, tracer=tracer)
-            if hasattr(tracer, "serve"):  # writes the trace; flushes and closes on cancel
-                nursery.start_soon(tracer.serve)
-            try:
-                for tier_config in config.tiers:
-                    await core.attach(tier_config)
-                yield core
-                core._closing = True
-                with trio.move_on_after(drain_timeout):
-                    await core.wait_background_idle()
-            finally:
-                core._closing = True
-                nursery.cancel_scope.cancel()
-                with trio.CancelScope(shield=True):
-                    for tier in core.tiers:
-                        await core._close_driver(tier)
-                    core.tiers = []
+        with _unwrap_single():
+            async with trio.open_nursery() as nursery:
+                core = cls(config, nursery, tracer=tracer)
+                if hasattr(tracer, "serve"):  # writes the trace; flushes and closes on cancel
+                    nursery.start_soon(tracer.serve)
+                try:
+                    for tier_config in config.tiers:
+                        await core.attach(tier_config)
+                    yield core
+                    core._closing = True
+                    with trio.move_on_after(drain_timeout):
+                        await core.wait_background_idle()
+                finally:
+                    core._closing = True
+                    nursery.cancel_scope.cancel()
+                    with trio.CancelScope(shield=True):
+                        for tier in core.tiers:
+                            await core._close_driver(tier)
+                        core.tiers = []
 
     async def attach(self, tier_config: TierConfig | dict, *, position: int | None = None,
                      ) -> str:
@@ -120,7 +142,8 @@ class KernelCore:
         driver = await factory.open(tier_config.options, name=name,
                                     namespace=self.config.namespace, codec=tier_config.codec)
         policy = make_policy(self.config.eviction,
-                             int(tier_config.capacity) if tier_config.capacity else None)
+                             int(tier_config.capacity) if tier_config.capacity else None,
+                             clock=trio.current_time)
         tier = Tier(tier_config, driver, policy)
         if isinstance(driver, Listing):
             async for key, size in driver.list_blocks():
@@ -227,9 +250,9 @@ class KernelCore:
         pending = range(len(keys))
         for tier in tiers:
             ask = []
-            policy = tier.policy
+            index = tier.policy.index
             for i in pending:
-                if keys[i] in policy:
+                if keys[i] in index:
                     found[i] = tier
                 else:
                     ask.append(i)
@@ -432,9 +455,10 @@ class KernelCore:
             results[tier.name] = await self._store_into(tier, keys, buffers, indices, errors,
                                                         Priority.STORE, event_id)
 
-        async with trio.open_nursery() as nursery:
-            for tier in required:
-                nursery.start_soon(store_one, tier)
+        with _unwrap_single():
+            async with trio.open_nursery() as nursery:
+                for tier in required:
+                    nursery.start_soon(store_one, tier)
         stored = tuple(all(results[t.name][i] for t in required) for i in indices)
         self.stats["store_keys"] += len(keys)
         self.stats["store_failed"] += stored.count(False)
@@ -605,12 +629,13 @@ class KernelCore:
 
     # -- delete ----------------------------------------------------------------------------------
     async def _delete(self, event: Delete, tiers: list[Tier]) -> DoneResult:
-        async with trio.open_nursery() as nursery:
-            for tier in tiers:
-                for key in event.keys:
-                    tier.discard(key)
-                nursery.start_soon(tier.call, Priority.STORE, tier.driver.delete,
-                                   list(event.keys))
+        with _unwrap_single():
+            async with trio.open_nursery() as nursery:
+                for tier in tiers:
+                    for key in event.keys:
+                        tier.discard(key)
+                    nursery.start_soon(tier.call, Priority.STORE, tier.driver.delete,
+                                       list(event.keys))
         return DoneResult(len(event.keys))
 
     # -- accounting ------------------------------------------------------------------------------

@@ -49,22 +49,28 @@ class Kernel:
         self._busy = 0
         self._closing = False
         self._start_error: BaseException | None = None
+        self._ready = threading.Event()
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Opens every tier in the kernel thread. Raises what opening a driver raised."""
+        """Opens every tier in the kernel thread. Raises what opening a driver raised. Safe to
+        call from several threads: the others wait until the first start has finished."""
         with self._lock:
             if self._closing:
                 raise KernelClosed("the kernel was closed")
-            if self._thread is not None:
-                self._check_process()
-                return
-            ready = threading.Event()
-            self._pid = os.getpid()
-            self._thread = threading.Thread(target=trio.run, args=(self._main, ready),
-                                            name="ucm-kernel", daemon=True)
-            self._thread.start()
-        ready.wait()
+            first = self._thread is None
+            if first:
+                self._ready = threading.Event()
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=trio.run, args=(self._main, self._ready),
+                                                name="ucm-kernel", daemon=True)
+                self._thread.start()
+        self._check_process()
+        self._ready.wait()
+        if not first:
+            if self._token is None:
+                raise KernelClosed("the kernel failed to start")
+            return
         if self._start_error is not None:
             self._thread.join()
             error, self._start_error = self._start_error, None
