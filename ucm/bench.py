@@ -407,8 +407,8 @@ def run_bench(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(_format_size(s).replace(" ", "")
                                                     for s in DEFAULT_SIZES))
     parser.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
-    parser.add_argument("--total", default="128MiB", help="bytes moved per cell")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--total", default="256MiB", help="bytes moved per cell")
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--driver", action="append", help="only these tiers (by name)")
     args = parser.parse_args(argv)
     if args.what == "policy":
