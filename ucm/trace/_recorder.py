@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -59,6 +60,7 @@ class Tracer:
         self._received = 0  # records drained
         self.dropped = 0  # records lost to ring overflow
         self._writer: Any = None
+        self._flush_lock = threading.Lock()  # serve's drain and a caller's flush() may meet
         self._serving = False
 
     @classmethod
@@ -104,6 +106,10 @@ class Tracer:
     def flush(self) -> int:
         """Drains the ring into the trace file and the sinks (blocking). Returns the number
         of records written."""
+        with self._flush_lock:
+            return self._flush()
+
+    def _flush(self) -> int:
         records = self.drain()
         if not records:
             return 0
@@ -123,12 +129,13 @@ class Tracer:
 
     def close(self) -> None:
         """Flushes and closes the current segment; a later flush starts a new one."""
-        try:
-            self.flush()
-        finally:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
+        with self._flush_lock:
+            try:
+                self._flush()
+            finally:
+                if self._writer is not None:
+                    self._writer.close()
+                    self._writer = None
 
     async def serve(self, *, clock: Callable[[], float] = trio.current_time) -> None:
         """Drains the ring until cancelled, then flushes and closes. Run it in the kernel's
