@@ -107,6 +107,15 @@ SPECS: list[DriverSpec] = [
                flip_record_byte),
 ]
 
+# s3 on the session's SeaweedFS (tests/backends/_support.py starts it), one prefix per test.
+from backends import _support as backends  # noqa: E402
+
+SPECS += [
+    DriverSpec("s3", "s3", lambda s: backends.shared_seaweedfs().options(
+        backends.scratch_prefix(s.disk)), backends.flip_object_byte, cross_process=True,
+        persistent=True, truncate=backends.truncate_object),
+]
+
 
 async def open_driver(spec: DriverSpec, scratch: Scratch, *, namespace: str = "contract",
                       name: str | None = None) -> Driver:

@@ -17,6 +17,7 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "memory": ("ucm.drivers.memory:MemoryDriver", None),
     "posix": ("ucm.drivers.posix:PosixDriver", None),
     "faulty": ("ucm.drivers.faulty:FaultyDriver", None),
+    "s3": ("ucm.drivers.s3:S3Driver", "s3"),
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,704 @@
+"""The `s3` driver: blocks as objects in an S3 bucket (AWS S3, SeaweedFS, MinIO, Ceph RGW...).
+
+    - driver: s3
+      bucket: kvcache
+      endpoint: http://127.0.0.1:8333  # default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / AWS
+      prefix: ucm                      # objects are <prefix>/<namespace>/<hex key>
+      region: null                     # default: AWS_REGION / the profile's region / us-east-1
+      profile: null                    # a profile of ~/.aws/credentials and ~/.aws/config
+      access_key_id: null              # explicit credentials win over the AWS environment
+      secret_access_key: null
+
+Runs natively on trio: httpx (through anyio) with botocore's SigV4 signer, one pooled
+client per driver, so a kernel deadline cancels a request at once (a blocking SDK call in a
+worker thread could not be abandoned). Each object is one block in the `ucm.block` format;
+a PUT replaces an object atomically, so readers see the old or the new block, never a mix.
+Blocks above `multipart_threshold` go up in parallel parts and come back in parallel ranged
+GETs pinned to one ETag (If-Match), so a concurrent overwrite is a retry, never a mixed block.
+
+Failures: throttling (503 SlowDown, 429), other 5xx, timeouts and dropped connections are
+retried `max_attempts` times with exponential backoff and full jitter; nothing retries
+forever, and the kernel's deadline bounds it all. `open` checks the bucket with a HEAD, so a
+wrong endpoint, wrong credentials or a missing bucket fail at start-up, naming the problem.
+Credentials come from the options, else botocore's standard chain (AWS_* variables,
+AWS_PROFILE, ~/.aws/credentials, ~/.aws/config); they are never logged or put in messages.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import random
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Self
+from urllib.parse import quote, urlsplit
+from xml.etree import ElementTree
+
+import trio
+from pydantic import ByteSize, Field, SecretStr
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    Codec,
+    as_byte_view,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+    verify_payload,
+)
+from ucm.drivers._files import check_batch, check_keys, parse_codec, safe_dir_name, size_mismatch
+from ucm.drivers._protocol import DriverOptions, LoadState
+from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
+
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_UNSIGNED = "UNSIGNED-PAYLOAD"
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_HEX = re.compile(r"^(?:[0-9a-f]{2})+$")
+
+
+class S3Error(Exception):
+    """An S3 request failed for good (after retries, or with a status that is not retried)."""
+
+    def __init__(self, message: str, status: int | None = None, code: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    endpoint: str
+    bucket: str
+    region: str
+    virtual: bool
+
+    def url(self, object_key: str = "", query: str = "") -> str:
+        path = quote(object_key, safe="/-_.~")
+        if self.virtual:
+            scheme, netloc = self.endpoint.split("://", 1)
+            url = f"{scheme}://{self.bucket}.{netloc}/{path}"
+        else:
+            url = f"{self.endpoint}/{self.bucket}" + (f"/{path}" if object_key else "")
+        return f"{url}?{query}" if query else url
+
+
+def _query(**params: str) -> str:
+    """A query string encoded the way SigV4 signs it (sorted, RFC 3986)."""
+    return "&".join(f"{quote(k.replace('_', '-'), safe='-_.~')}={quote(v, safe='-_.~')}"
+                    for k, v in sorted((k.replace("_", "-"), v) for k, v in params.items()))
+
+
+class S3Client:
+    """A small SigV4-signed S3 client on one pooled httpx.AsyncClient, with bounded retries.
+
+    Every method is a checkpoint and cancellable. Statuses in `expect` are returned; others
+    raise S3Error (after retries for throttling, 5xx and transport errors).
+    """
+
+    def __init__(self, target: _Target, credentials: Any, *, connect_timeout: float,
+                 read_timeout: float, max_connections: int, max_attempts: int,
+                 backoff_base: float, backoff_max: float, verify_tls: bool) -> None:
+        import httpx
+        from botocore.auth import SigV4Auth
+
+        self.target = target
+        self._credentials = credentials
+        self._sigv4 = SigV4Auth
+        self._httpx = httpx
+        self.max_attempts = max_attempts
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.retries = 0
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections),
+            verify=verify_tls, follow_redirects=False)
+
+    def _signed_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
+        from botocore.awsrequest import AWSRequest
+
+        headers = {"x-amz-content-sha256": _UNSIGNED, **headers}
+        request = AWSRequest(method=method, url=url, headers=headers)
+        frozen = self._credentials.get_frozen_credentials()
+        self._sigv4(frozen, "s3", self.target.region).add_auth(request)
+        return dict(request.headers.items())
+
+    async def _backoff(self, attempt: int) -> None:
+        self.retries += 1
+        await trio.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt)))
+
+    async def request(self, method: str, object_key: str = "", *, query: str = "",
+                      headers: dict[str, str] | None = None, content: Any = None,
+                      expect: tuple[int, ...] = (200,)) -> Any:
+        """Sends a request with retries; returns the (read) response for statuses in expect."""
+        url = self.target.url(object_key, query)
+        last = "no attempt"
+        for attempt in range(self.max_attempts):
+            signed = self._signed_headers(method, url, headers or {})
+            try:
+                response = await self.client.request(method, url, headers=signed,
+                                                     content=content)
+            except self._httpx.TransportError as exc:
+                last = _transport_text(exc)
+            else:
+                if response.status_code in expect:
+                    return response
+                if response.status_code not in _RETRY_STATUS:
+                    raise _status_error(method, response)
+                last = _status_error(method, response).args[0]
+            if attempt + 1 < self.max_attempts:
+                await self._backoff(attempt)
+        raise S3Error(f"{method} failed after {self.max_attempts} attempts: {last}")
+
+    async def stream(self, method: str, object_key: str, *, headers: dict[str, str],
+                     expect: tuple[int, ...]) -> Any:
+        """One streamed attempt (the caller retries): a response whose body is unread, or
+        None for a retryable failure."""
+        url = self.target.url(object_key)
+        signed = self._signed_headers(method, url, headers)
+        request = self.client.build_request(method, url, headers=signed)
+        response = await self.client.send(request, stream=True)
+        if response.status_code in expect:
+            return response
+        await response.aread()
+        await response.aclose()
+        if response.status_code in _RETRY_STATUS:
+            raise _Retryable(_status_error(method, response).args[0])
+        raise _status_error(method, response)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class _Retryable(Exception):
+    pass
+
+
+def _transport_text(exc: Exception) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+def _status_error(method: str, response: Any) -> S3Error:
+    code = ""
+    try:
+        body = response.content
+    except Exception:  # a streamed body that was not read
+        body = b""
+    if body:
+        match = re.search(rb"<Code>([^<]+)</Code>", body)
+        code = match.group(1).decode() if match else ""
+    text = f"{method} -> HTTP {response.status_code}" + (f" {code}" if code else "")
+    return S3Error(text, response.status_code, code)
+
+
+def _xml_text(node: ElementTree.Element, tag: str) -> str | None:
+    found = node.find(_NS + tag)
+    if found is None:
+        found = node.find(tag)
+    return None if found is None else found.text
+
+
+class S3Driver:
+    """Blocks as S3 objects under <prefix>/<namespace>/."""
+
+    persistent = True
+
+    class Options(DriverOptions):
+        bucket: str = Field(min_length=3, max_length=63)
+        endpoint: str | None = None
+        prefix: str = "ucm"
+        region: str | None = None
+        profile: str | None = None
+        access_key_id: str | None = None
+        secret_access_key: SecretStr | None = None
+        session_token: SecretStr | None = None
+        addressing_style: Literal["path", "virtual"] = "path"
+        verify_tls: bool = True
+        connect_timeout: float = Field(default=5.0, gt=0)
+        read_timeout: float = Field(default=30.0, gt=0)
+        max_attempts: int = Field(default=4, ge=1, le=20)
+        backoff_base: float = Field(default=0.05, ge=0)
+        backoff_max: float = Field(default=2.0, ge=0)
+        max_connections: int = Field(default=32, ge=1)
+        batch_concurrency: int = Field(default=16, ge=1)  # requests in flight per batch
+        multipart_threshold: ByteSize = Field(default=ByteSize(32 * 2**20), ge=5 * 2**20)
+        part_size: ByteSize = Field(default=ByteSize(8 * 2**20), ge=5 * 2**20)
+
+    def __init__(self, client: S3Client, options: Options, *, name: str, namespace: str,
+                 codec: Codec) -> None:
+        self.client = client
+        self.options = options
+        self.name = name
+        self.namespace = namespace
+        self.codec = codec
+        prefix = options.prefix.strip("/")
+        self.key_prefix = (f"{prefix}/" if prefix else "") + safe_dir_name(namespace) + "/"
+        self._closed = False
+        self._stats: dict[str, int] = dict.fromkeys(
+            ("lookups", "hits", "loads", "loaded", "missing", "corrupt", "failed",
+             "bytes_read", "stores", "stored", "bytes_written", "store_failed", "deletes",
+             "multipart_puts", "ranged_gets", "etag_races"), 0)
+
+    # -- opening ----------------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, options: Options | dict, *, name: str = "s3", namespace: str,
+                   codec: str = "none") -> Self:
+        if not isinstance(options, cls.Options):
+            options = cls.Options.model_validate(options)
+        codec_value = parse_codec(codec)
+        target, credentials, source = await trio.to_thread.run_sync(_resolve, options)
+        client = S3Client(target, credentials, connect_timeout=options.connect_timeout,
+                          read_timeout=options.read_timeout,
+                          max_connections=options.max_connections,
+                          max_attempts=options.max_attempts, backoff_base=options.backoff_base,
+                          backoff_max=options.backoff_max, verify_tls=options.verify_tls)
+        try:
+            await _check_bucket(client, name, source)
+        except BaseException:
+            await client.aclose()
+            raise
+        return cls(client, options, name=name, namespace=namespace, codec=codec_value)
+
+    def object_key(self, key: bytes) -> str:
+        """The object name of `key` (tests and tools)."""
+        return self.key_prefix + key.hex()
+
+    # -- the Driver protocol ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageUnavailable("driver is closed", driver=self.name)
+
+    async def _each(self, fn: Any, items: Sequence[Any]) -> list[Any]:
+        """fn(i, item) for every item, batch_concurrency at a time, results in order."""
+        results: list[Any] = [None] * len(items)
+        if len(items) == 1:
+            results[0] = await fn(0, items[0])
+            return results
+        limiter = trio.CapacityLimiter(self.options.batch_concurrency)
+
+        async def one(i: int, item: Any) -> None:
+            async with limiter:
+                results[i] = await fn(i, item)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i, item in enumerate(items):
+                    nursery.start_soon(one, i, item)
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        return results
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = check_keys(keys)
+        self._check_open()
+
+        async def found(i: int, key: bytes) -> bool | str:
+            try:
+                response = await self.client.request("HEAD", self.object_key(key),
+                                                     expect=(200, 404))
+            except S3Error as exc:
+                return str(exc)
+            return response.status_code == 200
+
+        results = await self._each(found, keys)
+        errors = [r for r in results if isinstance(r, str)]
+        if errors:
+            raise StorageUnavailable(f"lookup failed: {errors[0]}", driver=self.name)
+        self._stats["lookups"] += len(keys)
+        self._stats["hits"] += sum(results)
+        return results
+
+    async def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[LoadState]:
+        keys, views = check_batch(keys, buffers, writable=True)
+        self._check_open()
+        failures: list[str] = []
+
+        async def one(i: int, key: bytes) -> LoadState:
+            try:
+                return await self._load_one(key, views[i])
+            except BlockCorrupt:
+                return LoadState.CORRUPT
+            except S3Error as exc:
+                failures.append(str(exc))
+                return LoadState.FAILED
+
+        states: list[LoadState] = await self._each(one, keys)
+        stats = self._stats
+        stats["loads"] += len(keys)
+        for state, view in zip(states, views, strict=True):
+            if state is LoadState.OK:
+                stats["loaded"] += 1
+                stats["bytes_read"] += view.nbytes
+            elif state is LoadState.MISSING:
+                stats["missing"] += 1
+            elif state is LoadState.CORRUPT:
+                stats["corrupt"] += 1
+            else:
+                stats["failed"] += 1
+        if failures and len(failures) == len(keys):
+            raise StorageUnavailable(f"all {len(keys)} reads failed: {failures[0]}",
+                                     driver=self.name)
+        return states
+
+    async def store(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        keys, views = check_batch(keys, buffers, writable=False)
+        self._check_open()
+        failures: list[str] = []
+
+        async def one(i: int, key: bytes) -> int:
+            try:
+                return await self._store_one(key, views[i])
+            except S3Error as exc:
+                failures.append(str(exc))
+                return 0
+
+        sizes: list[int] = await self._each(one, keys)
+        stats = self._stats
+        stats["stores"] += len(keys)
+        for size in sizes:
+            if size:
+                stats["stored"] += 1
+                stats["bytes_written"] += size
+            else:
+                stats["store_failed"] += 1
+        if failures and len(failures) == len(keys):
+            raise StorageUnavailable(f"all {len(keys)} writes failed: {failures[0]}",
+                                     driver=self.name)
+        return sizes
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        keys = check_keys(keys)
+        self._check_open()
+        names = [self.object_key(k) for k in dict.fromkeys(keys)]
+        try:
+            await self._delete_objects(names)
+        except S3Error as exc:
+            raise StorageUnavailable(f"delete failed: {exc}", driver=self.name) from None
+        self._stats["deletes"] += len(keys)
+
+    async def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
+        """Every block of this namespace, by ListObjectsV2 pages of up to 1,000."""
+        self._check_open()
+        async for name, size in self._list(self.key_prefix):
+            stem = name[len(self.key_prefix):]
+            if "/" not in stem and _HEX.match(stem):
+                yield bytes.fromhex(stem), size
+
+    async def delete_namespace(self) -> int:
+        """Deletes every object of this namespace; returns how many (one list + one bulk
+        delete per 1,000 objects: cheap because the namespace is a key prefix)."""
+        self._check_open()
+        count = 0
+        page: list[str] = []
+        try:
+            async for name, _ in self._list(self.key_prefix):
+                page.append(name)
+                if len(page) == 1000:
+                    await self._delete_objects(page)
+                    count, page = count + len(page), []
+            if page:
+                await self._delete_objects(page)
+                count += len(page)
+        except S3Error as exc:
+            raise StorageUnavailable(f"delete namespace failed: {exc}", driver=self.name) from None
+        return count
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self.client.aclose()
+        await trio.lowlevel.checkpoint()
+
+    def statistics(self) -> dict[str, int | float]:
+        return {**self._stats, "retries": self.client.retries}
+
+    # -- one block ----------------------------------------------------------------------------
+
+    async def _store_one(self, key: bytes, view: memoryview) -> int:
+        payload = as_byte_view(encode_payload(self.codec, view))
+        header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+        size = PAYLOAD_OFFSET + payload.nbytes
+        body = header + payload  # one copy: the payload follows the header in one request
+        name = self.object_key(key)
+        if size > self.options.multipart_threshold:
+            await self._multipart_put(name, memoryview(body))
+            self._stats["multipart_puts"] += 1
+        else:
+            await self.client.request("PUT", name, content=body)
+        return size
+
+    async def _multipart_put(self, name: str, body: memoryview) -> None:
+        client = self.client
+        response = await client.request("POST", name, query="uploads=")
+        upload_id = _xml_text(ElementTree.fromstring(response.content), "UploadId")
+        if not upload_id:
+            raise S3Error("multipart upload: no UploadId in the answer")
+        part = int(self.options.part_size)
+        ranges = [(i, start, min(start + part, body.nbytes))
+                  for i, start in enumerate(range(0, body.nbytes, part), 1)]
+        etags: dict[int, str] = {}
+
+        async def upload(_: int, item: tuple[int, int, int]) -> None:
+            number, start, end = item
+            answer = await client.request(
+                "PUT", name, query=_query(partNumber=str(number), uploadId=upload_id),
+                content=bytes(body[start:end]))
+            etags[number] = answer.headers.get("etag", "")
+
+        try:
+            await self._each(upload, ranges)
+            parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{etags[n]}</ETag></Part>"
+                            for n in sorted(etags))
+            done = await client.request(
+                "POST", name, query=_query(uploadId=upload_id),
+                content=f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode())
+            if b"<Error>" in done.content[:512]:  # S3 may report failure inside a 200
+                raise S3Error(f"complete multipart upload: {done.content[:200]!r}")
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await client.request("DELETE", name, query=_query(uploadId=upload_id),
+                                         expect=(204, 200, 404))
+                except S3Error:
+                    pass  # the bucket's lifecycle rules reap abandoned uploads
+            raise
+
+    async def _load_one(self, key: bytes, out: memoryview) -> LoadState:
+        """GET the block (its first part by range, the rest in parallel ranged GETs pinned to
+        the first answer's ETag) and verify it. A block replaced meanwhile restarts the load."""
+        last = ""
+        for attempt in range(self.client.max_attempts):
+            try:
+                return await self._get_once(key, out)
+            except (_Retryable, self.client._httpx.TransportError) as exc:
+                last = str(exc) if isinstance(exc, _Retryable) else _transport_text(exc)
+            if attempt + 1 < self.client.max_attempts:
+                await self.client._backoff(attempt)
+        raise S3Error(f"GET failed after {self.client.max_attempts} attempts: {last}")
+
+    async def _get_once(self, key: bytes, out: memoryview) -> LoadState:
+        name = self.object_key(key)
+        first = int(self.options.part_size)
+        response = await self.client.stream("GET", name, headers={"range": f"bytes=0-{first - 1}"},
+                                            expect=(200, 206, 404))
+        try:
+            if response.status_code == 404:
+                await response.aread()
+                return LoadState.MISSING
+            total = _object_size(response)
+            etag = response.headers.get("etag", "")
+            head = bytearray(PAYLOAD_OFFSET)
+            filled = 0
+            stream = response.aiter_raw()
+            async for chunk in stream:
+                take = min(len(chunk), PAYLOAD_OFFSET - filled)
+                head[filled:filled + take] = chunk[:take]
+                filled += take
+                if filled == PAYLOAD_OFFSET:
+                    rest = memoryview(chunk)[take:]
+                    break
+            else:
+                raise BlockCorrupt(f"object is {filled} bytes, shorter than a block header")
+            header = decode_header(head, expect_key=key)
+            if header.raw_len != out.nbytes:
+                raise size_mismatch(out, header)
+            if total != PAYLOAD_OFFSET + header.payload_len:
+                raise BlockCorrupt(f"object is {total} bytes, header says "
+                                   f"{PAYLOAD_OFFSET + header.payload_len}")
+            direct = header.codec is Codec.NONE
+            target = out if direct else memoryview(bytearray(header.payload_len))
+            got = _fill(target, 0, rest)
+            async for chunk in stream:
+                got = _fill(target, got, chunk)
+        finally:
+            await response.aclose()
+        body_end = first - PAYLOAD_OFFSET  # payload bytes the first answer covered
+        if got < min(body_end, header.payload_len):
+            raise _Retryable(f"GET body ended after {PAYLOAD_OFFSET + got} of {total} bytes")
+        if header.payload_len > body_end:
+            self._stats["ranged_gets"] += 1
+            await self._get_ranges(name, etag, target, body_end)
+        if direct:
+            verify_payload(header, out)
+        else:
+            decode_payload_into(header, target, out)
+        return LoadState.OK
+
+    async def _get_ranges(self, name: str, etag: str, target: memoryview, start: int) -> None:
+        part = int(self.options.part_size)
+        ranges = [(s, min(s + part, target.nbytes)) for s in range(start, target.nbytes, part)]
+
+        async def get(_: int, span: tuple[int, int]) -> None:
+            lo, hi = span
+            headers = {"range": f"bytes={lo + PAYLOAD_OFFSET}-{hi + PAYLOAD_OFFSET - 1}"}
+            if etag:
+                headers["if-match"] = etag
+            try:
+                response = await self.client.stream("GET", name, headers=headers,
+                                                     expect=(206,))
+            except S3Error as exc:
+                if exc.status in (404, 412):  # replaced or deleted since the first part
+                    self._stats["etag_races"] += 1
+                    raise _Retryable("the block changed during a ranged load") from None
+                raise
+            try:
+                got = lo
+                async for chunk in response.aiter_raw():
+                    got = _fill(target, got, chunk, limit=hi)
+            finally:
+                await response.aclose()
+            if got != hi:
+                raise _Retryable(f"ranged GET ended at {got} of {hi}")
+
+        await self._each(get, ranges)
+
+    # -- listing and bulk delete ----------------------------------------------------------------
+
+    async def _list(self, prefix: str) -> AsyncIterator[tuple[str, int]]:
+        token = None
+        while True:
+            params = {"list_type": "2", "prefix": prefix, "max_keys": "1000"}
+            if token:
+                params["continuation_token"] = token
+            try:
+                response = await self.client.request("GET", query=_query(**params))
+            except S3Error as exc:
+                raise StorageUnavailable(f"list failed: {exc}", driver=self.name) from None
+            root = ElementTree.fromstring(response.content)
+            for item in root.iter(_NS + "Contents"):
+                yield _xml_text(item, "Key") or "", int(_xml_text(item, "Size") or 0)
+            token = _xml_text(root, "NextContinuationToken")
+            if (_xml_text(root, "IsTruncated") or "false").lower() != "true" or not token:
+                return
+
+    async def _delete_objects(self, names: list[str]) -> None:
+        if len(names) == 1:
+            await self.client.request("DELETE", names[0], expect=(200, 204, 404))
+            return
+
+        async def bulk(_: int, chunk: list[str]) -> None:
+            objects = "".join(f"<Object><Key>{_xml_escape(n)}</Key></Object>" for n in chunk)
+            body = f"<Delete><Quiet>true</Quiet>{objects}</Delete>".encode()
+            md5 = base64.b64encode(hashlib.md5(body).digest()).decode()
+            response = await self.client.request("POST", query="delete=", content=body,
+                                                 headers={"content-md5": md5})
+            if b"<Error>" in response.content:
+                raise S3Error(f"bulk delete reported errors: {response.content[:200]!r}")
+
+        await self._each(bulk, [names[i:i + 1000] for i in range(0, len(names), 1000)])
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error to raise for a failed batch: the first that is not a cancellation."""
+    leaves: list[BaseException] = []
+    todo: list[BaseException] = [group]
+    while todo:
+        exc = todo.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            todo[:0] = exc.exceptions
+        else:
+            leaves.append(exc)
+    for exc in leaves:
+        if not isinstance(exc, trio.Cancelled):
+            return exc
+    return leaves[0]
+
+
+def _fill(target: memoryview, at: int, chunk: Any, *, limit: int | None = None) -> int:
+    n = len(chunk)
+    end = target.nbytes if limit is None else limit
+    if at + n > end:
+        raise BlockCorrupt(f"object is longer than its header says ({at + n} > {end})")
+    target[at:at + n] = chunk
+    return at + n
+
+
+def _object_size(response: Any) -> int:
+    if response.status_code == 206:
+        content_range = response.headers.get("content-range", "")
+        total = content_range.rpartition("/")[2]
+        if total.isdigit():
+            return int(total)
+    length = response.headers.get("content-length")
+    if length is None or not length.isdigit():
+        raise _Retryable("GET answer without a length")
+    return int(length)
+
+
+def _xml_escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def _resolve(options: S3Driver.Options) -> tuple[_Target, Any, str]:
+    """Endpoint, region and credentials from the options and the AWS environment. Runs in a
+    worker thread: botocore reads ~/.aws files. Returns a description of where the
+    credentials came from (never the credentials)."""
+    try:
+        import botocore.session
+        from botocore.credentials import Credentials
+    except ImportError as exc:
+        raise ConfigError(f"s3 driver needs botocore and httpx ({exc}); install it with: "
+                          "pip install 'ucm[s3]'") from None
+    try:
+        session = botocore.session.Session(profile=options.profile)
+        region = (options.region or session.get_config_variable("region")
+                  or os.environ.get("AWS_REGION") or "us-east-1")
+    except Exception as exc:  # botocore.exceptions.ProfileNotFound and kin
+        raise ConfigError(f"profile: {exc}") from None
+    if options.access_key_id or options.secret_access_key:
+        if not (options.access_key_id and options.secret_access_key):
+            raise ConfigError("access_key_id and secret_access_key must be given together")
+        token = options.session_token.get_secret_value() if options.session_token else None
+        credentials = Credentials(options.access_key_id,
+                                  options.secret_access_key.get_secret_value(), token)
+        source = "the driver options"
+    else:
+        try:
+            credentials = session.get_credentials()
+        except Exception as exc:
+            raise ConfigError(f"credentials: {exc}") from None
+        if credentials is None:
+            raise ConfigError("credentials: none found; set access_key_id/secret_access_key, "
+                              "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a profile in "
+                              "~/.aws/credentials")
+        source = f"the AWS {getattr(credentials, 'method', 'default')} credentials"
+        if options.profile:
+            source += f" of profile {options.profile!r}"
+    endpoint = (options.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL") or f"https://s3.{region}.amazonaws.com")
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"endpoint: {endpoint!r} is not an http(s) URL")
+    target = _Target(endpoint.rstrip("/"), options.bucket, region,
+                     options.addressing_style == "virtual")
+    return target, credentials, source
+
+
+async def _check_bucket(client: S3Client, name: str, source: str) -> None:
+    """HEAD the bucket, so bad settings fail at start-up with the reason."""
+    target = client.target
+    where = f"bucket {target.bucket!r} at {target.endpoint}"
+    try:
+        response = await client.request("HEAD", expect=(200, 301, 400, 403, 404))
+    except S3Error as exc:
+        raise StorageUnavailable(f"cannot reach {where}: {exc}", driver=name) from None
+    status = response.status_code
+    if status == 403:
+        raise ConfigError(f"access denied to {where} with {source}: check the access key, "
+                          "the secret and the bucket policy")
+    if status == 404:
+        raise ConfigError(f"bucket: {where} does not exist")
+    if status in (301, 400):
+        raise ConfigError(f"region: {where} refused region {target.region!r} "
+                          f"(HTTP {status}); set region to the bucket's region")
