@@ -15,7 +15,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -87,7 +89,7 @@ def make_engine(spec: EngineSpec) -> Any:
                max_num_seqs=spec.max_num_seqs,
                tensor_parallel_size=spec.tensor_parallel_size,
                distributed_executor_backend=None if spec.multiprocess else "uni",
-               **kwargs)
+               disable_log_stats=False, **kwargs)
 
 
 def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
@@ -98,6 +100,7 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in phase.prompts]
     walls, ttft = [], []
     outs: list[Any] = []
+    before = _worker_counters()
     for _ in range(phase.repeat):
         t0 = time.perf_counter()
         if phase.stepwise:
@@ -112,7 +115,20 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "prompt_tokens": [len(p) for p in phase.prompts],
+        "worker_delta": {k: v - before.get(k, 0) for k, v in _worker_counters().items()},
     }
+
+
+def _worker_counters() -> dict[str, int]:
+    """The ucm worker's own counters (no kernel snapshot: cheap, and safe mid-run)."""
+    try:
+        from ucm.vllm_hook.connector import live_connectors
+    except ImportError:
+        return {}
+    for conn in live_connectors():
+        if conn.worker is not None:
+            return dict(conn.worker.stats)
+    return {}
 
 
 def _stepwise(llm: Any, prompts: list[Any], params: Any) -> tuple[list[Any], list[float]]:
@@ -153,28 +169,68 @@ def connector_stats(wait: float = 120.0) -> dict[str, Any]:
 
 def run(spec: EngineSpec, phases: list[Phase]) -> dict[str, Any]:
     t0 = time.perf_counter()
+    _progress("starting the engine")
     llm = make_engine(spec)
     start_s = time.perf_counter() - t0
-    results = [run_phase(llm, p) for p in phases]
-    return {"engine_start_s": start_s, "phases": results, "stats": connector_stats()}
+    _progress(f"engine started in {start_s:.1f} s")
+    results = []
+    for p in phases:
+        results.append(run_phase(llm, p))
+        _progress(f"{p.name or 'phase'}: {len(p.prompts)} requests in "
+                  f"{results[-1]['wall_s'][-1]:.2f} s")
+    return {"engine_start_s": start_s, "phases": results, "stats": connector_stats(),
+            "preemptions": _preemptions(llm)}
 
 
-def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float = 600,
+def _preemptions(llm: Any) -> int | None:
+    try:
+        for metric in llm.get_metrics():
+            if metric.name == "vllm:num_preemptions":
+                return int(metric.value)
+    except Exception:
+        return None
+    return None
+
+
+def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float = 900,
                       env: dict[str, str] | None = None, log_path: str | None = None,
-                      ) -> dict[str, Any]:
-    """Runs `run(spec, phases)` in a fresh Python process and returns its result."""
+                      progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Runs `run(spec, phases)` in a fresh Python process and returns its result. `progress`
+    gets the child's progress lines as they come."""
     payload = json.dumps({"spec": asdict(spec), "phases": [asdict(p) for p in phases]})
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "ucm.vllm_run"], input=payload,
-                          capture_output=True, text=True, timeout=timeout, env=full_env)
-    if log_path:
-        with open(log_path, "a") as f:
-            f.write(proc.stdout + proc.stderr)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("UCM_RESULT "):
-            return json.loads(line[len("UCM_RESULT "):])
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{tail}")
+    log = open(log_path, "a") if log_path else open(os.devnull, "w")  # noqa: SIM115
+    with log, subprocess.Popen([sys.executable, "-m", "ucm.vllm_run"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=log, text=True,
+                               env=full_env) as proc:
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        result = None
+        try:
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            for line in proc.stdout:
+                if line.startswith("UCM_RESULT "):
+                    result = json.loads(line[len("UCM_RESULT "):])
+                elif line.startswith("UCM_PROGRESS ") and progress is not None:
+                    progress(line[len("UCM_PROGRESS "):].rstrip())
+                else:
+                    log.write(line)
+            proc.wait()
+        finally:
+            timer.cancel()
+    if result is None:
+        tail = ""
+        if log_path:
+            with open(log_path) as f:
+                tail = f.read()[-4000:]
+        raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{tail}")
+    return result
+
+
+def _progress(message: str) -> None:
+    sys.stdout.write(f"UCM_PROGRESS {message}\n")
+    sys.stdout.flush()
 
 
 def _main() -> None:

@@ -236,7 +236,8 @@ class WorkerSide:
 
     # -- end -------------------------------------------------------------------------------------
     def statistics(self) -> dict[str, Any]:
-        stats = dict(self.stats)
+        stats: dict[str, Any] = dict(self.stats)
+        stats["namespace"] = self.settings.namespace
         if self._kernel is not None:
             try:
                 stats["kernel"] = self._kernel.statistics()

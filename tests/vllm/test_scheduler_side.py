@@ -1,0 +1,85 @@
+"""The scheduler side against a real kernel, with fake vLLM requests: prefix hits, TP ranks,
+"ask again later" while a lookup is in flight, and a hanging store as a miss."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from ucm.config import load_config
+from ucm.kernel import Kernel, Store
+from ucm.vllm_hook.keys import chain_digests, chain_seed, rank_key
+from ucm.vllm_hook.scheduler import SchedulerSide
+from ucm.vllm_hook.settings import HookSettings, acquire_kernel, release_kernel
+
+BS = 4
+
+
+def _settings(config: dict, **kw) -> HookSettings:
+    cfg = load_config({**config, "namespace": "test-ns"})
+    return HookSettings(ucm_config=cfg, namespace="test-ns", block_size=BS, **kw)
+
+
+def _request(rid: str, tokens: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, all_token_ids=tokens, prompt_token_ids=tokens,
+                           cache_salt=None, lora_request=None)
+
+
+def _store(kernel: Kernel, tokens: list[int], n_blocks: int, rank: int = 0, size: int = 1):
+    digests = chain_digests(chain_seed("test-ns"), tokens, BS, n_blocks)
+    keys = [rank_key(d, rank, size) for d in digests]
+    kernel.submit(Store(keys, buffers=[b"x" * 64] * len(keys))).result(10)
+
+
+def _answer(side: SchedulerSide, req, computed: int = 0, wait: float = 5.0):
+    end = time.monotonic() + wait
+    while True:
+        n, asynchronous = side.get_num_new_matched_tokens(req, computed)
+        if n is not None or time.monotonic() > end:
+            return n, asynchronous
+
+
+def test_prefix_hit_never_claims_the_last_token():
+    settings = _settings({"tiers": [{"driver": "memory"}]})
+    kernel = acquire_kernel(settings.ucm_config, register=True)  # shared in one process
+    try:
+        tokens = list(range(16))  # 4 full blocks
+        _store(kernel, tokens, 4)
+        side = SchedulerSide(settings)
+        assert _answer(side, _request("a", tokens)) == (12, False)  # block 3 holds token 15
+        assert _answer(side, _request("b", tokens), computed=8) == (4, False)
+        assert _answer(side, _request("c", tokens[:9] + [99] * 7)) == (8, False)
+    finally:
+        release_kernel(kernel)
+        kernel.close()
+
+
+def test_tp_hit_needs_every_rank():
+    settings = _settings({"tiers": [{"driver": "memory"}]}, tp_size=2)
+    kernel = acquire_kernel(settings.ucm_config, register=True)
+    try:
+        tokens = list(range(17))
+        _store(kernel, tokens, 4, rank=0, size=2)
+        _store(kernel, tokens, 2, rank=1, size=2)
+        side = SchedulerSide(settings)
+        assert _answer(side, _request("a", tokens)) == (8, False)
+    finally:
+        release_kernel(kernel)
+        kernel.close()
+
+
+def test_hanging_storage_answers_later_then_misses(tmp_path):
+    config = {"tiers": [{"driver": "faulty", "hang": True,
+                         "inner": {"driver": "posix", "path": str(tmp_path)}}]}
+    side = SchedulerSide(_settings(config, lookup_wait=0.001, lookup_timeout=0.3))
+    req = _request("a", list(range(16)))
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
+    t0 = time.monotonic()
+    assert _answer(side, req) == (0, False)
+    assert time.monotonic() - t0 < 2
+    assert side.stats["lookup_timeouts"] == 1 and side.stats["lookup_deferred"] >= 1
+    side.shutdown()
