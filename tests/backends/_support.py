@@ -121,3 +121,13 @@ async def flip_object_byte(driver: Any, key: bytes) -> None:
 
 async def truncate_object(driver: Any, key: bytes) -> None:
     await _rewrite_object(driver, key, lambda body: body[: 4096 + (len(body) - 4096) // 2])
+
+
+# --- contract-suite hooks for pmem ------------------------------------------------------------
+
+
+def flip_pool_byte(driver: Any, key: bytes) -> None:
+    """Flips the middle payload byte of a block inside the mapped pool."""
+    pool = _unwrap(driver).pool
+    entry = pool.index[key]
+    pool.view[entry.offset + 4096 + (entry.length - 4096) // 2] ^= 0x40

@@ -114,6 +114,10 @@ SPECS += [
     DriverSpec("s3", "s3", lambda s: backends.shared_seaweedfs().options(
         backends.scratch_prefix(s.disk)), backends.flip_object_byte, cross_process=True,
         persistent=True, truncate=backends.truncate_object),
+    DriverSpec("pmem", "pmem", lambda s: {"path": str(s.disk / "pmem"), "size": "64MiB"},
+               backends.flip_pool_byte, persistent=True),
+    DriverSpec("pmem-shm", "pmem", lambda s: {"path": str(s.shm), "size": "64MiB"},
+               backends.flip_pool_byte, persistent=True),
 ]
 
 

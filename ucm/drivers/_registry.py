@@ -17,7 +17,10 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "memory": ("ucm.drivers.memory:MemoryDriver", None),
     "posix": ("ucm.drivers.posix:PosixDriver", None),
     "faulty": ("ucm.drivers.faulty:FaultyDriver", None),
+    "mooncake": ("ucm.drivers.mooncake:MooncakeDriver", "mooncake"),
+    "nfs": ("ucm.drivers.nfs:NfsDriver", "nfs"),
     "s3": ("ucm.drivers.s3:S3Driver", "s3"),
+    "pmem": ("ucm.drivers.pmem:PmemDriver", "pmem"),
 }
 
 _lock = threading.Lock()

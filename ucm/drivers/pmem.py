@@ -1,0 +1,481 @@
+"""The `pmem` driver: blocks in one memory-mapped pool file through libpmem (PMDK).
+
+    - driver: pmem
+      path: /mnt/pmem0/ucm      # a directory; the pool is <path>/<namespace>.pmem
+      size: 8GiB                # the pool file's size when it is created (= the capacity)
+      max_blocks: null          # index entries; default one per 64 KiB of the pool
+
+libpmem (Debian libpmem1) is loaded through ctypes and maps the file with `pmem_map_file`.
+On real persistent memory (`pmem_is_pmem` says so: DAX) a range is made durable with
+`pmem_persist` (cache flushes); on any other file (ext4, tmpfs) with `pmem_msync`.
+
+Pool layout, crash-consistent without a log:
+
+    0       4 KiB superblock: magic, version, sizes, entry count, checksum
+    4096    index: one 64-byte entry per slot {magic, seq, offset, length, key digest, crc}
+    data    extents of whole 4 KiB pages, each one block in the `ucm.block` format
+
+A store copies header and payload into a free extent and persists it, then writes and
+persists the index entry: a block is visible only once its bytes and checksums are durable,
+and the entry's own checksum makes a torn entry invisible. Replacing or deleting a block
+clears (and persists) the old entry before its extent can be reused, so no entry ever points
+at bytes that another block overwrote. Recovery (every open) reads the index: valid entries
+whose header names the same key digest are blocks, the highest sequence number wins a
+duplicate, everything else is free space. An extent that a load is reading stays allocated
+until that load is done, so a delete or overwrite never breaks a load in progress.
+
+One process owns a pool at a time (an exclusive flock): the index lives in this process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+from typing import Any, Self
+
+import trio
+import xxhash
+from pydantic import ByteSize, Field
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    Codec,
+    as_byte_view,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+    verify_payload,
+)
+from ucm.drivers._files import (
+    Backend,
+    ThreadedDriver,
+    os_error,
+    parse_codec,
+    safe_dir_name,
+    size_mismatch,
+)
+from ucm.drivers._protocol import DriverOptions, LoadState
+from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
+
+PAGE = 4096
+_SUPER = struct.Struct("<8sIIQQQQ")  # magic, version, entry size, file size, entries, index, data
+_SUPER_MAGIC, _VERSION = b"UCMPMEM1", 1
+_ENTRY = struct.Struct("<IIQQQ16s")  # magic, reserved, seq, offset, length, key digest
+_ENTRY_SIZE = 64
+_ENTRY_MAGIC = 0x45504355  # "UCPE"
+_CRC = struct.Struct("<I")
+PMEM_FILE_CREATE = 1
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+_lib: Any = None
+
+
+def libpmem() -> Any:
+    """libpmem through ctypes, loaded once; ConfigError when it is not installed."""
+    global _lib
+    if _lib is None:
+        name = ctypes.util.find_library("pmem") or "libpmem.so.1"
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError as exc:
+            raise ConfigError(f"pmem driver needs libpmem ({exc}); install it with: "
+                              "apt-get install libpmem1") from None
+        size_p, int_p = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)
+        lib.pmem_map_file.restype = ctypes.c_void_p  # else ctypes cuts the pointer to an int
+        lib.pmem_map_file.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int,
+                                      ctypes.c_uint, size_p, int_p]
+        lib.pmem_unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.pmem_is_pmem.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.pmem_persist.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.pmem_persist.restype = None
+        lib.pmem_msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.pmem_memcpy_persist.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.pmem_memcpy_persist.restype = ctypes.c_void_p
+        lib.pmem_errormsg.restype = ctypes.c_char_p
+        _lib = lib
+    return _lib
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a contiguous buffer, read-only ones included."""
+    import numpy as np
+
+    return int(np.frombuffer(view, np.uint8).ctypes.data)
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    offset: int
+    length: int  # header + payload
+    extent: int  # whole pages
+    seq: int
+    readers: int = 0
+    cleared: bool = False  # the slot on the media no longer names this extent
+
+
+class PmemPool(Backend):
+    """The mapped pool file: index, allocator and block copies. Thread-safe."""
+
+    def __init__(self, path: str, *, namespace: str, codec: Codec, lock_fd: int) -> None:
+        self.path = path
+        self.namespace = namespace
+        self.codec = codec
+        self._lock_fd = lock_fd
+        self._lock = threading.Lock()
+        self.lib = libpmem()
+        self.addr = 0
+        self.size = 0
+        self.is_pmem = False
+        self.index: dict[bytes, _Entry] = {}
+        self._free: list[tuple[int, int]] = []  # (offset, length), sorted, coalesced
+        self._free_slots: list[int] = []
+        self._seq = 0
+        self.recovered_dropped = 0
+
+    # -- mapping and recovery -------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str, *, size: int, max_blocks: int | None, namespace: str,
+             codec: Codec) -> PmemPool:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock_fd)
+            raise StorageUnavailable(f"pool {path} is open in another process") from None
+        pool = cls(path, namespace=namespace, codec=codec, lock_fd=lock_fd)
+        try:
+            pool._map(size, max_blocks)
+        except BaseException:
+            pool.close()
+            raise
+        return pool
+
+    def _map(self, size: int, max_blocks: int | None) -> None:
+        lib = self.lib
+        mapped, is_pmem = ctypes.c_size_t(), ctypes.c_int()
+        exists = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+        if exists:
+            addr = lib.pmem_map_file(self.path.encode(), 0, 0, 0, ctypes.byref(mapped),
+                                     ctypes.byref(is_pmem))
+        else:
+            addr = lib.pmem_map_file(self.path.encode(), size, PMEM_FILE_CREATE, 0o600,
+                                     ctypes.byref(mapped), ctypes.byref(is_pmem))
+        if not addr:
+            err = ctypes.get_errno()
+            message = (lib.pmem_errormsg() or b"").decode(errors="replace")
+            raise OSError(err or errno.EIO, f"pmem_map_file: {message}", self.path)
+        self.addr, self.size = addr, mapped.value
+        self.is_pmem = bool(is_pmem.value) and bool(lib.pmem_is_pmem(addr, self.size))
+        self.view = memoryview((ctypes.c_char * self.size).from_address(addr)).cast("B")
+        if not exists or not any(self.view[:_SUPER.size]):
+            self._format(max_blocks)  # new, or a crash before the superblock was written
+        self._recover()
+
+    def _format(self, max_blocks: int | None) -> None:
+        entries = max_blocks or max(256, self.size // (64 * 1024))
+        data = _round_up(PAGE + entries * _ENTRY_SIZE)
+        if data + PAGE > self.size:
+            raise ConfigError(f"size: {self.size} bytes cannot hold {entries} index entries "
+                              "and one block; raise size or lower max_blocks")
+        self.view[PAGE:data] = bytes(data - PAGE)
+        self.persist(PAGE, data - PAGE)
+        head = _SUPER.pack(_SUPER_MAGIC, _VERSION, _ENTRY_SIZE, self.size, entries, PAGE, data)
+        self.view[: _SUPER.size + 4] = head + _CRC.pack(xxhash.xxh32_intdigest(head))
+        self.persist(0, PAGE)
+
+    def _recover(self) -> None:
+        head = bytes(self.view[: _SUPER.size])
+        (crc,) = _CRC.unpack_from(self.view, _SUPER.size)
+        magic, version, entry_size, file_size, entries, index, data = _SUPER.unpack(head)
+        if magic != _SUPER_MAGIC or crc != xxhash.xxh32_intdigest(head):
+            raise ConfigError(f"path: {self.path} is not a ucm pmem pool")
+        if version != _VERSION or entry_size != _ENTRY_SIZE or file_size != self.size:
+            raise ConfigError(f"path: {self.path} has pool format {version} for "
+                              f"{file_size} bytes; this driver reads format {_VERSION}")
+        self.entries, self.index_offset, self.data_offset = entries, index, data
+        found: dict[bytes, _Entry] = {}
+        for slot in range(entries):
+            entry = self._read_entry(slot)
+            if entry is None:
+                self._free_slots.append(slot)
+                continue
+            key, item = entry
+            self._seq = max(self._seq, item.seq)
+            older = found.get(key)
+            if older is not None and older.seq > item.seq:
+                item, older = older, item
+            if older is not None:  # a replace that crashed before clearing the old entry
+                self._clear_slot(older.slot)
+                self._free_slots.append(older.slot)
+                self.recovered_dropped += 1
+            found[key] = item
+        self._free_slots.reverse()  # pop() hands out low slots first
+        self.index = found
+        used = sorted((e.offset, e.extent) for e in found.values())
+        free, at = [], self.data_offset
+        for offset, extent in used:
+            if offset > at:
+                free.append((at, offset - at))
+            at = max(at, offset + extent)
+        if at < self.size:
+            free.append((at, self.size - at))
+        self._free = free
+
+    def _read_entry(self, slot: int) -> tuple[bytes, _Entry] | None:
+        at = self.index_offset + slot * _ENTRY_SIZE
+        raw = bytes(self.view[at:at + _ENTRY.size + 4])
+        magic, _, seq, offset, length, digest = _ENTRY.unpack_from(raw)
+        if magic != _ENTRY_MAGIC:
+            return None
+        if _CRC.unpack_from(raw, _ENTRY.size)[0] != xxhash.xxh32_intdigest(raw[:_ENTRY.size]):
+            self.recovered_dropped += 1  # torn: the store never completed
+            return None
+        extent = _round_up(length)
+        if (offset < self.data_offset or offset % PAGE or length < PAYLOAD_OFFSET
+                or offset + extent > self.size):
+            self.recovered_dropped += 1
+            return None
+        try:
+            header = decode_header(self.view[offset:offset + PAYLOAD_OFFSET])
+        except BlockCorrupt:
+            self.recovered_dropped += 1
+            return None
+        if _digest(header.key) != digest or header.stored_len != length:
+            self.recovered_dropped += 1
+            return None
+        return header.key, _Entry(slot, offset, length, extent, seq)
+
+    # -- media ------------------------------------------------------------------------------
+
+    def persist(self, offset: int, length: int) -> None:
+        if self.is_pmem:
+            self.lib.pmem_persist(self.addr + offset, length)
+        elif self.lib.pmem_msync(self.addr + offset, length) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), self.path)
+
+    def _write_entry(self, entry: _Entry, key: bytes) -> None:
+        body = _ENTRY.pack(_ENTRY_MAGIC, 0, entry.seq, entry.offset, entry.length, _digest(key))
+        at = self.index_offset + entry.slot * _ENTRY_SIZE
+        self.view[at:at + _ENTRY.size + 4] = body + _CRC.pack(xxhash.xxh32_intdigest(body))
+        self.persist(at, _ENTRY_SIZE)
+
+    def _clear_slot(self, slot: int) -> None:
+        at = self.index_offset + slot * _ENTRY_SIZE
+        self.view[at:at + _ENTRY_SIZE] = bytes(_ENTRY_SIZE)
+        self.persist(at, _ENTRY_SIZE)
+
+    # -- allocator (call with the lock held) --------------------------------------------------
+
+    def _allocate(self, length: int) -> int | None:
+        for i, (offset, size) in enumerate(self._free):
+            if size >= length:
+                if size == length:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + length, size - length)
+                return offset
+        return None
+
+    def _release(self, offset: int, length: int) -> None:
+        free = self._free
+        i = bisect_left(free, (offset, 0))
+        if i < len(free) and offset + length == free[i][0]:
+            length += free.pop(i)[1]
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
+            offset, length = free[i - 1][0], free[i - 1][1] + length
+            del free[i - 1]
+        insort(free, (offset, length))
+
+    def _maybe_free(self, entry: _Entry) -> None:
+        if entry.cleared and entry.readers == 0:
+            self._release(entry.offset, entry.extent)
+
+    def _retire(self, entry: _Entry) -> None:
+        """Clears a replaced or deleted block's slot, then frees what no reader holds."""
+        self._clear_slot(entry.slot)
+        with self._lock:
+            entry.cleared = True
+            self._free_slots.append(entry.slot)
+            self._maybe_free(entry)
+
+    # -- the Backend ------------------------------------------------------------------------
+
+    def lookup(self, keys: list[bytes]) -> list[bool]:
+        index = self.index
+        return [key in index for key in keys]
+
+    def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+        states = []
+        for key, out in zip(keys, views, strict=True):
+            with self._lock:
+                entry = self.index.get(key)
+                if entry is not None:
+                    entry.readers += 1
+            if entry is None:
+                states.append(LoadState.MISSING)
+                continue
+            try:
+                states.append(self._load_one(entry, key, out))
+            except BlockCorrupt:
+                states.append(LoadState.CORRUPT)
+            finally:
+                with self._lock:
+                    entry.readers -= 1
+                    self._maybe_free(entry)
+        return states
+
+    def _load_one(self, entry: _Entry, key: bytes, out: memoryview) -> LoadState:
+        start = entry.offset
+        header = decode_header(self.view[start:start + PAYLOAD_OFFSET], expect_key=key)
+        if header.raw_len != out.nbytes:
+            raise size_mismatch(out, header)
+        if header.stored_len != entry.length:
+            raise BlockCorrupt("header and index disagree on the block's length")
+        payload = start + PAYLOAD_OFFSET
+        if header.codec is Codec.NONE:
+            if out.nbytes:
+                ctypes.memmove(buffer_address(out), self.addr + payload, out.nbytes)
+            verify_payload(header, out)
+        else:
+            decode_payload_into(header, self.view[payload:payload + header.payload_len], out)
+        return LoadState.OK
+
+    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+        sizes = []
+        full = None
+        for key, view in zip(keys, views, strict=True):
+            size = self._store_one(key, view)
+            if size == 0:
+                full = full or f"pool {self.path} is full"
+            sizes.append(size)
+        if full and not any(sizes):
+            raise OSError(errno.ENOSPC, full, self.path)
+        return sizes
+
+    def _store_one(self, key: bytes, view: memoryview) -> int:
+        payload = as_byte_view(encode_payload(self.codec, view))
+        header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+        length = PAYLOAD_OFFSET + payload.nbytes
+        extent = _round_up(length)
+        with self._lock:
+            if not self._free_slots:
+                return 0
+            offset = self._allocate(extent)
+            if offset is None:
+                return 0
+            slot = self._free_slots.pop()
+            self._seq += 1
+            entry = _Entry(slot, offset, length, extent, self._seq)
+        try:
+            self.view[offset:offset + PAYLOAD_OFFSET] = header
+            if payload.nbytes:
+                ctypes.memmove(self.addr + offset + PAYLOAD_OFFSET, buffer_address(payload),
+                               payload.nbytes)
+            self.persist(offset, length)  # the bytes first...
+            self._write_entry(entry, key)  # ...then the entry that makes them visible
+        except BaseException:
+            with self._lock:
+                self._free_slots.append(slot)
+                self._release(offset, extent)
+            raise
+        with self._lock:
+            old = self.index.get(key)
+            if old is not None and old.seq > entry.seq:
+                old, entry = entry, old  # a newer store of this key finished first
+            self.index[key] = entry
+        if old is not None:
+            self._retire(old)
+        return length
+
+    def delete(self, keys: list[bytes]) -> None:
+        for key in keys:
+            with self._lock:
+                entry = self.index.pop(key, None)
+            if entry is not None:
+                self._retire(entry)
+
+    def list_units(self) -> list[list[tuple[bytes, int]]]:
+        with self._lock:
+            return [[(key, e.length) for key, e in self.index.items()]]
+
+    def list_unit(self, unit: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        return unit
+
+    def capacity(self) -> int:
+        return self.size - getattr(self, "data_offset", 0)
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(size for _, size in self._free)
+
+    def close(self) -> None:
+        if self.addr:
+            self.view.release()
+            self.lib.pmem_unmap(self.addr, self.size)
+            self.addr = 0
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = -1
+
+
+class PmemDriver(ThreadedDriver):
+    """Blocks in a libpmem-mapped pool file; see the module docstring for the layout."""
+
+    persistent = True
+
+    class Options(DriverOptions):
+        path: str = Field(min_length=1)
+        size: ByteSize = Field(default=ByteSize(2**30), ge=2**20)
+        max_blocks: int | None = Field(default=None, ge=1)
+
+    def __init__(self, pool: PmemPool, *, name: str) -> None:
+        super().__init__(pool, name=name)
+        self.pool = pool
+        self.inline_meta = True  # lookup and listing touch only the in-memory index
+
+    @classmethod
+    async def open(cls, options: Options | dict, *, name: str = "pmem", namespace: str,
+                   codec: str = "none") -> Self:
+        if not isinstance(options, cls.Options):
+            options = cls.Options.model_validate(options)
+        codec_value = parse_codec(codec)
+        path = os.path.join(os.path.abspath(os.path.expanduser(options.path)),
+                            safe_dir_name(namespace) + ".pmem")
+        try:
+            pool = await trio.to_thread.run_sync(
+                lambda: PmemPool.open(path, size=int(options.size),
+                                      max_blocks=options.max_blocks, namespace=namespace,
+                                      codec=codec_value))
+        except OSError as exc:
+            raise os_error(exc, name) from exc
+        except StorageUnavailable as exc:
+            raise StorageUnavailable(str(exc), driver=name) from None
+        return cls(pool, name=name)
+
+    def statistics(self) -> dict[str, int | float]:
+        pool = self.pool
+        return {**super().statistics(), "is_pmem": int(pool.is_pmem),
+                "capacity_bytes": pool.capacity(), "blocks": len(pool.index),
+                "recovered_dropped": pool.recovered_dropped}
+
