@@ -1,0 +1,247 @@
+"""The s3 driver against a real SeaweedFS: bad settings at open, credentials from the AWS
+environment, large blocks, retries, a server paused or killed under a running kernel, and two
+processes (each with its own kernel) sharing one bucket.
+
+The two "hosts" are two processes on this machine's loopback, not separate network
+namespaces: SeaweedFS listens on 127.0.0.1 of the root namespace only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ucm.drivers import LoadState
+from ucm.drivers.s3 import S3Driver
+from ucm.errors import ConfigError, StorageUnavailable
+from ucm.kernel import Kernel, Load, Lookup, Store
+
+from ._support import ACCESS_KEY, SECRET_KEY, SeaweedFS, scratch_prefix
+
+MiB = 2**20
+HOST = Path(__file__).with_name("_s3_host.py")
+
+
+# --- opening -------------------------------------------------------------------------------
+
+
+async def test_wrong_secret_fails_at_open_without_showing_it(s3_options):
+    with pytest.raises(ConfigError, match=r"access denied to bucket 'ucm' at http") as info:
+        await S3Driver.open({**s3_options, "secret_access_key": "not-the-secret"},
+                            namespace="x")
+    assert "not-the-secret" not in str(info.value)
+
+
+async def test_missing_bucket_fails_at_open(s3_options):
+    with pytest.raises(ConfigError, match=r"bucket: bucket 'no-such-bucket' .* does not exist"):
+        await S3Driver.open({**s3_options, "bucket": "no-such-bucket"}, namespace="x")
+
+
+async def test_unreachable_endpoint_fails_at_open(s3_options):
+    opts = {**s3_options, "endpoint": "http://127.0.0.1:9", "max_attempts": 2}
+    with pytest.raises(StorageUnavailable, match=r"cannot reach bucket 'ucm' at "
+                                                 r"http://127.0.0.1:9: .*ConnectError"):
+        await S3Driver.open(opts, namespace="x")
+
+
+async def test_credentials_from_aws_profile_file(s3_options, tmp_path, monkeypatch):
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[kv]\naws_access_key_id = {ACCESS_KEY}\n"
+                     f"aws_secret_access_key = {SECRET_KEY}\n")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    opts = {k: v for k, v in s3_options.items()
+            if k not in ("access_key_id", "secret_access_key")}
+    monkeypatch.setenv("AWS_PROFILE", "kv")
+    drv = await S3Driver.open(opts, namespace="x")
+    await drv.aclose()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)  # the environment beats the file
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    monkeypatch.delenv("AWS_PROFILE")
+    with pytest.raises(ConfigError, match=r"access denied .* with the AWS env credentials"):
+        await S3Driver.open(opts, namespace="x")
+
+
+# --- transfers -------------------------------------------------------------------------------
+
+
+async def test_large_block_goes_multipart_and_loads_by_ranges(s3_options):
+    drv = await S3Driver.open({**s3_options, "part_size": "5MiB",
+                               "multipart_threshold": "8MiB"}, namespace="big")
+    try:
+        data = os.urandom(13 * MiB + 7)
+        assert await drv.store([b"big"], [memoryview(data)]) == [4096 + len(data)]
+        out = memoryview(bytearray(len(data)))
+        assert await drv.load([b"big"], [out]) == [LoadState.OK]
+        assert out == data
+        stats = drv.statistics()
+        assert stats["multipart_puts"] == 1 and stats["ranged_gets"] == 1
+        assert await drv.delete_namespace() == 1
+        assert await drv.lookup([b"big"]) == [False]
+    finally:
+        await drv.aclose()
+
+
+async def test_throttling_and_5xx_are_retried_then_given_up(s3_options):
+    import httpx
+
+    drv = await S3Driver.open({**s3_options, "max_attempts": 3, "backoff_base": 0.001},
+                              namespace="retry")
+    real = drv.client.client
+    answers = [503, 500]
+
+    async def flaky(request: httpx.Request) -> httpx.Response:
+        if answers:
+            code = answers.pop(0)
+            return httpx.Response(code, content=b"<Error><Code>SlowDown</Code></Error>")
+        return await real.send(request)
+
+    try:
+        drv.client.client = httpx.AsyncClient(transport=httpx.MockTransport(flaky))
+        assert await drv.store([b"k"], [memoryview(b"v" * 10)]) == [4106]
+        assert drv.statistics()["retries"] == 2
+        answers[:] = [503] * 3
+        with pytest.raises(StorageUnavailable,
+                           match=r"all 1 writes failed: PUT failed after 3 attempts: "
+                                 r"PUT -> HTTP 503 SlowDown"):
+            await drv.store([b"k"], [memoryview(b"v" * 10)])
+    finally:
+        await drv.client.client.aclose()
+        drv.client.client = real
+        await drv.aclose()
+
+
+# --- faults under a running kernel ---------------------------------------------------------
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A SeaweedFS of this test's own, since the test pauses and kills it."""
+    server = SeaweedFS(8533, 9533)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _kernel(server: SeaweedFS, prefix: str, **extra) -> Kernel:
+    s3 = {"driver": "s3", "name": "s3", **server.options(prefix, max_attempts=2,
+                                                          read_timeout=2.0)}
+    kernel = Kernel({"tiers": [{"driver": "memory", "name": "mem"}, s3],
+                     "namespace": "faults", "durability": "all", "promote": False,
+                     **extra})
+    kernel.start()
+    return kernel
+
+
+@pytest.mark.timeout(90)
+def test_paused_then_killed_server(own_server, tmp_path):
+    kernel = _kernel(own_server, scratch_prefix(tmp_path))
+    try:
+        block = os.urandom(2 * MiB)
+        assert kernel.submit(Store([b"both"], buffers=[block])).result(10).ok
+        hot = b"mem-only"
+        kernel.submit(Store([hot], buffers=[block], durability="memory")).result(10)
+
+        own_server.signal(signal.SIGSTOP)  # paused: requests hang until a deadline
+        try:
+            start = time.monotonic()
+            result = kernel.submit(Store([b"during-pause"], buffers=[block],
+                                         deadline=1.0)).exception(10)
+            assert result is not None, "a store to a paused server completed"
+            assert time.monotonic() - start < 3
+            out = bytearray(2 * MiB)  # the memory tier keeps serving meanwhile
+            loaded = kernel.submit(Load([hot], buffers=[out], deadline=1.0)).result(5)
+            assert loaded.ok and bytes(out) == block
+        finally:
+            own_server.signal(signal.SIGCONT)
+        assert kernel.submit(Store([b"after-pause"], buffers=[block])).result(20).ok
+
+        own_server.kill()  # gone: fails fast, then recovers after a restart
+        failed = kernel.submit(Store([b"while-dead"], buffers=[block], deadline=5.0))
+        outcome = failed.exception(10)
+        assert outcome is not None or not failed.result().ok
+        own_server.start(keep_data=True)
+        deadline = time.monotonic() + 20
+        while True:  # the same kernel and driver: no process restart
+            result = kernel.submit(Store([b"after-restart"], buffers=[block])).result(20)
+            if result.ok or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert result.ok, result.errors
+        out = bytearray(2 * MiB)
+        assert kernel.submit(Load([b"after-restart"], buffers=[out])).result(20).ok
+        assert bytes(out) == block
+    finally:
+        kernel.close()
+
+
+# --- two hosts -----------------------------------------------------------------------------
+
+
+def _host(server: SeaweedFS, prefix: str, **job) -> subprocess.Popen:
+    job["options"] = server.options(prefix)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+    return subprocess.Popen([sys.executable, str(HOST), json.dumps(job)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.timeout(90)
+def test_two_hosts_share_one_bucket(seaweedfs, tmp_path):
+    prefix = scratch_prefix(tmp_path)
+    size = 3 * MiB  # above the ranged-GET part size below, so loads take several requests
+    # host A stores; host B (this process, its own kernel) hits
+    a = _host(seaweedfs, prefix, mode="store", count=4, size=size, seed=1)
+    keys = [bytes.fromhex(k) for k in a.stdout.readline().split()]
+    assert a.wait(30) == 0
+    kernel = Kernel({"tiers": [{"driver": "s3", **seaweedfs.options(
+        prefix, part_size="5MiB")}], "namespace": "hosts", "promote": False})
+    kernel.start()
+    try:
+        assert kernel.submit(Lookup(keys)).result(10).hits == (True,) * 4
+        outs = [bytearray(size) for _ in keys]
+        assert kernel.submit(Load(keys, buffers=outs)).result(20).ok
+
+        # both hosts write one key at once; every load sees one whole block
+        patterns = [os.urandom(size) for _ in range(2)]
+        other = _host(seaweedfs, prefix, mode="hammer", count=15, size=size, seed=2,
+                      key=b"same".hex())
+        other.stdout.readline()
+        seen = whole = 0
+        for i in range(15):
+            kernel.submit(Store([b"same"], buffers=[patterns[i % 2]])).result(20)
+            out = bytearray(size)
+            if kernel.submit(Load([b"same"], buffers=[out])).result(20).ok:
+                seen += 1
+                whole += bytes(out) in patterns or _is_host_pattern(out, 2)
+        assert other.wait(60) == 0
+        assert seen and whole == seen
+
+        # host A deletes blocks while this host loads them: whole blocks or misses only
+        deleter = _host(seaweedfs, prefix, mode="delete", keys=[k.hex() for k in keys])
+        states = []
+        while deleter.poll() is None or not states:
+            outs = [bytearray(size) for _ in keys]
+            result = kernel.submit(Load(keys, buffers=outs)).result(20)
+            states += result.states
+            for state, out in zip(result.states, outs, strict=True):
+                if state is LoadState.OK:
+                    assert _is_host_pattern(out, 1)
+        assert deleter.wait(30) == 0
+        assert LoadState.CORRUPT not in states and LoadState.FAILED not in states
+    finally:
+        kernel.close()
+
+
+def _is_host_pattern(out: bytearray, seed: int) -> bool:
+    import random
+
+    return bytes(out) == random.Random(seed).randbytes(len(out))
