@@ -28,9 +28,10 @@ def test_round_trip(tmp_path):
                           "hits": 2})
     tracer.emit("done", 1, {"outcome": "ok"})
     tracer.emit("weird", 2, {"raw": b"\x01\x02", "obj": object, "nested": {"a": [1, None]}})
+    tracer.emit("after", 3, {})
     tracer.close()
     records = list(read_trace(tmp_path))
-    assert [r.phase for r in records] == ["start", "op", "done", "weird"]
+    assert [r.phase for r in records] == ["start", "op", "done", "weird", "after"]
     assert records[1].fields == {"tier": "memory", "op": "load", "keys": 2, "t0": 5,
                                  "bytes": 8192, "hits": 2}
     assert records[3].fields["raw"] == b"\x01\x02"

@@ -82,13 +82,13 @@ def test_errors_and_evictions_are_counted():
     registry = prometheus_client.CollectorRegistry()
     sink = MetricsSink(registry)
     sink.consume([
-        (10, "error", 0, {"tier": "s3", "op": "load", "kind": "StorageUnavailable"}),
-        (11, "error", 0, {"tier": "s3", "op": "load", "kind": "StorageUnavailable"}),
-        (12, "evict", 0, {"tier": "memory", "keys": 5}),
-        (13, "dropped", 0, {"count": 3, "total": 3}),
-        (14, "submit", 9, {"type": "Load"}),
-        (20, "submit", 10, {"type": "Load"}),
-        (25, "start", 10, {"type": "Load"}),
+        (0, 10, "error", 0, {"tier": "s3", "op": "load", "kind": "StorageUnavailable"}),
+        (0, 11, "error", 0, {"tier": "s3", "op": "load", "kind": "StorageUnavailable"}),
+        (0, 12, "evict", 0, {"tier": "memory", "keys": 5}),
+        (0, 13, "dropped", 0, {"count": 3, "total": 3}),
+        (0, 14, "submit", 9, {"type": "Load"}),
+        (0, 20, "submit", 10, {"type": "Load"}),
+        (0, 25, "start", 10, {"type": "Load"}),
     ])
     get = registry.get_sample_value
     assert get("ucm_errors_total", {"tier": "s3", "op": "load",

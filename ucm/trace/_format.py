@@ -7,7 +7,8 @@ A trace directory holds `trace-<pid>-<n>.ucmtrace` segments. Each segment is
 
 The first frame's payload is one msgpack map (the segment header: format, pid, host, the
 wall and monotonic clocks at its start). Every later payload is a run of msgpack records
-`[t_ns, phase, event_id, fields]`. The writer appends a frame with one `write`, so a process
+`[seq, t_ns, phase, event_id, fields]` (seq: the emit order in the process; -1 for records the
+writer adds). The writer appends a frame with one `write`, so a process
 that dies leaves every complete frame readable; a reader stops at a torn last frame.
 """
 
@@ -18,7 +19,7 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,8 @@ def list_segments(directory: str | os.PathLike, pid: int | None = None) -> list[
     return [p for _, p in sorted(found)]
 
 
-def _pack_default(obj: Any) -> Any:
+def pack_default(obj: Any) -> Any:
+    """For values msgpack cannot encode: hex for buffers, str() for the rest."""
     if isinstance(obj, bytes | bytearray | memoryview):
         return bytes(obj).hex()
     return str(obj)
@@ -63,7 +65,7 @@ class SegmentWriter:
     `max_bytes` by deleting the oldest. Not thread-safe: one caller at a time."""
 
     def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int,
-                 level: int = 3) -> None:
+                 level: int = 1) -> None:
         if segment_bytes <= 0 or max_bytes < segment_bytes:
             raise ValueError("trace sizes must satisfy 0 < segment_bytes <= max_bytes")
         self.directory = Path(directory)
@@ -71,7 +73,7 @@ class SegmentWriter:
         self.segment_bytes = segment_bytes
         self.pid = os.getpid()
         self._compressor = zstandard.ZstdCompressor(level=level)
-        self._packer = msgpack.Packer(default=_pack_default)
+        self._packer = msgpack.Packer(default=pack_default)
         self._fd: int | None = None
         self._size = 0
         self._segments: list[tuple[Path, int]] = []  # closed segments of this writer, oldest first
@@ -113,10 +115,13 @@ class SegmentWriter:
         self._size += len(data)
         self.bytes_written += len(data)
 
-    def write(self, records: Iterable[tuple]) -> None:
-        """Writes one frame of records `(t_ns, phase, event_id, fields)`."""
+    def write(self, records: Sequence[tuple]) -> None:
+        """Writes one frame of records `(seq, t_ns, phase, event_id, fields)`."""
         pack = self._packer.pack
-        payload = b"".join([pack(r) for r in records])
+        self.write_payload(b"".join([pack(r) for r in records]))
+
+    def write_payload(self, payload: bytes) -> None:
+        """Writes one frame of already packed records."""
         if not payload:
             return
         if self._fd is None:

@@ -81,7 +81,7 @@ def _parse(seg: _Segment, data: bytes, *, final: bool) -> list[Record]:
             seg.header = msgpack.unpackb(payload)
             continue
         out.extend(Record(t, phase, event_id, fields, pid)
-                   for t, phase, event_id, fields in _unpack(payload))
+                   for _seq, t, phase, event_id, fields in _unpack(payload))
 
 
 def _unpack(payload: bytes) -> Iterator[list]:

@@ -88,7 +88,7 @@ class MetricsSink:
     # -- the sink ------------------------------------------------------------------------------
     def consume(self, records: Sequence[tuple]) -> None:
         submitted, started = self._submitted, self._started
-        for t, phase, event_id, fields in records:
+        for _seq, t, phase, event_id, fields in records:
             if phase == "op":
                 self._op(t, fields)
             elif phase == "start":
