@@ -213,7 +213,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ucm-trace", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="ucm-trace", description="Read the event traces the ucm "
+                                "kernel writes (trace: {path: DIR} or UCM_TRACE=DIR).")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("summary", help="figures per event type, driver and tier")
