@@ -1,0 +1,97 @@
+"""Machinery for drivers whose backend is a server that can stall (nfs, mooncake).
+
+A client library blocked on a paused or dead server may not return for its own timeout
+(30 s for a Mooncake master RPC), far past an event's deadline. `RemoteDriver` therefore runs
+its backend calls with `abandon_on_cancel=True` on a limiter of its own: a cancelled call
+returns at once, the worker thread finishes in the background, and other tiers' threads are
+not starved by this driver's stuck ones.
+
+An abandoned thread must not write into the caller's buffer afterwards. Backends read into
+memory they own, verify it there, and copy into the caller's buffer through `deliver`, which
+holds the call's `Gate`: once the trio side was cancelled the gate is shut and the copy is
+skipped (`Abandoned` is raised in the worker, where nobody waits for it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ucm.drivers._files import Backend, ThreadedDriver, os_error
+from ucm.errors import StorageUnavailable
+
+
+class Abandoned(Exception):
+    """The trio side gave up on this call; its results go nowhere."""
+
+
+class Gate:
+    """Shared by one backend call and its trio waiter."""
+
+    __slots__ = ("_lock", "open")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.open = True
+
+    def shut(self) -> None:
+        with self._lock:  # waits for a copy in progress: after this none starts
+            self.open = False
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if not self.open:
+                raise Abandoned
+            return fn()
+
+
+_current = threading.local()
+
+
+def deliver(out: memoryview, data: Any) -> None:
+    """Copies verified bytes into the caller's buffer, unless the call was abandoned."""
+
+    def copy() -> None:
+        out[:] = data
+
+    gate(copy)
+
+
+def gate(fn: Callable[[], Any]) -> Any:
+    """Runs `fn` (which writes into caller memory) under the current call's gate."""
+    current: Gate | None = getattr(_current, "gate", None)
+    if current is None:
+        return fn()
+    return current.run(fn)
+
+
+def _call_gated(gate_: Gate, fn: Callable[..., Any], *args: Any) -> Any:
+    _current.gate = gate_
+    try:
+        return fn(*args)
+    finally:
+        _current.gate = None
+
+
+class RemoteDriver(ThreadedDriver):
+    """A ThreadedDriver whose calls a deadline can abandon (see the module docstring)."""
+
+    def __init__(self, backend: Backend, *, name: str, threads: int) -> None:
+        super().__init__(backend, name=name)
+        self._limiter = trio.CapacityLimiter(threads)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False) -> Any:
+        if self._closed:
+            raise StorageUnavailable("driver is closed", driver=self.name)
+        call_gate = Gate()
+        try:
+            return await trio.to_thread.run_sync(_call_gated, call_gate, fn, *args,
+                                                 abandon_on_cancel=True, limiter=self._limiter)
+        except trio.Cancelled:
+            call_gate.shut()
+            raise
+        except OSError as exc:
+            raise os_error(exc, self.name) from exc

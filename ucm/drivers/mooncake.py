@@ -1,0 +1,363 @@
+"""The `mooncake` driver: blocks in a Mooncake Store (a distributed DRAM pool), over TCP.
+
+    - driver: mooncake
+      master: 127.0.0.1:50051                       # mooncake_master RPC address
+      metadata: http://127.0.0.1:8080/metadata      # or P2PHANDSHAKE, etcd://host:port
+      local_hostname: 127.0.0.1                     # what this client advertises
+      segment_bytes: 0                              # RAM this process lends to the pool
+      staging_bytes: 128MiB                         # registered staging memory
+      threads: 8                                    # worker threads for this tier
+
+Each block is one object named `ucm/<namespace>/<hex key>` holding the ucm block format
+(header + payload), so every load verifies its checksum: a damaged or half-replaced object is
+a corrupt miss, never data. Transfers are batched and zero-copy on the wire: each batch is
+staged in one registered memory pool and moved with `batch_upsert_from` /
+`batch_get_into`; the payload is verified in the staging memory and then copied into the
+caller's buffer (so a deadline can abandon a call stuck on a dead master without a late write
+into the caller's memory; see `_remote`).
+
+Mooncake is a cache tier, and the driver keeps its rules:
+- objects can be evicted at any time: a load then reports MISSING (`persistent = False`);
+- `put` on an existing key keeps the old value, so stores use upsert (overwrite);
+- a missing key reads as nothing: MISSING;
+- a full pool refuses a put: that block is not stored (size 0), counted in `refused_full`;
+- a read takes a lease that blocks `remove` for the master's `default_kv_lease_ttl`: delete
+  leaves such objects to expire and be evicted (`delete_deferred`) unless `force_delete`.
+Objects live in the segments that clients lend (`segment_bytes`, or a standalone
+`mooncake_client`); an object vanishes with the process that lent its memory.
+
+The client's transfer engine listens on all interfaces (hardcoded in Mooncake), and it
+advertises `MC_TCP_BIND_ADDRESS`, which `open` sets to `local_hostname` unless it is set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import random
+import socket
+import threading
+from typing import Any, Self
+
+import trio
+from pydantic import ByteSize, Field
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    Codec,
+    as_byte_view,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+    verify_payload,
+)
+from ucm.drivers._files import Backend, parse_codec, safe_dir_name, size_mismatch
+from ucm.drivers._protocol import DriverOptions, LoadState
+from ucm.drivers._remote import RemoteDriver, deliver, gate
+from ucm.errors import BlockCorrupt, ConfigError, NoCapacity, StorageUnavailable
+
+# Mooncake's ErrorCode values the driver acts on.
+NO_AVAILABLE_HANDLE = -200  # the pool is full
+BUFFER_OVERFLOW = -600  # the target buffer is smaller than the object
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+_ERROR_NAMES = {
+    -200: "NO_AVAILABLE_HANDLE (pool full)", -600: "BUFFER_OVERFLOW",
+    -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -900: "RPC_FAIL",
+    -901: "RPC_TIMEOUT",
+}
+_ALIGN = 4096
+
+
+def error_name(rc: int) -> str:
+    return _ERROR_NAMES.get(rc, f"error {rc}")
+
+
+def _zstd_bound(n: int) -> int:
+    return n + (n >> 7) + 1024
+
+
+class StagingPool:
+    """One registered anonymous mapping, handed out first-fit in page-rounded pieces."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._map = mmap.mmap(-1, size)
+        self._array = (ctypes.c_char * size).from_buffer(self._map)
+        self.addr = ctypes.addressof(self._array)
+        self.view = memoryview(self._map)
+        self._free: list[tuple[int, int]] = [(0, size)]
+        self._lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> int | None:
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        with self._lock:
+            for i, (start, length) in enumerate(self._free):
+                if length >= need:
+                    if length == need:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (start + need, length - need)
+                    return start
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        need = -(-nbytes // _ALIGN) * _ALIGN
+        with self._lock:
+            self._free.append((offset, need))
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for start, length in self._free:
+                if merged and merged[-1][0] + merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
+                else:
+                    merged.append((start, length))
+            self._free = merged
+
+
+class MooncakeBlocks(Backend):
+    """The synchronous side: batches of blocks to and from one MooncakeDistributedStore."""
+
+    def __init__(self, client: Any, pool: StagingPool, *, prefix: str, namespace: str,
+                 codec: Codec, master: str, force_delete: bool) -> None:
+        self.client = client
+        self.pool = pool
+        self.prefix = prefix
+        self.namespace = namespace
+        self.codec = codec
+        self.master = master
+        self.force_delete = force_delete
+        self.counters = {"refused_full": 0, "delete_deferred": 0, "unstaged": 0}
+
+    def name_of(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    def _unreachable(self, rc: int) -> ConnectionError:
+        return ConnectionError(f"Mooncake master {self.master} failed the call: "
+                               f"{error_name(rc)}")
+
+    # lookup / delete
+
+    def lookup(self, keys: list[bytes]) -> list[bool]:
+        found = self.client.batch_is_exist([self.name_of(k) for k in keys])
+        if found and all(f < 0 for f in found):
+            raise self._unreachable(found[0])
+        return [f == 1 for f in found]
+
+    def delete(self, keys: list[bytes]) -> None:
+        names = [self.name_of(k) for k in keys]
+        rcs = self.client.batch_remove(names, self.force_delete)
+        leased = [n for n, rc in zip(names, rcs, strict=True) if rc == OBJECT_HAS_LEASE]
+        self.counters["delete_deferred"] += len(leased)
+        failed = [rc for rc in rcs if rc < 0 and rc not in (OBJECT_NOT_FOUND, OBJECT_HAS_LEASE)]
+        if failed and len(failed) == len(rcs):
+            raise self._unreachable(failed[0])
+
+    # store
+
+    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+        sizes = [0] * len(keys)
+        staged: list[tuple[int, int, int]] = []  # (index, offset, nbytes)
+        try:
+            for i, (key, view) in enumerate(zip(keys, views, strict=True)):
+                payload = as_byte_view(encode_payload(self.codec, view))
+                header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+                total = PAYLOAD_OFFSET + payload.nbytes
+                offset = self.pool.alloc(total)
+                if offset is None:  # no staging room now: the byte API, one copy more
+                    self.counters["unstaged"] += 1
+                    rc = self.client.upsert(self.name_of(key), header + bytes(payload))
+                    sizes[i] = self._stored(rc, total)
+                    continue
+                staged.append((i, offset, total))
+                self.pool.view[offset:offset + PAYLOAD_OFFSET] = header
+                self.pool.view[offset + PAYLOAD_OFFSET:offset + total] = payload
+            if staged:
+                rcs = self.client.batch_upsert_from(
+                    [self.name_of(keys[i]) for i, _, _ in staged],
+                    [self.pool.addr + off for _, off, _ in staged],
+                    [n for _, _, n in staged])
+                for (i, _, total), rc in zip(staged, rcs, strict=True):
+                    sizes[i] = self._stored(rc, total)
+        finally:
+            for _, offset, total in staged:
+                self.pool.free(offset, total)
+        return sizes
+
+    def _stored(self, rc: int, total: int) -> int:
+        if rc == 0:
+            return total
+        if rc == NO_AVAILABLE_HANDLE:
+            self.counters["refused_full"] += 1
+            return 0
+        if rc <= -900:  # RPC failures: the master is gone
+            raise self._unreachable(rc)
+        return 0
+
+    # load
+
+    def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+        states = [LoadState.FAILED] * len(keys)
+        staged: list[tuple[int, int, int]] = []
+        try:
+            for i, view in enumerate(views):
+                cap = PAYLOAD_OFFSET + (view.nbytes if self.codec is Codec.NONE
+                                        else _zstd_bound(view.nbytes))
+                offset = self.pool.alloc(cap)
+                if offset is None:
+                    self.counters["unstaged"] += 1
+                    states[i] = self._load_bytes(keys[i], view)
+                else:
+                    staged.append((i, offset, cap))
+            if staged:
+                results = self.client.batch_get_into(
+                    [self.name_of(keys[i]) for i, _, _ in staged],
+                    [self.pool.addr + off for _, off, _ in staged],
+                    [cap for _, _, cap in staged])
+                if all(n <= -900 for n in results):
+                    raise self._unreachable(results[0])
+                for (i, offset, _), n in zip(staged, results, strict=True):
+                    states[i] = self._finish(keys[i], views[i], offset, n)
+        finally:
+            for _, offset, cap in staged:
+                self.pool.free(offset, cap)
+        return states
+
+    def _finish(self, key: bytes, out: memoryview, offset: int, n: int) -> LoadState:
+        if n == 0 or -800 < n <= -700:  # not found, or not (yet) whole: being replaced
+            return LoadState.MISSING
+        if n == BUFFER_OVERFLOW:  # stored block is larger than the caller's buffer
+            return self._load_bytes(key, out)
+        if n < 0:
+            self.counters[f"load_error_{-n}"] = self.counters.get(f"load_error_{-n}", 0) + 1
+            return LoadState.FAILED
+        return self._verify(key, self.pool.view[offset:offset + n], out)
+
+    def _load_bytes(self, key: bytes, out: memoryview) -> LoadState:
+        data = self.client.get(self.name_of(key))
+        if not data:
+            return LoadState.MISSING
+        return self._verify(key, memoryview(data), out)
+
+    def _verify(self, key: bytes, stored: memoryview, out: memoryview) -> LoadState:
+        try:
+            header = decode_header(stored[:PAYLOAD_OFFSET], expect_key=key)
+            if header.raw_len != out.nbytes:
+                raise size_mismatch(out, header)
+            payload = stored[PAYLOAD_OFFSET:]
+            if header.codec is Codec.NONE:
+                verify_payload(header, payload)
+                deliver(out, payload)
+            else:
+                gate(lambda: decode_payload_into(header, payload, out))
+        except BlockCorrupt:
+            return LoadState.CORRUPT
+        return LoadState.OK
+
+    def close(self) -> None:
+        try:
+            self.client.unregister_buffer(self.pool.addr)
+        finally:
+            self.client.close()
+
+
+def _probe_name() -> str:
+    return f"ucm-probe/{os.uname().nodename}/{os.getpid()}/{random.getrandbits(32):x}"
+
+
+class MooncakeDriver(RemoteDriver):
+    """A Mooncake Store tier."""
+
+    persistent = False
+    # Mooncake cannot enumerate a namespace's objects: this tier is not a `Listing`.
+    list_blocks = None  # type: ignore[assignment]
+
+    class Options(DriverOptions):
+        master: str = "127.0.0.1:50051"
+        metadata: str = "http://127.0.0.1:8080/metadata"
+        local_hostname: str = "127.0.0.1"
+        protocol: str = "tcp"
+        device_names: str = ""
+        segment_bytes: ByteSize = ByteSize(0)
+        local_buffer_bytes: ByteSize = ByteSize(16 * 2**20)
+        staging_bytes: ByteSize = Field(default=ByteSize(128 * 2**20), ge=2**20)
+        threads: int = Field(default=8, ge=1, le=64)
+        force_delete: bool = False
+
+    def __init__(self, backend: MooncakeBlocks, *, name: str, threads: int) -> None:
+        super().__init__(backend, name=name, threads=threads)
+        self.backend = backend
+
+    @classmethod
+    async def open(cls, options: Options | dict, *, name: str = "mooncake", namespace: str,
+                   codec: str = "none") -> Self:
+        if not isinstance(options, cls.Options):
+            options = cls.Options.model_validate(options)
+        codec_value = parse_codec(codec)
+        backend = await trio.to_thread.run_sync(
+            lambda: _connect(options, name=name, namespace=namespace, codec=codec_value),
+            abandon_on_cancel=True)
+        return cls(backend, name=name, threads=options.threads)
+
+    def statistics(self) -> dict[str, int | float]:
+        return {**super().statistics(), **self.backend.counters}
+
+
+def _check_reachable(address: str, what: str, name: str) -> None:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
+    except ValueError:
+        raise ConfigError(f"{what} address {address!r} must be host:port") from None
+    except OSError as exc:
+        raise StorageUnavailable(f"cannot reach the Mooncake {what} at {address}: "
+                                 f"{exc.strerror or exc}", driver=name) from None
+
+
+def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
+             codec: Codec) -> MooncakeBlocks:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ConfigError(f"mooncake driver needs the mooncake extra ({exc}); install it "
+                          "with: pip install 'ucm[mooncake]'") from exc
+    # setup() retries an absent master for about 90 s: check the addresses first.
+    _check_reachable(options.master, "master", name)
+    if options.metadata.startswith("http://"):
+        _check_reachable(options.metadata[7:].split("/", 1)[0], "metadata server", name)
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", options.local_hostname)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    store = MooncakeDistributedStore()
+    rc = store.setup(options.local_hostname, options.metadata, int(options.segment_bytes),
+                     int(options.local_buffer_bytes), options.protocol, options.device_names,
+                     options.master)
+    if rc != 0:
+        raise StorageUnavailable(
+            f"cannot reach the Mooncake master at {options.master} with metadata "
+            f"{options.metadata} (setup returned {rc}; is mooncake_master running there?)",
+            driver=name)
+    pool = StagingPool(int(options.staging_bytes))
+    try:
+        rc = store.register_buffer(pool.addr, pool.size)
+        if rc != 0:
+            raise StorageUnavailable(f"cannot register {pool.size} staging bytes ({rc})",
+                                     driver=name)
+        probe = _probe_name()
+        rc = store.put(probe, b"ucm")
+        if rc == NO_AVAILABLE_HANDLE:
+            raise NoCapacity(
+                f"the Mooncake pool at {options.master} refuses puts: it is full or no "
+                "client lends it memory (segment_bytes, or a mooncake_client holder)",
+                driver=name)
+        if rc != 0:
+            raise StorageUnavailable(f"probe put to the Mooncake master at {options.master} "
+                                     f"failed: {error_name(rc)}", driver=name)
+        store.remove(probe, True)
+    except BaseException:
+        store.close()
+        raise
+    prefix = f"ucm/{safe_dir_name(namespace)}/"
+    return MooncakeBlocks(store, pool, prefix=prefix, namespace=namespace, codec=codec,
+                          master=options.master, force_delete=options.force_delete)

@@ -1,0 +1,416 @@
+"""The `nfs` driver: blocks as files on an NFSv4.1 server.
+
+Client mode (the default) talks NFS from user space through nfs-rs, so it needs no kernel
+NFS client or mount:
+
+    - driver: nfs
+      url: nfs://127.0.0.1:2049/export?version=4.1
+      root: ucm                # directory inside the export
+      timeout: 10              # seconds one NFS operation may take
+      threads: 8               # worker threads for this tier
+
+Mount mode uses a kernel NFS mount (a path) with the posix machinery made safe for NFS:
+
+    - driver: nfs
+      mode: mount
+      path: /mnt/nfs/ucm
+      fsync: true
+
+Both keep the posix layout, `<root>/<namespace>/<aa>/<bb>/<hex key>.blk`, and publish a block
+by writing `<root>/<namespace>/.tmp/<host>.<pid>.<thread>.<random>.tmp` and renaming it into
+place: the temp name is unique per host, process and thread, so no lock and no O_EXCL create
+is needed, and a reader opens the whole old block or the whole new one. Loads never trust
+cached attributes: a block's length is what the read returns, checked against its header,
+and its payload checksum is verified before the block counts. A writer that dies leaves only
+a temp file; opening sweeps those of dead processes on this host.
+
+In client mode an nfs-rs `Client` is shared by the worker threads. A call that fails on the
+transport (timeout, refused connection, lost session after a server restart) drops the
+client, and the next call connects again: the driver recovers from a server restart without a
+process restart. Calls run abandonable (see `_remote`): a deadline returns at once even when
+the server is paused, and loads reach the caller's buffer only after their checksum passed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Literal, Self
+
+import trio
+from pydantic import Field, model_validator
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    Codec,
+    as_byte_view,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+    verify_payload,
+)
+from ucm.drivers._files import (
+    _HOST,
+    Backend,
+    BlockFiles,
+    FileLayout,
+    ThreadedDriver,
+    _tmp_name,
+    os_error,
+    parse_codec,
+    pid_alive,
+    safe_dir_name,
+    size_mismatch,
+)
+from ucm.drivers._protocol import DriverOptions, LoadState
+from ucm.drivers._remote import RemoteDriver, deliver, gate
+from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
+
+_TMP_DIR = ".tmp"
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.buf = bytearray(0)
+
+    def get(self, size: int) -> memoryview:
+        if len(self.buf) < size:
+            self.buf = bytearray(max(size, 2**20 + PAYLOAD_OFFSET))
+        return memoryview(self.buf)[:size]
+
+
+_scratch = _Scratch()
+
+
+class Connection:
+    """The shared nfs-rs client, connected again after a transport failure."""
+
+    def __init__(self, url: str, *, timeout: float, connect_timeout: float) -> None:
+        self.url = url
+        self._kwargs = {"operation_timeout": timeout, "connect_timeout": connect_timeout,
+                        "uid": os.getuid(), "gid": os.getgid()}
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self.reconnects = 0
+
+    def get(self) -> Any:
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._client is None:
+                from nfs_rs import Client
+
+                try:
+                    self._client = Client.connect(self.url, **self._kwargs)
+                except Exception as exc:
+                    raise ConnectionError(f"cannot connect to NFS server {self.url}: "
+                                          f"{exc}") from exc
+                self.reconnects += 1
+            return self._client
+
+    def broken(self, client: Any) -> None:
+        """Drops `client` if it is still the current one (not closed: that can block on
+        a dead server; its sockets go with it)."""
+        with self._lock:
+            if self._client is client:
+                self._client = None
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+
+class NfsBlocks(Backend):
+    """Block files on an NFS export, through nfs-rs (synchronous; runs in worker threads)."""
+
+    def __init__(self, conn: Connection, layout: FileLayout, *, namespace: str,
+                 codec: Codec) -> None:
+        self.conn = conn
+        self.layout = layout
+        self.root = layout.roots[0]
+        self.tmp_dir = f"{self.root}/{_TMP_DIR}"
+        self.namespace = namespace
+        self.codec = codec
+        self._dirs: set[str] = set()
+
+    def _call(self, fn: Any) -> Any:
+        """Runs fn(client); a transport failure drops the client and raises ConnectionError.
+        FileNotFoundError and friends pass through: they are answers, not failures."""
+        client = self.conn.get()
+        try:
+            return fn(client)
+        except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError):
+            raise
+        except Exception as exc:
+            from nfs_rs import NfsError
+
+            if not isinstance(exc, NfsError):
+                raise
+            self.conn.broken(client)
+            raise ConnectionError(f"NFS server {self.conn.url}: {exc}") from exc
+
+    def prepare(self) -> None:
+        """Creates the directories and removes temp files of dead writers on this host (a
+        live writer's, and other hosts', are kept: their pids mean nothing here)."""
+        self._call(lambda c: c.mkdir(self.tmp_dir, parents=True, exist_ok=True))
+        for name in self._call(lambda c: c.listdir(self.tmp_dir)):
+            parts = name.rsplit(".", 4)
+            if len(parts) != 5 or parts[4] != "tmp" or parts[0] != _HOST:
+                continue
+            try:
+                pid = int(parts[1])
+            except ValueError:
+                continue
+            if pid != os.getpid() and not pid_alive(pid):
+                try:
+                    self._call(lambda c, n=name: c.remove(f"{self.tmp_dir}/{n}"))
+                except FileNotFoundError:
+                    pass
+
+    def path_for(self, key: bytes) -> str:
+        return self.layout.path_for(key)
+
+    # lookup / delete
+
+    def lookup(self, keys: list[bytes]) -> list[bool]:
+        return [self._call(lambda c, k=k: c.exists(self.path_for(k))) for k in keys]
+
+    def delete(self, keys: list[bytes]) -> None:
+        for key in keys:
+            try:
+                self._call(lambda c, k=key: c.remove(self.path_for(k)))
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+
+    # store
+
+    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+        return [self._store_one(k, v) for k, v in zip(keys, views, strict=True)]
+
+    def _store_one(self, key: bytes, view: memoryview) -> int:
+        payload = as_byte_view(encode_payload(self.codec, view))
+        total = PAYLOAD_OFFSET + payload.nbytes
+        block = _scratch.get(total)
+        block[:PAYLOAD_OFFSET] = encode_header(key, self.namespace, self.codec, payload,
+                                               view.nbytes)
+        block[PAYLOAD_OFFSET:] = payload
+        final = self.path_for(key)
+        tmp = f"{self.tmp_dir}/{_tmp_name()}"
+
+        def write(client: Any) -> None:
+            with client.open(tmp, "wb") as f:  # returns once the bytes are durable
+                f.write(block)
+
+        try:
+            self._call(write)
+            try:
+                self._call(lambda c: c.rename(tmp, final))
+            except (FileNotFoundError, NotADirectoryError):  # first block in this shard
+                parent = final.rsplit("/", 1)[0]
+                self._call(lambda c: c.mkdir(parent, parents=True, exist_ok=True))
+                self._call(lambda c: c.rename(tmp, final))
+        except BaseException:
+            try:
+                self._call(lambda c: c.remove(tmp))
+            except Exception:
+                pass
+            raise
+        return total
+
+    # load
+
+    def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+        return [self._load_one(k, v) for k, v in zip(keys, views, strict=True)]
+
+    def _load_one(self, key: bytes, out: memoryview) -> LoadState:
+        # One byte more than the block should hold, so a longer file shows up as corrupt.
+        want = PAYLOAD_OFFSET + (out.nbytes if self.codec is Codec.NONE
+                                 else out.nbytes + (out.nbytes >> 7) + 1024) + 1
+        stage = _scratch.get(want)
+
+        def read(client: Any) -> int:
+            with client.open(self.path_for(key), "rb") as f:
+                n = 0
+                while n < want:
+                    got = f.readinto(stage[n:])
+                    if not got:
+                        break
+                    n += got
+                return n
+
+        try:
+            n = self._call(read)
+        except (FileNotFoundError, NotADirectoryError):
+            return LoadState.MISSING
+        try:
+            header = decode_header(stage[:min(n, PAYLOAD_OFFSET)], expect_key=key)
+            if header.raw_len != out.nbytes:
+                raise size_mismatch(out, header)
+            if n - PAYLOAD_OFFSET != header.payload_len:
+                raise BlockCorrupt("payload length differs from the header")
+            payload = stage[PAYLOAD_OFFSET:n]
+            if header.codec is Codec.NONE:
+                verify_payload(header, payload)
+                deliver(out, payload)
+            else:
+                gate(lambda: decode_payload_into(header, payload, out))
+        except BlockCorrupt:
+            return LoadState.CORRUPT
+        return LoadState.OK
+
+    # listing
+
+    def list_units(self) -> list[str]:
+        if self.layout.shard_depth == 0:
+            return [self.root]
+        entries = self._call(lambda c: c.listdir(self.root))
+        return [f"{self.root}/{name}" for name in entries if name != _TMP_DIR]
+
+    def list_unit(self, top: str) -> list[tuple[bytes, int]]:
+        found = []
+        pending = [top]
+        while pending:
+            path = pending.pop()
+            try:
+                entries = self._call(lambda c, p=path: list(c.scandir(p)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                child = f"{path}/{entry.name}"
+                if entry.info.type.value == "directory":
+                    pending.append(child)
+                elif entry.name.endswith(".blk"):
+                    try:
+                        found.append((bytes.fromhex(entry.name[:-4]), entry.info.size))
+                    except ValueError:
+                        continue
+                elif entry.name.endswith(".lblk"):
+                    try:
+                        head = self._call(lambda c, p=child: _read_head(c, p))
+                        found.append((decode_header(head).key, entry.info.size))
+                    except (FileNotFoundError, BlockCorrupt):
+                        continue
+        return found
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _read_head(client: Any, path: str) -> bytes:
+    with client.open(path, "rb") as f:
+        return f.read_at(0, PAYLOAD_OFFSET)
+
+
+class MountBlockFiles(BlockFiles):
+    """BlockFiles for a kernel NFS mount: temp files are created without O_EXCL (unique names
+    make it unnecessary, and old NFS servers emulate it badly)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._write_flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                             | (os.O_DIRECT if self.direct else 0))
+
+
+class NfsOptions(DriverOptions):
+    mode: Literal["client", "mount"] = "client"
+    url: str | None = None
+    root: str = "ucm"
+    path: str | None = None
+    timeout: float = Field(default=10.0, gt=0)
+    connect_timeout: float = Field(default=3.0, gt=0)
+    threads: int = Field(default=8, ge=1, le=64)
+    shard_depth: int = Field(default=2, ge=0, le=4)
+    fsync: bool = True
+
+    @model_validator(mode="after")
+    def _mode_fields(self) -> NfsOptions:
+        if self.mode == "client":
+            if not self.url or not self.url.startswith("nfs://"):
+                raise ValueError("url: client mode needs url: nfs://host[:port]/export"
+                                 "?version=4.1")
+            if self.path is not None:
+                raise ValueError("path is for mode: mount; client mode takes url and root")
+            root = self.root.strip("/")
+            if not root or ".." in root.split("/"):
+                raise ValueError("root must name a directory inside the export (nfs-rs "
+                                 "cannot list the export's top directory)")
+        elif not self.path:
+            raise ValueError("path: mount mode needs the directory of an NFS mount")
+        return self
+
+
+class NfsDriver(RemoteDriver):
+    """NFSv4.1 through nfs-rs (client mode)."""
+
+    persistent = True
+    Options = NfsOptions
+
+    def __init__(self, backend: NfsBlocks, *, name: str, threads: int) -> None:
+        super().__init__(backend, name=name, threads=threads)
+        self.backend = backend
+
+    @classmethod
+    async def open(cls, options: NfsOptions | dict, *, name: str = "nfs", namespace: str,
+                   codec: str = "none") -> Self | NfsMountDriver:
+        if not isinstance(options, NfsOptions):
+            options = NfsOptions.model_validate(options)
+        codec_value = parse_codec(codec)
+        if options.mode == "mount":
+            return await NfsMountDriver.open_mount(options, name=name, namespace=namespace,
+                                                   codec=codec_value)
+        try:
+            import nfs_rs  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"nfs driver needs the nfs extra ({exc}); install it with: "
+                              "pip install 'ucm[nfs]'") from exc
+        conn = Connection(options.url, timeout=options.timeout,
+                          connect_timeout=options.connect_timeout)
+        root = f"{options.root.strip('/')}/{safe_dir_name(namespace)}"
+        backend = NfsBlocks(conn, FileLayout((root,), options.shard_depth),
+                            namespace=namespace, codec=codec_value)
+        try:
+            await trio.to_thread.run_sync(backend.prepare, abandon_on_cancel=True)
+        except OSError as exc:
+            raise StorageUnavailable(f"{exc}", driver=name) from exc
+        return cls(backend, name=name, threads=options.threads)
+
+    def block_path(self, key: bytes) -> str:
+        """`key`'s block path inside the export (tests and tools; it may not exist)."""
+        return self.backend.path_for(key)
+
+    def statistics(self) -> dict[str, int | float]:
+        return {**super().statistics(), "connects": self.backend.conn.reconnects}
+
+
+class NfsMountDriver(ThreadedDriver):
+    """Mount mode: the posix machinery on a kernel NFS mount (see the module docstring)."""
+
+    persistent = True
+
+    def __init__(self, files: MountBlockFiles, *, name: str) -> None:
+        super().__init__(files, name=name)
+        self.files = files
+
+    @classmethod
+    async def open_mount(cls, options: NfsOptions, *, name: str, namespace: str,
+                         codec: Codec) -> NfsMountDriver:
+        path = os.path.abspath(os.path.expanduser(options.path or ""))
+        layout = FileLayout((os.path.join(path, safe_dir_name(namespace)),),
+                            options.shard_depth)
+        try:
+            files = await trio.to_thread.run_sync(
+                lambda: MountBlockFiles.open(layout, namespace=namespace, codec=codec,
+                                             fsync=options.fsync, direct=False))
+        except OSError as exc:
+            raise os_error(exc, name) from exc
+        return cls(files, name=name)
+
+    def block_path(self, key: bytes) -> str:
+        return self.files.path_for(key)
