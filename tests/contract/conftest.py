@@ -85,6 +85,9 @@ class DriverSpec:
     persistent: bool = False
     truncate: Callable[[Any, bytes], Awaitable[None] | None] | None = None
     available: Callable[[], bool] = field(default=lambda: True)
+    # Local paths of the namespace directories of a file-backed driver that takes no `path`
+    # option (nfs): the writer-killed test checks their .tmp directories.
+    roots: Callable[[Scratch], list[Path]] | None = None
 
 
 SPECS: list[DriverSpec] = [
@@ -118,6 +121,30 @@ SPECS += [
                backends.flip_pool_byte, persistent=True),
     DriverSpec("pmem-shm", "pmem", lambda s: {"path": str(s.shm), "size": "64MiB"},
                backends.flip_pool_byte, persistent=True),
+]
+
+
+# nfs on the session's nfs-ganesha and mooncake on a Mooncake Store in a private network
+# namespace (tests/backends/_mooncake_nfs.py). Mooncake clients listen on every interface, so
+# its specs run only in the pytest that tests/backends/test_mooncake.py starts inside that
+# namespace (UCM_MOONCAKE_MASTER set); elsewhere they skip and that test carries them.
+from backends import _mooncake_nfs as mn  # noqa: E402
+
+SPECS += [
+    DriverSpec("nfs", "nfs", mn.nfs_options, mn.flip_nfs_byte, cross_process=True,
+               persistent=True, truncate=mn.truncate_nfs_file, roots=mn.nfs_roots),
+    DriverSpec("nfs-zstd", "nfs", mn.nfs_options, mn.flip_nfs_byte, codec="zstd",
+               cross_process=True, persistent=True, truncate=mn.truncate_nfs_file,
+               roots=mn.nfs_roots),
+    DriverSpec("nfs-mount", "nfs", lambda s: {"mode": "mount", "path": str(s.disk / "mnt")},
+               flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file,
+               roots=lambda s: [s.disk / "mnt" / "contract"]),
+    DriverSpec("mooncake", "mooncake", lambda s: mn.mooncake_from_env(),
+               mn.flip_mooncake_byte, cross_process=True, truncate=mn.truncate_mooncake_object,
+               available=mn.mooncake_contract_enabled),
+    DriverSpec("mooncake-zstd", "mooncake", lambda s: mn.mooncake_from_env(),
+               mn.flip_mooncake_byte, codec="zstd", cross_process=True,
+               available=mn.mooncake_contract_enabled),
 ]
 
 
@@ -157,3 +184,4 @@ async def driver(spec: DriverSpec, scratch: Scratch):
         yield drv
     finally:
         await drv.aclose()
+
