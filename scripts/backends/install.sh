@@ -19,6 +19,13 @@ want s3 && packages+=(curl bc)
 # --- pmem (libpmem through ctypes; no daemon)
 want pmem && packages+=(libpmem1)
 
+# --- mooncake (PyPI mooncake-transfer-engine-non-cuda links libibverbs even for TCP; curl
+#     for the start script's ready check, iproute2 for its private network namespace)
+want mooncake && packages+=(libibverbs1 curl bc iproute2)
+
+# --- nfs (nfs-ganesha with the VFS backend; NFSv4.1 only, so rpcbind is never started)
+want nfs && packages+=(nfs-ganesha nfs-ganesha-vfs bc)
+
 # --- network namespaces for the two-host tests
 want netns && packages+=(iproute2)
 
