@@ -130,6 +130,20 @@ class _DirectDriver:
         self._thread.join()
 
 
+def _raw_baseline(tier: TierConfig, namespace: str) -> Any:
+    """The driver module's own raw client (`raw_baseline(options, namespace)`: an object with
+    label, store(keys, bufs), load(keys, size, batch), delete(keys), close()), or None."""
+    import importlib
+
+    from ucm.drivers import available_drivers
+
+    if tier.codec != "none":
+        return None
+    module = importlib.import_module(available_drivers()[tier.driver].partition(":")[0])
+    factory = getattr(module, "raw_baseline", None)
+    return factory(tier.options.model_dump(), namespace) if factory else None
+
+
 class TierBench:
     """Benchmarks one tier: a one-tier kernel and its baseline over the same blocks."""
 
@@ -146,10 +160,15 @@ class TierBench:
             {"tiers": [single], "namespace": self.namespace, "promote": False,
              "inbox_size": 1 << 16}))
         self.kernel.start()
-        self.direct = _DirectDriver(TierConfig.model_validate(single), self.namespace)
         self.raw_files = tier.driver == "posix" and tier.codec == "none"
+        self.raw = None if self.raw_files else _raw_baseline(tier, self.namespace)
+        # A driver that owns its storage (pmem) cannot be opened twice on one namespace.
+        direct_ns = self.namespace + ("-direct" if self.raw is not None else "")
+        self.direct = _DirectDriver(TierConfig.model_validate(single), direct_ns)
 
     def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
         self.direct.close()
         self.kernel.close()
 
@@ -246,6 +265,10 @@ class TierBench:
         if self.raw_files:
             base_store = lambda p: self._raw_store(p[0], p[1], batch)  # noqa: E731
             base_load = lambda p: self._raw_load(p[0], size, batch)  # noqa: E731
+        elif self.raw is not None:
+            baseline = self.raw.label
+            base_store = lambda p: self.raw.store(p[0], p[1])  # noqa: E731
+            base_load = lambda p: self.raw.load(p[0], size, batch)  # noqa: E731
         else:
             base_store = lambda p: self._direct_store(p[0], p[1], batch)  # noqa: E731
             base_load = lambda p: self._direct_load(p[0], size, batch)  # noqa: E731
@@ -269,6 +292,9 @@ class TierBench:
                                 "raw preadv + xxh3 verify"))
         if self.raw_files:
             self._raw_unlink(keys)
+        elif self.raw is not None:
+            self.raw.delete(keys)
+            self.direct.call("delete", keys)
         else:
             self.direct.call("delete", keys)
         self._cleanup(keys)

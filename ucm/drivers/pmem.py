@@ -479,3 +479,63 @@ class PmemDriver(ThreadedDriver):
                 "capacity_bytes": pool.capacity(), "blocks": len(pool.index),
                 "recovered_dropped": pool.recovered_dropped}
 
+
+
+class RawPmem:
+    """libpmem called directly on a pool file of its own: memcpy + persist (msync off pmem)
+    into page-aligned slots, memmove out. No index, no checksums: the floor for the driver."""
+
+    label = "raw libpmem memcpy"
+
+    def __init__(self, options: dict[str, Any], namespace: str) -> None:
+        opts = PmemDriver.Options.model_validate(options)
+        self.path = os.path.join(os.path.abspath(os.path.expanduser(opts.path)),
+                                 f"raw-{safe_dir_name(namespace)}.pmem")
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.lib = libpmem()
+        mapped, is_pmem = ctypes.c_size_t(), ctypes.c_int()
+        self.addr = self.lib.pmem_map_file(self.path.encode(), int(opts.size), PMEM_FILE_CREATE,
+                                           0o600, ctypes.byref(mapped), ctypes.byref(is_pmem))
+        if not self.addr:
+            raise OSError(ctypes.get_errno(), "pmem_map_file failed", self.path)
+        self.size = mapped.value
+        self.is_pmem = bool(is_pmem.value)
+        self.slots: dict[bytes, int] = {}
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def store(self, keys: list[bytes], bufs: list[memoryview]) -> None:
+        for key, buf in zip(keys, bufs, strict=True):
+            length = PAYLOAD_OFFSET + buf.nbytes
+            with self.lock:
+                if self.next + _round_up(length) > self.size:
+                    self.next = 0
+                at = self.slots[key] = self.next
+                self.next += _round_up(length)
+            dst = self.addr + at + PAYLOAD_OFFSET
+            if self.is_pmem:
+                self.lib.pmem_memcpy_persist(dst, buffer_address(buf), buf.nbytes)
+            else:
+                ctypes.memmove(dst, buffer_address(buf), buf.nbytes)
+                self.lib.pmem_msync(self.addr + at, length)
+
+    def load(self, keys: list[bytes], size: int, batch: int) -> None:
+        out = [memoryview(bytearray(size)) for _ in range(batch)]
+        for i, key in enumerate(keys):
+            dst = out[i % batch]
+            ctypes.memmove(buffer_address(dst), self.addr + self.slots[key] + PAYLOAD_OFFSET,
+                           size)
+
+    def delete(self, keys: list[bytes]) -> None:
+        with self.lock:
+            for key in keys:
+                self.slots.pop(key, None)
+
+    def close(self) -> None:
+        self.lib.pmem_unmap(self.addr, self.size)
+        os.unlink(self.path)
+
+
+def raw_baseline(options: dict[str, Any], namespace: str) -> RawPmem:
+    """For `ucm bench`: the raw libpmem client next to which the driver is measured."""
+    return RawPmem(options, namespace)
