@@ -29,6 +29,14 @@ def _request(rid: str, tokens: list[int]) -> SimpleNamespace:
                            cache_salt=None, lora_request=None)
 
 
+def _wait_running(kernel: Kernel) -> Kernel:
+    end = time.monotonic() + 10
+    while not kernel.running and time.monotonic() < end:
+        time.sleep(0.01)
+    assert kernel.running
+    return kernel
+
+
 def _store(kernel: Kernel, tokens: list[int], n_blocks: int, rank: int = 0, size: int = 1):
     digests = chain_digests(chain_seed("test-ns"), tokens, BS, n_blocks)
     keys = [rank_key(d, rank, size) for d in digests]
@@ -45,7 +53,7 @@ def _answer(side: SchedulerSide, req, computed: int = 0, wait: float = 5.0):
 
 def test_prefix_hit_never_claims_the_last_token():
     settings = _settings({"tiers": [{"driver": "memory"}]})
-    kernel = acquire_kernel(settings.ucm_config, register=True)  # shared in one process
+    kernel = _wait_running(acquire_kernel(settings.ucm_config, register=True))  # shared
     try:
         tokens = list(range(16))  # 4 full blocks
         _store(kernel, tokens, 4)
@@ -60,7 +68,7 @@ def test_prefix_hit_never_claims_the_last_token():
 
 def test_tp_hit_needs_every_rank():
     settings = _settings({"tiers": [{"driver": "memory"}]}, tp_size=2)
-    kernel = acquire_kernel(settings.ucm_config, register=True)
+    kernel = _wait_running(acquire_kernel(settings.ucm_config, register=True))
     try:
         tokens = list(range(17))
         _store(kernel, tokens, 4, rank=0, size=2)
@@ -73,13 +81,26 @@ def test_tp_hit_needs_every_rank():
 
 
 def test_hanging_storage_answers_later_then_misses(tmp_path):
-    config = {"tiers": [{"driver": "faulty", "hang": True,
+    config = {"tiers": [{"driver": "faulty", "hang": True, "ops": ["lookup"],
                          "inner": {"driver": "posix", "path": str(tmp_path)}}]}
     side = SchedulerSide(_settings(config, lookup_wait=0.001, lookup_timeout=0.3))
     req = _request("a", list(range(16)))
+    _wait_running(side._get_kernel())
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
     t0 = time.monotonic()
     assert _answer(side, req) == (0, False)
     assert time.monotonic() - t0 < 2
     assert side.stats["lookup_timeouts"] == 1 and side.stats["lookup_deferred"] >= 1
     side.shutdown()
+
+
+def test_storage_that_hangs_at_start_is_all_misses(tmp_path):
+    config = {"tiers": [{"driver": "faulty", "hang": True,
+                         "inner": {"driver": "posix", "path": str(tmp_path)}}]}
+    side = SchedulerSide(_settings(config, lookup_timeout=0.3))
+    req = _request("a", list(range(16)))
+    t0 = time.monotonic()
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
+    assert time.monotonic() - t0 < 0.1
+    assert _answer(side, req) == (0, False)  # then a miss
+    assert side.stats["lookup_kernel_not_ready"] == 1

@@ -55,6 +55,7 @@ class SchedulerSide:
         self._reqs: dict[str, _RequestState] = {}
         self._kernel: Any = None
         self._own_kernel = False
+        self._kernel_wait_since: float | None = None
 
     # -- the kernel ------------------------------------------------------------------------------
     def _get_kernel(self) -> Any:
@@ -101,11 +102,20 @@ class SchedulerSide:
     def _poll_lookup(self, st: _RequestState, tokens: Any, n_full: int) -> int | None:
         """Leading hit blocks once known; None while the lookup is in flight."""
         if st.lookup is None:
+            kernel = self._get_kernel()
+            if not kernel.running:  # still opening its tiers: ask later, then a miss
+                if self._kernel_wait_since is None:
+                    self._kernel_wait_since = time.monotonic()
+                if time.monotonic() - self._kernel_wait_since < self.settings.lookup_timeout:
+                    self.stats["lookup_deferred"] += 1
+                    return None
+                self.stats["lookup_kernel_not_ready"] += 1
+                return 0
             digests = st.chain.upto(tokens, n_full)
             size = self.settings.tp_size
             keys = [rank_key(d, r, size) for r in range(size) for d in digests]
             try:
-                st.lookup = self._get_kernel().submit(
+                st.lookup = kernel.submit(
                     Lookup(keys, prefix=size == 1, request_id=st.request.request_id))
             except UCMError as exc:
                 return self._lookup_failed(st, exc)
@@ -218,7 +228,10 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         if self._own_kernel and self._kernel is not None:
-            self._kernel.close()
+            try:
+                self._kernel.close(timeout=10.0)
+            except UCMError as exc:
+                log.warning("ucm: kernel close: %s", exc)
         self._kernel = None
 
 

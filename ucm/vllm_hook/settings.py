@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,21 +158,40 @@ def _config_key(config: UCMConfig) -> str:
 
 
 def acquire_kernel(config: UCMConfig, *, register: bool) -> Any:
-    """A started Kernel for `config`. `register` makes it findable by `find_kernel`."""
+    """A Kernel for `config`, starting in the background: opening a tier can be slow or hang
+    (an unreachable backend), and vLLM's start-up must not wait for it. Until `kernel.running`
+    the hook treats every block as a miss. `register` makes it findable by `find_kernel`."""
     from ucm.kernel import Kernel
 
     kernel = Kernel(config)
     if register:
         with _lock:
             _kernels[(os.getpid(), _config_key(config))] = kernel
+
+    def start() -> None:
+        try:
+            kernel.start()
+        except Exception as exc:  # the hook runs on as if storage were empty
+            log.warning("ucm: the kernel did not start (%s); every lookup is a miss", exc)
+
+    threading.Thread(target=start, name="ucm-kernel-start", daemon=True).start()
     return kernel
 
 
 def find_kernel(config: UCMConfig) -> Any | None:
-    """The registered kernel of this process with `config`, if it is running."""
+    """The registered kernel of this process with `config` (it may still be starting)."""
     with _lock:
-        kernel = _kernels.get((os.getpid(), _config_key(config)))
-    return kernel if kernel is not None and kernel.running else None
+        return _kernels.get((os.getpid(), _config_key(config)))
+
+
+def wait_running(kernel: Any, timeout: float) -> bool:
+    """Waits up to `timeout` s for a kernel started by `acquire_kernel` to run."""
+    end = time.monotonic() + timeout
+    while not kernel.running:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def release_kernel(kernel: Any) -> None:

@@ -25,12 +25,17 @@ from typing import Any
 import torch
 
 from ucm.drivers import LoadState
-from ucm.errors import UCMError
+from ucm.errors import KernelClosed, UCMError
 from ucm.kernel import Load, Store
 from ucm.vllm_hook.keys import rank_key
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
-from ucm.vllm_hook.settings import HookSettings, acquire_kernel, release_kernel
+from ucm.vllm_hook.settings import (
+    HookSettings,
+    acquire_kernel,
+    release_kernel,
+    wait_running,
+)
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -73,7 +78,6 @@ class WorkerSide:
                            num_blocks: int | None = None) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
         self._kernel = acquire_kernel(self.settings.ucm_config, register=True)
-        self._kernel.start()
         log.info("ucm: %d layers, %d blocks of %d bytes, namespace %s, rank %d/%d",
                  len(self.layout.by_layer), self.layout.num_blocks, self.layout.block_bytes,
                  self.settings.namespace, self.settings.tp_rank, self.settings.tp_size)
@@ -88,12 +92,14 @@ class WorkerSide:
             staging = self._load_staging = self.layout.new_staging(n)
         keys = [self._key(d) for t in meta.loads for d in t.digests]
         buffers = [staging[i].numpy() for i in range(n)]
+        completion = None
         try:
+            if not wait_running(self._kernel, min(self.settings.load_timeout, 5.0)):
+                raise KernelClosed("the kernel has not started")
             completion = self._kernel.submit(Load(keys, buffers=buffers,
                                                   request_id=meta.loads[0].req_id))
         except UCMError as exc:
             log.warning("ucm: load not submitted (%s); recomputing", exc)
-            completion = None
         self._load = _PendingLoad(meta.loads, staging, completion)
         self.stats["load_blocks"] += n
         if not self.settings.layerwise:
@@ -194,6 +200,8 @@ class WorkerSide:
         keys = [self._key(d) for t, _ in rows for d in t.digests]
         buffers = [staging[i].numpy() for i in range(len(keys))]
         try:
+            if not self._kernel.running:
+                raise KernelClosed("the kernel has not started")
             completion = self._kernel.submit(Store(keys, buffers=buffers,
                                                    request_id=rows[0][0].req_id))
         except UCMError as exc:
@@ -251,5 +259,8 @@ class WorkerSide:
         if not self.wait_for_stores(60.0):
             log.warning("ucm: stores still running at shutdown; closing the kernel anyway")
         release_kernel(self._kernel)
-        self._kernel.close()
+        try:
+            self._kernel.close(timeout=30.0)
+        except UCMError as exc:  # a driver that hangs even its close
+            log.warning("ucm: kernel close: %s", exc)
         self._kernel = None

