@@ -1,0 +1,175 @@
+"""The nfs driver against a real nfs-ganesha (NFSv4.1, VFS export): bad settings at open, a
+server paused or killed under a running kernel, and two hosts sharing one export.
+
+The two hosts are processes in two network namespaces, each joined to a third namespace that
+runs Ganesha by a veth pair (private 10.77.x addresses), so their NFS traffic crosses a real
+network link. Mount mode runs in the contract suite on a local directory (spec `nfs-mount`):
+this machine's kernel has no NFS client, so it is not tested on a real NFS mount here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ucm.drivers.nfs import NfsDriver, NfsOptions
+from ucm.errors import StorageUnavailable
+from ucm.kernel import Kernel, Load, Store
+
+from ._mooncake_nfs import Ganesha, run_script, scratch_dir
+
+MiB = 2**20
+HOST = Path(__file__).with_name("_host.py")
+
+
+async def test_unreachable_server_fails_at_open():
+    with pytest.raises(StorageUnavailable,
+                       match=r"cannot connect to NFS server nfs://127.0.0.1:9/export"):
+        await NfsDriver.open({"url": "nfs://127.0.0.1:9/export?version=4.1",
+                              "connect_timeout": 1}, namespace="x")
+
+
+@pytest.mark.parametrize("options, match", [
+    ({}, "client mode needs url: nfs://"),
+    ({"url": "http://x"}, "client mode needs url"),
+    ({"url": "nfs://h/e", "root": "/"}, "root must name a directory"),
+    ({"mode": "mount"}, "mount mode needs the directory"),
+])
+def test_bad_options_name_the_problem(options, match):
+    with pytest.raises(ValueError, match=match):
+        NfsOptions.model_validate(options)
+
+
+@pytest.fixture
+def own_ganesha():
+    server = Ganesha(20491)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _kernel(server: Ganesha, root: str) -> Kernel:
+    nfs = {"driver": "nfs", "name": "nfs", **server.options(root, timeout=2.0,
+                                                              connect_timeout=1.0)}
+    kernel = Kernel({"tiers": [{"driver": "memory", "name": "mem"}, nfs],
+                     "namespace": "faults", "durability": "all", "promote": False})
+    kernel.start()
+    return kernel
+
+
+@pytest.mark.timeout(90)
+def test_paused_then_killed_server(own_ganesha, tmp_path):
+    kernel = _kernel(own_ganesha, scratch_dir(tmp_path))
+    try:
+        block = os.urandom(2 * MiB)
+        assert kernel.submit(Store([b"both"], buffers=[block])).result(10).ok
+        hot = b"mem-only"
+        kernel.submit(Store([hot], buffers=[block], durability="memory")).result(10)
+
+        own_ganesha.signal(signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            failed = kernel.submit(Store([b"during-pause"], buffers=[block], deadline=1.0))
+            assert failed.exception(10) is not None or not failed.result().ok
+            assert time.monotonic() - start < 2.5, "the deadline did not cut the call"
+            out = bytearray(2 * MiB)  # the memory tier keeps serving meanwhile
+            loaded = kernel.submit(Load([hot], buffers=[out], deadline=1.0)).result(5)
+            assert loaded.ok and bytes(out) == block
+        finally:
+            own_ganesha.signal(signal.SIGCONT)
+        _until_ok(kernel, b"after-pause", block)
+
+        own_ganesha.signal(signal.SIGKILL)
+        start = time.monotonic()
+        failed = kernel.submit(Store([b"while-dead"], buffers=[block], deadline=3.0))
+        assert failed.exception(10) is not None or not failed.result().ok
+        assert time.monotonic() - start < 4
+        own_ganesha.start()  # same export directory: the blocks are still there
+        _until_ok(kernel, b"after-restart", block)  # same kernel, same driver
+        out = bytearray(2 * MiB)
+        result = kernel.submit(Load([b"both", b"after-restart"],
+                                    buffers=[out, bytearray(2 * MiB)])).result(20)
+        assert result.ok and bytes(out) == block
+    finally:
+        kernel.close()
+
+
+def _until_ok(kernel: Kernel, key: bytes, block: bytes) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        future = kernel.submit(Store([key], buffers=[block], deadline=5.0))
+        error = future.exception(20)
+        if error is None and future.result().ok:
+            return
+        assert time.monotonic() < deadline, f"the driver did not recover: {error or future}"
+        time.sleep(0.2)
+
+
+# --- two hosts -------------------------------------------------------------------------------
+
+NS_SERVER, NS_A, NS_B = "ucm-nfs-srv", "ucm-nfs-a", "ucm-nfs-b"
+
+
+@pytest.fixture
+def networked_ganesha():
+    env = dict(os.environ)
+    run_script("netns.sh", env, "veth", NS_SERVER, NS_A, "10.77.1.1", "10.77.1.2")
+    run_script("netns.sh", env, "veth", NS_SERVER, NS_B, "10.77.2.1", "10.77.2.2")
+    server = Ganesha(20492, netns=NS_SERVER, host="127.0.0.1")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        for ns in (NS_A, NS_B, NS_SERVER):
+            run_script("netns.sh", env, "down", ns)
+
+
+def _host(ns: str, address: str, server: Ganesha, root: str, **job) -> subprocess.Popen:
+    opts = server.options(root)
+    opts["url"] = opts["url"].replace("127.0.0.1", address)
+    job["tier"] = {"driver": "nfs", **opts}
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(HOST),
+                             json.dumps(job)], stdout=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_two_hosts_over_veth_share_one_export(networked_ganesha, tmp_path):
+    root, size = scratch_dir(tmp_path), 3 * MiB
+    a = lambda **job: _host(NS_A, "10.77.1.1", networked_ganesha, root, size=size, **job)  # noqa: E731
+    b = lambda **job: _host(NS_B, "10.77.2.1", networked_ganesha, root, size=size, **job)  # noqa: E731
+
+    stored = a(mode="store", count=4, seed=1)  # host A stores, host B hits
+    keys = stored.stdout.readline().split()
+    assert stored.wait(60) == 0 and len(keys) == 4
+    hit = b(mode="load", keys=keys, seed=1)
+    assert hit.stdout.readline().strip() == "ok" and hit.wait(60) == 0
+
+    # both write one key at once while B watches it: one whole block per load
+    same = b"same".hex()
+    first = a(mode="hammer", key=same, seed=1, count=1)
+    assert first.wait(60) == 0
+    watcher = b(mode="watch", keys=[same], seeds=[1, 2, 3], seconds=4)
+    writers = [a(mode="hammer", key=same, seed=2, count=10),
+               b(mode="hammer", key=same, seed=3, count=10)]
+    report = json.loads(watcher.stdout.readlines()[-1])
+    assert [w.wait(60) for w in writers] == [0, 0] and watcher.wait(60) == 0
+    assert report["mixed"] == 0 and report["states"].get("OK", 0) > 0, report
+    assert set(report["states"]) <= {"OK"}, report
+
+    # A deletes what B is loading: B sees whole blocks or misses, never corrupt
+    watcher = b(mode="watch", keys=keys, seeds=[1], seconds=2)
+    assert watcher.stdout.readline().strip() == "ready"
+    deleter = a(mode="delete", keys=keys)
+    assert deleter.wait(60) == 0
+    report = json.loads(watcher.stdout.readline())
+    assert watcher.wait(60) == 0
+    assert report["mixed"] == 0 and set(report["states"]) <= {"OK", "MISSING"}, report
