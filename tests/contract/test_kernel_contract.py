@@ -69,9 +69,11 @@ async def test_capacity_eviction_keeps_pinned_blocks(spec, scratch):
         assert evicted.hits.count(False) >= 3  # the unpinned old blocks went
 
 
-async def test_detach_while_busy_loses_nothing(spec, scratch, autojump_clock):
+# Real time below, not an autojump clock: network drivers (s3 on httpx) keep timers of their
+# own, which a jumping clock would fire while a request is on the wire.
+async def test_detach_while_busy_loses_nothing(spec, scratch):
     keys, blocks = data(4, 3)
-    cfg = load_config({"tiers": [faulty_of(spec, scratch, latency=0.5)],
+    cfg = load_config({"tiers": [faulty_of(spec, scratch, latency=0.2)],
                        "namespace": "kc-detach"})
     async with KernelCore.open(cfg) as core:
         await core.run(Store(keys, buffers=blocks))
@@ -90,7 +92,7 @@ async def test_detach_while_busy_loses_nothing(spec, scratch, autojump_clock):
         assert outcomes == [True] * 4
 
 
-async def test_deadline_and_cancellation_reach_the_driver(spec, scratch, autojump_clock):
+async def test_deadline_and_cancellation_reach_the_driver(spec, scratch):
     keys, blocks = data(1, 4)
     cfg = load_config({"tiers": [faulty_of(spec, scratch)], "namespace": "kc-deadline"})
     async with KernelCore.open(cfg) as core:
@@ -98,9 +100,9 @@ async def test_deadline_and_cancellation_reach_the_driver(spec, scratch, autojum
         core.tiers[0].driver.faults.hang = True
         start = trio.current_time()
         with pytest.raises(DeadlineExceeded):
-            await core.run(Load(keys, buffers=[bytearray(BLOCK)], deadline=1.5))
-        assert trio.current_time() - start == pytest.approx(1.5)
-        with trio.move_on_after(0.7) as scope:  # a key the index lacks goes to the driver
+            await core.run(Load(keys, buffers=[bytearray(BLOCK)], deadline=0.3))
+        assert 0.3 <= trio.current_time() - start < 5
+        with trio.move_on_after(0.2) as scope:  # a key the index lacks goes to the driver
             await core.run(Lookup([b"not-in-the-index"]))
         assert scope.cancelled_caught
         core.tiers[0].driver.faults.hang = False

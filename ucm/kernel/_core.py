@@ -1,4 +1,7 @@
-"""The kernel's logic, on the trio thread: tiers, dispatch, single-flight, promotion.
+"""The kernel's logic, on the trio thread: tiers, dispatch, lookup and load.
+
+Stores, promotion, prefetch and background copies are in `_movement.py`; single-flight loads
+in `_flight.py`.
 
 `KernelCore` runs inside any trio nursery, so tests drive it on virtual time and benchmarks
 call it without the host thread. `Kernel` (in `_kernel.py`) hosts one in its own thread.
@@ -26,7 +29,6 @@ from ucm.errors import (
     DriverError,
     InvalidRequest,
     KernelClosed,
-    NoCapacity,
     UCMError,
 )
 from ucm.kernel._events import (
@@ -38,63 +40,28 @@ from ucm.kernel._events import (
     Lookup,
     LookupResult,
     Prefetch,
-    PrefetchResult,
     Priority,
     Store,
-    StoreResult,
     Unpin,
 )
+from ucm.kernel._flight import FlightTable
+from ucm.kernel._groups import unwrap_single
+from ucm.kernel._movement import DataMovement
 from ucm.kernel._policy import make_policy
 from ucm.kernel._tier import Tier, keys_of
 
 log = logging.getLogger("ucm.kernel")
 
-_COPY_IN_THREAD_BYTES = 1 << 20  # smaller single-flight copies stay on the trio thread
-_BACKGROUND_QUEUE_LIMIT = 1024  # background copies beyond this are dropped (a future miss)
 
 
-@contextmanager
-def _unwrap_single():
-    """Re-raises a nursery's one-exception group as that exception, so callers see the
-    ucm error (with its message) rather than a group around it."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaves = list(_leaves(group))
-        if len(leaves) == 1:
-            raise leaves[0] from None
-        raise
-
-
-def _leaves(group: BaseExceptionGroup):
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
-
-
-class _Flight:
-    """One key being loaded; later loads of the key wait for it instead of reading storage."""
-
-    __slots__ = ("done", "followers", "frozen", "state", "tier")
-
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.followers: list[memoryview] = []
-        self.frozen = False  # followers list is closed: the leader is copying into them
-        self.state = LoadState.FAILED
-        self.tier: str | None = None
-
-
-class KernelCore:
+class KernelCore(DataMovement):
     def __init__(self, config: UCMConfig, nursery: trio.Nursery, *, tracer: Any = None) -> None:
         self.config = config
         self.tiers: list[Tier] = []
         self.stats: Counter[str] = Counter()
         self.tracer = tracer
         self._nursery = nursery
-        self._loading: dict[bytes, _Flight] = {}
+        self._flights = FlightTable()
         self._background_limiter = trio.CapacityLimiter(2)
         self._background_pending = 0
         self._background_idle = trio.Event()
@@ -110,7 +77,7 @@ class KernelCore:
         closes the drivers."""
         if tracer is None:
             tracer = _configured_tracer(config)
-        with _unwrap_single():
+        with unwrap_single():
             async with trio.open_nursery() as nursery:
                 core = cls(config, nursery, tracer=tracer)
                 if hasattr(tracer, "serve"):  # writes the trace; flushes and closes on cancel
@@ -303,25 +270,17 @@ class KernelCore:
         states = [LoadState.MISSING] * n
         sources: list[Tier | None] = [None] * n
         errors: list[str] = []
-        leaders: list[int] = []
-        followers: list[tuple[int, _Flight]] = []
-        for i, key in enumerate(keys):
-            flight = self._loading.get(key)
-            if flight is None:
-                self._loading[key] = _Flight()
-                leaders.append(i)
-            else:
-                flight.followers.append(buffers[i])
-                followers.append((i, flight))
+        leaders, followers = self._flights.join(keys, buffers)
         try:
             if leaders:
                 await self._load_from_tiers(event, leaders, tiers, states, sources, errors,
                                             event_id)
         finally:
             with trio.CancelScope(shield=True):
-                await self._finish_flights(event, leaders, states, sources)
+                await self._flights.land(keys, buffers, leaders, states,
+                                         [t.name if t else None for t in sources])
         for i, flight in followers:
-            await self._follow(flight, buffers[i])
+            await self._flights.follow(flight, buffers[i])
             states[i] = flight.state
             sources[i] = next((t for t in tiers if t.name == flight.tier), None)
             self.stats["load_single_flight"] += 1
@@ -383,44 +342,6 @@ class KernelCore:
             states[i] = (LoadState.CORRUPT if i in corrupt
                          else LoadState.FAILED if i in failed else LoadState.MISSING)
 
-    async def _finish_flights(self, event: Load, leaders: list[int], states: list[LoadState],
-                              sources: list[Tier | None]) -> None:
-        copies: list[tuple[memoryview, memoryview]] = []
-        flights = []
-        for i in leaders:
-            flight = self._loading.pop(event.keys[i])
-            flight.frozen = True
-            flight.state = states[i]
-            flight.tier = sources[i].name if sources[i] else None
-            if states[i] is LoadState.OK:
-                copies.extend((dst, event.buffers[i]) for dst in flight.followers)
-            flights.append(flight)
-        try:
-            if copies:
-                total = sum(src.nbytes for _, src in copies)
-                if total >= _COPY_IN_THREAD_BYTES:
-                    await trio.to_thread.run_sync(_copy_all, copies)
-                else:
-                    _copy_all(copies)
-        except Exception as exc:  # a wrong-sized follower buffer
-            log.warning("single-flight copy failed: %s", exc)
-            for flight in flights:
-                flight.state = LoadState.FAILED
-        finally:
-            for flight in flights:
-                flight.done.set()
-
-    async def _follow(self, flight: _Flight, buffer: memoryview) -> None:
-        try:
-            await flight.done.wait()
-        except trio.Cancelled:
-            if not flight.frozen:
-                flight.followers.remove(buffer)
-            else:  # the leader is writing into our buffer: wait until it is done
-                with trio.CancelScope(shield=True):
-                    await flight.done.wait()
-            raise
-
     def _account_load(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
                       states: list[LoadState], sources: list[Tier | None],
                       tiers: list[Tier]) -> None:
@@ -433,203 +354,9 @@ class KernelCore:
             else:
                 stats[f"load_{state.name.lower()}"] += 1
 
-    # -- store -----------------------------------------------------------------------------------
-    def _required_tiers(self, tiers: list[Tier], durability: str) -> int:
-        if durability == "memory":
-            return 1
-        if durability == "local":
-            for depth, tier in enumerate(tiers):
-                if tier.persistent:
-                    return depth + 1
-        return len(tiers)
-
-    async def _store(self, event: Store, tiers: list[Tier], event_id: int) -> StoreResult:
-        keys, buffers = event.keys, event.buffers
-        durability = event.durability or self.config.durability
-        required = tiers[: self._required_tiers(tiers, durability)]
-        results: dict[str, list[bool]] = {}
-        errors: list[str] = []
-        indices = list(range(len(keys)))
-
-        async def store_one(tier: Tier) -> None:
-            results[tier.name] = await self._store_into(tier, keys, buffers, indices, errors,
-                                                        Priority.STORE, event_id)
-
-        with _unwrap_single():
-            async with trio.open_nursery() as nursery:
-                for tier in required:
-                    nursery.start_soon(store_one, tier)
-        stored = tuple(all(results[t.name][i] for t in required) for i in indices)
-        self.stats["store_keys"] += len(keys)
-        self.stats["store_failed"] += stored.count(False)
-        self.stats["bytes_stored"] += sum(
-            b.nbytes for b, ok in zip(buffers, stored, strict=True) if ok)
-        rest = tiers[len(required):]
-        if rest:
-            done = [i for i in indices if stored[i]]
-            if done:
-                # The caller may reuse its buffers once we return: copy from the first tier.
-                self._spawn(self._copy, [keys[i] for i in done],
-                            [buffers[i].nbytes for i in done], required[0], rest)
-        return StoreResult(stored, tuple(errors))
-
-    async def _store_into(self, tier: Tier, keys: Sequence[bytes],
-                          buffers: Sequence[memoryview], indices: list[int], errors: list[str],
-                          priority: int, event_id: int) -> list[bool]:
-        """Stores keys[indices] into one tier, making room first. Returns stored flags by
-        position in `keys` (False outside `indices`)."""
-        ok = [False] * len(keys)
-        chosen: list[int] = []
-        reserved = 0
-        victims: list[bytes] = []
-        for i in indices:
-            need = tier.estimate(buffers[i].nbytes)
-            more = tier.reserve(need)
-            if more is None:
-                errors.append(str(NoCapacity("no room: the rest of the tier is pinned",
-                                             driver=tier.name)))
-                self._count_error(tier, "store", None, kind="no_capacity")
-                continue
-            victims.extend(more)
-            reserved += need
-            chosen.append(i)
-        try:
-            if victims:
-                await self._delete_victims(tier, victims)
-            if not chosen:
-                return ok
-            t0 = time.monotonic_ns()
-            try:
-                sizes = await tier.call(priority, tier.driver.store, keys_of(keys, chosen),
-                                        [buffers[i] for i in chosen])
-            except DriverError as exc:
-                self._count_error(tier, "store", exc)
-                self._emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
-                           error=type(exc).__name__)
-                errors.append(str(exc))
-                return ok
-            nbytes = 0
-            for i, size in zip(chosen, sizes, strict=True):
-                if size > 0:
-                    tier.add(keys[i], size, buffers[i].nbytes)
-                    ok[i] = True
-                    nbytes += buffers[i].nbytes
-                else:
-                    self._count_error(tier, "store", None, kind="failed")
-            self._emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
-                       bytes=nbytes, stored=sum(1 for s in sizes if s > 0))
-            return ok
-        finally:
-            tier.unreserve(reserved)
-
-    async def _delete_victims(self, tier: Tier, keys: list[bytes]) -> None:
-        for key in keys:
-            tier.discard(key)
-        try:
-            await tier.call(Priority.STORE, tier.driver.delete, keys)
-        except DriverError as exc:
-            self._count_error(tier, "delete", exc)
-            return
-        self.stats[f"evictions.{tier.name}"] += len(keys)
-        self._emit("evict", 0, tier=tier.name, keys=len(keys))
-
-    # -- prefetch, promotion and background copies ------------------------------------------------
-    async def _prefetch(self, event: Prefetch, tiers: list[Tier], event_id: int,
-                        ) -> PrefetchResult:
-        keys = event.keys
-        top = tiers[0]
-        absent = [k for k in keys if k not in top]
-        if len(tiers) == 1 or not absent:
-            return PrefetchResult(0, len(keys) - len(absent), 0)
-        found = await self._lookup(Lookup(absent), tiers[1:], event_id)
-        promoted = 0
-        for tier in tiers[1:]:
-            batch = [k for k, name in zip(absent, found.tiers, strict=True) if name == tier.name]
-            sized = [(k, self._raw_size(k, tiers, event.block_bytes)) for k in batch]
-            sized = [(k, s) for k, s in sized if s is not None]
-            if sized:
-                promoted += await self._copy([k for k, _ in sized], [s for _, s in sized],
-                                             tier, [top], priority=Priority.PREFETCH)
-        missing = found.hits.count(False)
-        return PrefetchResult(promoted, len(keys) - len(absent), missing)
-
-    def _raw_size(self, key: bytes, tiers: list[Tier], default: int | None) -> int | None:
-        for tier in tiers:
-            size = tier.raw_sizes.get(key)
-            if size is not None:
-                return size
-        return default
-
-    def _promote(self, keys: Sequence[bytes], sources: Sequence[Tier | None],
-                 tiers: list[Tier], raw: Sequence[int] | None = None) -> None:
-        """Schedules copies of blocks found below the top tier into the tiers above."""
-        by_source: dict[int, list[int]] = {}
-        for i, tier in enumerate(sources):
-            if tier is not None and tier is not tiers[0]:
-                by_source.setdefault(tiers.index(tier), []).append(i)
-        for depth, indices in by_source.items():
-            sized = []
-            for i in indices:
-                size = raw[i] if raw is not None else self._raw_size(keys[i], tiers, None)
-                if size is not None:
-                    sized.append((keys[i], size))
-            if sized:
-                self._spawn(self._copy, [k for k, _ in sized], [s for _, s in sized],
-                            tiers[depth], tiers[:depth])
-
-    async def _copy(self, keys: list[bytes], sizes: list[int], source: Tier,
-                    targets: list[Tier], *, priority: int = Priority.BACKGROUND) -> int:
-        """Copies blocks from one tier into others through staging buffers. Returns how many
-        blocks reached every target."""
-        buffers = [memoryview(bytearray(size)) for size in sizes]
-        try:
-            states = await source.call(priority, source.driver.load, keys, buffers)
-        except DriverError as exc:
-            self._count_error(source, "load", exc)
-            return 0
-        good = [i for i, s in enumerate(states) if s is LoadState.OK]
-        if not good:
-            return 0
-        errors: list[str] = []
-        reached = [True] * len(keys)
-        for target in targets:
-            ok = await self._store_into(target, keys, buffers, good, errors, priority, 0)
-            reached = [a and b for a, b in zip(reached, ok, strict=True)]
-        count = sum(1 for i in good if reached[i])
-        self.stats["promoted"] += count
-        return count
-
-    def _spawn(self, fn: Any, *args: Any) -> None:
-        """Runs background work (promotion, propagation, cleanup). Never raises: a dropped
-        background copy is a future cache miss."""
-        if self._closing or self._background_pending >= _BACKGROUND_QUEUE_LIMIT:
-            self.stats["background_dropped"] += 1
-            return
-        if self._background_pending == 0:
-            self._background_idle = trio.Event()
-        self._background_pending += 1
-        self._nursery.start_soon(self._background, fn, args)
-
-    async def _background(self, fn: Any, args: tuple) -> None:
-        try:
-            async with self._background_limiter:
-                await fn(*args)
-        except Exception as exc:  # background work must not take the kernel down
-            self.stats["background_errors"] += 1
-            log.warning("background %s failed: %r", getattr(fn, "__name__", fn), exc)
-        finally:
-            self._background_pending -= 1
-            if self._background_pending == 0:
-                self._background_idle.set()
-
-    async def wait_background_idle(self) -> None:
-        """Waits until promotions, propagations and cleanups have finished."""
-        while self._background_pending:
-            await self._background_idle.wait()
-
     # -- delete ----------------------------------------------------------------------------------
     async def _delete(self, event: Delete, tiers: list[Tier]) -> DoneResult:
-        with _unwrap_single():
+        with unwrap_single():
             async with trio.open_nursery() as nursery:
                 for tier in tiers:
                     for key in event.keys:
@@ -663,7 +390,7 @@ class KernelCore:
             out[f"tier.{tier.name}.pinned"] = tier.policy.pinned_count
             out[f"tier.{tier.name}.driver"] = tier.driver.statistics()
         out["background_pending"] = self._background_pending
-        out["single_flight_keys"] = len(self._loading)
+        out["single_flight_keys"] = len(self._flights)
         return out
 
 
@@ -674,10 +401,3 @@ def _configured_tracer(config: UCMConfig) -> Any:
     from ucm.trace import tracer_from_config
 
     return tracer_from_config(config)
-
-
-def _copy_all(copies: list[tuple[memoryview, memoryview]]) -> None:
-    for dst, src in copies:
-        if dst.nbytes != src.nbytes:
-            raise InvalidRequest(f"buffer is {dst.nbytes} bytes; the block holds {src.nbytes}")
-        dst[:] = src

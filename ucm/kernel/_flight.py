@@ -1,0 +1,107 @@
+"""Single-flight loads: concurrent loads of one key read storage once.
+
+The first load of a key leads; later loads of the same key, while it is in flight, follow: they
+hand over their buffers and wait. Before the leader's own event completes, it copies the block
+into every follower's buffer, so no buffer is written after its event has completed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import trio
+
+from ucm.drivers import LoadState
+from ucm.errors import InvalidRequest
+
+log = logging.getLogger("ucm.kernel")
+
+_COPY_IN_THREAD_BYTES = 1 << 20  # smaller copies stay on the trio thread
+
+
+class Flight:
+    """One key being loaded."""
+
+    __slots__ = ("done", "followers", "frozen", "state", "tier")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.followers: list[memoryview] = []
+        self.frozen = False  # the followers list is closed: the leader is copying into them
+        self.state = LoadState.FAILED
+        self.tier: str | None = None
+
+
+class FlightTable:
+    def __init__(self) -> None:
+        self._flights: dict[bytes, Flight] = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def join(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
+             ) -> tuple[list[int], list[tuple[int, Flight]]]:
+        """Splits a batch into the indices this event leads and the flights it follows."""
+        leaders: list[int] = []
+        followers: list[tuple[int, Flight]] = []
+        flights = self._flights
+        for i, key in enumerate(keys):
+            flight = flights.get(key)
+            if flight is None:
+                flights[key] = Flight()
+                leaders.append(i)
+            else:
+                flight.followers.append(buffers[i])
+                followers.append((i, flight))
+        return leaders, followers
+
+    async def land(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
+                   leaders: list[int], states: Sequence[LoadState],
+                   tiers: Sequence[str | None]) -> None:
+        """Ends the leader's flights: copies good blocks to followers, then wakes them.
+        Call it shielded: followers wait on it."""
+        copies: list[tuple[memoryview, memoryview]] = []
+        landed = []
+        for i in leaders:
+            flight = self._flights.pop(keys[i])
+            flight.frozen = True
+            flight.state = states[i]
+            flight.tier = tiers[i]
+            if states[i] is LoadState.OK:
+                copies.extend((dst, buffers[i]) for dst in flight.followers)
+            landed.append(flight)
+        try:
+            if copies:
+                if sum(src.nbytes for _, src in copies) >= _COPY_IN_THREAD_BYTES:
+                    await trio.to_thread.run_sync(_copy_all, copies)
+                else:
+                    _copy_all(copies)
+        except InvalidRequest as exc:  # a follower's buffer had the wrong size
+            log.warning("single-flight copy failed: %s", exc)
+            for flight in landed:
+                flight.state = LoadState.FAILED
+        finally:
+            for flight in landed:
+                flight.done.set()
+
+    @staticmethod
+    async def follow(flight: Flight, buffer: memoryview) -> None:
+        """Waits for the leader. If cancelled after the leader has started copying into this
+        buffer, waits (shielded) for the copy to end, so the buffer is quiet on return."""
+        try:
+            await flight.done.wait()
+        except trio.Cancelled:
+            if not flight.frozen:
+                flight.followers.remove(buffer)
+            else:
+                with trio.CancelScope(shield=True):
+                    await flight.done.wait()
+            raise
+
+
+def _copy_all(copies: list[tuple[memoryview, memoryview]]) -> None:
+    for dst, src in copies:
+        if dst.nbytes != src.nbytes:
+            raise InvalidRequest(f"buffer is {dst.nbytes} bytes; the block holds {src.nbytes}")
+        dst[:] = src

@@ -1,0 +1,242 @@
+"""Moving blocks between the caller and the tiers: stores at a durability level, room made by
+eviction, promotion and prefetch into faster tiers, and the background work behind them.
+
+A mixin of KernelCore (it uses the core's stats, tracer, nursery and error accounting); split
+out so each half reads in one sitting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from ucm.drivers import LoadState
+from ucm.errors import DriverError, NoCapacity
+from ucm.kernel._events import Lookup, Prefetch, PrefetchResult, Priority, Store, StoreResult
+from ucm.kernel._groups import unwrap_single
+from ucm.kernel._tier import Tier, keys_of
+
+if TYPE_CHECKING:
+    from collections import Counter
+
+    from ucm.config import UCMConfig
+    from ucm.kernel._events import LookupResult
+
+log = logging.getLogger("ucm.kernel")
+
+_BACKGROUND_QUEUE_LIMIT = 1024  # background copies beyond this are dropped (a future miss)
+
+
+class DataMovement:
+    config: UCMConfig
+    stats: Counter[str]
+    _nursery: trio.Nursery
+    _closing: bool
+    _background_limiter: trio.CapacityLimiter
+    _background_pending: int
+    _background_idle: trio.Event
+
+    if TYPE_CHECKING:  # provided by KernelCore
+        def _count_error(self, tier: Tier, op: str, exc: BaseException | None, *,
+                         kind: str | None = None) -> None: ...
+        def _emit(self, phase: str, event_id: int, **fields: Any) -> None: ...
+        async def _lookup(self, event: Lookup, tiers: list[Tier], event_id: int,
+                          ) -> LookupResult: ...
+
+    # -- store -----------------------------------------------------------------------------------
+    def _required_tiers(self, tiers: list[Tier], durability: str) -> int:
+        if durability == "memory":
+            return 1
+        if durability == "local":
+            for depth, tier in enumerate(tiers):
+                if tier.persistent:
+                    return depth + 1
+        return len(tiers)
+
+    async def _store(self, event: Store, tiers: list[Tier], event_id: int) -> StoreResult:
+        keys, buffers = event.keys, event.buffers
+        durability = event.durability or self.config.durability
+        required = tiers[: self._required_tiers(tiers, durability)]
+        results: dict[str, list[bool]] = {}
+        errors: list[str] = []
+        indices = list(range(len(keys)))
+
+        async def store_one(tier: Tier) -> None:
+            results[tier.name] = await self._store_into(tier, keys, buffers, indices, errors,
+                                                        Priority.STORE, event_id)
+
+        with unwrap_single():
+            async with trio.open_nursery() as nursery:
+                for tier in required:
+                    nursery.start_soon(store_one, tier)
+        stored = tuple(all(results[t.name][i] for t in required) for i in indices)
+        self.stats["store_keys"] += len(keys)
+        self.stats["store_failed"] += stored.count(False)
+        self.stats["bytes_stored"] += sum(
+            b.nbytes for b, ok in zip(buffers, stored, strict=True) if ok)
+        rest = tiers[len(required):]
+        if rest:
+            done = [i for i in indices if stored[i]]
+            if done:
+                # The caller may reuse its buffers once we return: copy from the first tier.
+                self._spawn(self._copy, [keys[i] for i in done],
+                            [buffers[i].nbytes for i in done], required[0], rest)
+        return StoreResult(stored, tuple(errors))
+
+    async def _store_into(self, tier: Tier, keys: Sequence[bytes],
+                          buffers: Sequence[memoryview], indices: list[int], errors: list[str],
+                          priority: int, event_id: int) -> list[bool]:
+        """Stores keys[indices] into one tier, making room first. Returns stored flags by
+        position in `keys` (False outside `indices`)."""
+        ok = [False] * len(keys)
+        chosen: list[int] = []
+        reserved = 0
+        victims: list[bytes] = []
+        for i in indices:
+            need = tier.estimate(buffers[i].nbytes)
+            more = tier.reserve(need)
+            if more is None:
+                errors.append(str(NoCapacity("no room: the rest of the tier is pinned",
+                                             driver=tier.name)))
+                self._count_error(tier, "store", None, kind="no_capacity")
+                continue
+            victims.extend(more)
+            reserved += need
+            chosen.append(i)
+        try:
+            if victims:
+                await self._delete_victims(tier, victims)
+            if not chosen:
+                return ok
+            t0 = time.monotonic_ns()
+            try:
+                sizes = await tier.call(priority, tier.driver.store, keys_of(keys, chosen),
+                                        [buffers[i] for i in chosen])
+            except DriverError as exc:
+                self._count_error(tier, "store", exc)
+                self._emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
+                           error=type(exc).__name__)
+                errors.append(str(exc))
+                return ok
+            nbytes = 0
+            for i, size in zip(chosen, sizes, strict=True):
+                if size > 0:
+                    tier.add(keys[i], size, buffers[i].nbytes)
+                    ok[i] = True
+                    nbytes += buffers[i].nbytes
+                else:
+                    self._count_error(tier, "store", None, kind="failed")
+            self._emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
+                       bytes=nbytes, stored=sum(1 for s in sizes if s > 0))
+            return ok
+        finally:
+            tier.unreserve(reserved)
+
+    async def _delete_victims(self, tier: Tier, keys: list[bytes]) -> None:
+        for key in keys:
+            tier.discard(key)
+        try:
+            await tier.call(Priority.STORE, tier.driver.delete, keys)
+        except DriverError as exc:
+            self._count_error(tier, "delete", exc)
+            return
+        self.stats[f"evictions.{tier.name}"] += len(keys)
+        self._emit("evict", 0, tier=tier.name, keys=len(keys))
+
+    # -- prefetch, promotion and background copies ------------------------------------------------
+    async def _prefetch(self, event: Prefetch, tiers: list[Tier], event_id: int,
+                        ) -> PrefetchResult:
+        keys = event.keys
+        top = tiers[0]
+        absent = [k for k in keys if k not in top]
+        if len(tiers) == 1 or not absent:
+            return PrefetchResult(0, len(keys) - len(absent), 0)
+        found = await self._lookup(Lookup(absent), tiers[1:], event_id)
+        promoted = 0
+        for tier in tiers[1:]:
+            batch = [k for k, name in zip(absent, found.tiers, strict=True) if name == tier.name]
+            sized = [(k, self._raw_size(k, tiers, event.block_bytes)) for k in batch]
+            sized = [(k, s) for k, s in sized if s is not None]
+            if sized:
+                promoted += await self._copy([k for k, _ in sized], [s for _, s in sized],
+                                             tier, [top], priority=Priority.PREFETCH)
+        missing = found.hits.count(False)
+        return PrefetchResult(promoted, len(keys) - len(absent), missing)
+
+    def _raw_size(self, key: bytes, tiers: list[Tier], default: int | None) -> int | None:
+        for tier in tiers:
+            size = tier.raw_sizes.get(key)
+            if size is not None:
+                return size
+        return default
+
+    def _promote(self, keys: Sequence[bytes], sources: Sequence[Tier | None],
+                 tiers: list[Tier], raw: Sequence[int] | None = None) -> None:
+        """Schedules copies of blocks found below the top tier into the tiers above."""
+        by_source: dict[int, list[int]] = {}
+        for i, tier in enumerate(sources):
+            if tier is not None and tier is not tiers[0]:
+                by_source.setdefault(tiers.index(tier), []).append(i)
+        for depth, indices in by_source.items():
+            sized = []
+            for i in indices:
+                size = raw[i] if raw is not None else self._raw_size(keys[i], tiers, None)
+                if size is not None:
+                    sized.append((keys[i], size))
+            if sized:
+                self._spawn(self._copy, [k for k, _ in sized], [s for _, s in sized],
+                            tiers[depth], tiers[:depth])
+
+    async def _copy(self, keys: list[bytes], sizes: list[int], source: Tier,
+                    targets: list[Tier], *, priority: int = Priority.BACKGROUND) -> int:
+        """Copies blocks from one tier into others through staging buffers. Returns how many
+        blocks reached every target."""
+        buffers = [memoryview(bytearray(size)) for size in sizes]
+        try:
+            states = await source.call(priority, source.driver.load, keys, buffers)
+        except DriverError as exc:
+            self._count_error(source, "load", exc)
+            return 0
+        good = [i for i, s in enumerate(states) if s is LoadState.OK]
+        if not good:
+            return 0
+        errors: list[str] = []
+        reached = [True] * len(keys)
+        for target in targets:
+            ok = await self._store_into(target, keys, buffers, good, errors, priority, 0)
+            reached = [a and b for a, b in zip(reached, ok, strict=True)]
+        count = sum(1 for i in good if reached[i])
+        self.stats["promoted"] += count
+        return count
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        """Runs background work (promotion, propagation, cleanup). Never raises: a dropped
+        background copy is a future cache miss."""
+        if self._closing or self._background_pending >= _BACKGROUND_QUEUE_LIMIT:
+            self.stats["background_dropped"] += 1
+            return
+        if self._background_pending == 0:
+            self._background_idle = trio.Event()
+        self._background_pending += 1
+        self._nursery.start_soon(self._background, fn, args)
+
+    async def _background(self, fn: Any, args: tuple) -> None:
+        try:
+            async with self._background_limiter:
+                await fn(*args)
+        except Exception as exc:  # background work must not take the kernel down
+            self.stats["background_errors"] += 1
+            log.warning("background %s failed: %r", getattr(fn, "__name__", fn), exc)
+        finally:
+            self._background_pending -= 1
+            if self._background_pending == 0:
+                self._background_idle.set()
+
+    async def wait_background_idle(self) -> None:
+        """Waits until promotions, propagations and cleanups have finished."""
+        while self._background_pending:
+            await self._background_idle.wait()
