@@ -38,6 +38,7 @@ import os
 import random
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any, Self
 
 import trio
@@ -63,9 +64,11 @@ NO_AVAILABLE_HANDLE = -200  # the pool is full
 BUFFER_OVERFLOW = -600  # the target buffer is smaller than the object
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
+TRANSFER_FAIL = -800  # this and lower: transfer and RPC failures (the transport, not a key)
 _ERROR_NAMES = {
     -200: "NO_AVAILABLE_HANDLE (pool full)", -600: "BUFFER_OVERFLOW",
-    -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -900: "RPC_FAIL",
+    -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL",
     -901: "RPC_TIMEOUT",
 }
 _ALIGN = 4096
@@ -121,20 +124,39 @@ class MooncakeBlocks(Backend):
     """The synchronous side: batches of blocks to and from one MooncakeDistributedStore."""
 
     def __init__(self, client: Any, pool: StagingPool, *, prefix: str, namespace: str,
-                 codec: Codec, master: str, force_delete: bool) -> None:
-        self.client = client
+                 codec: Codec, master: str, force_delete: bool,
+                 reopen: Callable[[], Any]) -> None:
+        self._client = client
+        self._reopen = reopen
+        self._lock = threading.Lock()
         self.pool = pool
         self.prefix = prefix
         self.namespace = namespace
         self.codec = codec
         self.master = master
         self.force_delete = force_delete
-        self.counters = {"refused_full": 0, "delete_deferred": 0, "unstaged": 0}
+        self.counters = {"refused_full": 0, "delete_deferred": 0, "unstaged": 0,
+                         "reconnects": 0}
+
+    @property
+    def client(self) -> Any:
+        """The store client; after an RPC failure, a new one (a restarted master and metadata
+        server know nothing of the old client's registered memory)."""
+        client = self._client
+        if client is not None:
+            return client
+        with self._lock:
+            if self._client is None:
+                self._client = self._reopen()
+                self.counters["reconnects"] += 1
+            return self._client
 
     def name_of(self, key: bytes) -> str:
         return self.prefix + key.hex()
 
     def _unreachable(self, rc: int) -> ConnectionError:
+        # Dropped, not closed: close() may wait on the dead master.
+        self._client = None
         return ConnectionError(f"Mooncake master {self.master} failed the call: "
                                f"{error_name(rc)}")
 
@@ -179,6 +201,8 @@ class MooncakeBlocks(Backend):
                     [self.name_of(keys[i]) for i, _, _ in staged],
                     [self.pool.addr + off for _, off, _ in staged],
                     [n for _, _, n in staged])
+                if all(rc <= TRANSFER_FAIL for rc in rcs):
+                    raise self._unreachable(rcs[0])  # transfers or RPCs failed, all of them
                 for (i, _, total), rc in zip(staged, rcs, strict=True):
                     sizes[i] = self._stored(rc, total)
         finally:
@@ -216,8 +240,8 @@ class MooncakeBlocks(Backend):
                     [self.name_of(keys[i]) for i, _, _ in staged],
                     [self.pool.addr + off for _, off, _ in staged],
                     [cap for _, _, cap in staged])
-                if all(n <= -900 for n in results):
-                    raise self._unreachable(results[0])
+                if all(n <= TRANSFER_FAIL for n in results):
+                    raise self._unreachable(results[0])  # transport failed, not the keys
                 for (i, offset, _), n in zip(staged, results, strict=True):
                     states[i] = self._finish(keys[i], views[i], offset, n)
         finally:
@@ -257,10 +281,13 @@ class MooncakeBlocks(Backend):
         return LoadState.OK
 
     def close(self) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
         try:
-            self.client.unregister_buffer(self.pool.addr)
+            client.unregister_buffer(self.pool.addr)
         finally:
-            self.client.close()
+            client.close()
 
 
 def _probe_name() -> str:
@@ -318,6 +345,23 @@ def _check_reachable(address: str, what: str, name: str) -> None:
 
 def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
              codec: Codec) -> MooncakeBlocks:
+    pool = StagingPool(int(options.staging_bytes))
+
+    def reopen() -> Any:
+        try:
+            return _open_client(options, pool, name=name)
+        except (StorageUnavailable, NoCapacity) as exc:
+            raise ConnectionError(str(exc)) from exc
+
+    client = _open_client(options, pool, name=name)
+    prefix = f"ucm/{safe_dir_name(namespace)}/"
+    return MooncakeBlocks(client, pool, prefix=prefix, namespace=namespace, codec=codec,
+                          master=options.master, force_delete=options.force_delete,
+                          reopen=reopen)
+
+
+def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: str) -> Any:
+    """A set-up store client with `pool` registered; errors name the master and the cause."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
@@ -338,7 +382,6 @@ def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
             f"cannot reach the Mooncake master at {options.master} with metadata "
             f"{options.metadata} (setup returned {rc}; is mooncake_master running there?)",
             driver=name)
-    pool = StagingPool(int(options.staging_bytes))
     try:
         rc = store.register_buffer(pool.addr, pool.size)
         if rc != 0:
@@ -358,6 +401,4 @@ def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
     except BaseException:
         store.close()
         raise
-    prefix = f"ucm/{safe_dir_name(namespace)}/"
-    return MooncakeBlocks(store, pool, prefix=prefix, namespace=namespace, codec=codec,
-                          master=options.master, force_delete=options.force_delete)
+    return store
