@@ -97,7 +97,7 @@ def test_hanging_storage_answers_later_then_misses(tmp_path):
 def test_storage_that_hangs_at_start_is_all_misses(tmp_path):
     config = {"tiers": [{"driver": "faulty", "hang": True,
                          "inner": {"driver": "posix", "path": str(tmp_path)}}]}
-    side = SchedulerSide(_settings(config, lookup_timeout=0.3))
+    side = SchedulerSide(_settings(config, start_timeout=0.3))
     req = _request("a", list(range(16)))
     t0 = time.monotonic()
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later

@@ -106,7 +106,7 @@ class SchedulerSide:
             if not kernel.running:  # still opening its tiers: ask later, then a miss
                 if self._kernel_wait_since is None:
                     self._kernel_wait_since = time.monotonic()
-                if time.monotonic() - self._kernel_wait_since < self.settings.lookup_timeout:
+                if time.monotonic() - self._kernel_wait_since < self.settings.start_timeout:
                     self.stats["lookup_deferred"] += 1
                     return None
                 self.stats["lookup_kernel_not_ready"] += 1

@@ -9,6 +9,8 @@ here (no vLLM import), so the option parsing is testable without an engine.
         "layerwise": False,        # copy each layer into the cache just before it runs
         "lookup_wait": 0.002,      # s the scheduler waits inline before "ask again later"
         "lookup_timeout": 5.0,     # s after which an unanswered lookup counts as a miss
+        "start_timeout": 30.0,     # s lookups wait for the kernel to open its tiers (it lists
+                                   # what a persistent tier holds); then misses until it runs
         "load_timeout": 30.0,      # s a worker waits for a load before it recomputes instead
         "max_store_bytes": "1GiB", # snapshots waiting to be written; beyond, saves are dropped
         "save_generated": True,    # also save blocks of generated tokens (chat turns reuse them)
@@ -35,8 +37,8 @@ from ucm.vllm_hook.keys import make_namespace, model_identity
 log = logging.getLogger("ucm.vllm_hook")
 
 _OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "lookup_wait",
-                "lookup_timeout", "load_timeout", "max_store_bytes", "save_generated",
-                "load_failure"}
+                "lookup_timeout", "start_timeout", "load_timeout", "max_store_bytes",
+                "save_generated", "load_failure"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class HookSettings:
     layerwise: bool = False
     lookup_wait: float = 0.002
     lookup_timeout: float = 5.0
+    start_timeout: float = 30.0
     load_timeout: float = 30.0
     max_store_bytes: int = 1 << 30
     save_generated: bool = True
@@ -93,6 +96,7 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         layerwise=bool(extra.get("layerwise", False)),
         lookup_wait=float(extra.get("lookup_wait", 0.002)),
         lookup_timeout=float(extra.get("lookup_timeout", base.deadline or 5.0)),
+        start_timeout=float(extra.get("start_timeout", 30.0)),
         load_timeout=float(extra.get("load_timeout", base.deadline or 30.0)),
         max_store_bytes=int(TypeAdapter(ByteSize).validate_python(
             extra.get("max_store_bytes", 1 << 30))),

@@ -94,7 +94,7 @@ class WorkerSide:
         buffers = [staging[i].numpy() for i in range(n)]
         completion = None
         try:
-            if not wait_running(self._kernel, min(self.settings.load_timeout, 5.0)):
+            if not wait_running(self._kernel, self.settings.start_timeout):
                 raise KernelClosed("the kernel has not started")
             completion = self._kernel.submit(Load(keys, buffers=buffers,
                                                   request_id=meta.loads[0].req_id))
