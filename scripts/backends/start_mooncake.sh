@@ -47,6 +47,10 @@ fail() {
   echo "mooncake failed to start: $1" >&2
   echo "--- master.log" >&2; tail -20 "$dir/master.log" >&2 || true
   echo "--- meta.log" >&2; tail -20 "$dir/meta.log" >&2 || true
+  for f in holder master meta; do  # leave nothing half-started behind
+    [ -f "$dir/$f.pid" ] && kill -KILL "$(cat "$dir/$f.pid")" 2>/dev/null
+    rm -f "$dir/$f.pid"
+  done
   exit 1
 }
 http_ok() { "${exec_in[@]}" curl -sf -o /dev/null --max-time 1 "$1"; }

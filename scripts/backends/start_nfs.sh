@@ -34,6 +34,7 @@ fail() {
   echo "nfs-ganesha failed to start: $1" >&2
   grep -Ev "DBUS|dbus|krb5|KRB5" "$DIR/ganesha.log" | tail -20 >&2 || true
   tail -5 "$DIR/stdout.log" >&2 || true
+  kill -KILL "$(cat "$DIR/ganesha.pid")" 2>/dev/null; rm -f "$DIR/ganesha.pid"
   exit 1
 }
 for _ in $(seq 1 200); do

@@ -38,6 +38,7 @@ import os
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -395,7 +396,15 @@ def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: st
             raise StorageUnavailable(f"cannot register {pool.size} staging bytes ({rc})",
                                      driver=name)
         probe = _probe_name()
-        rc = store.put(probe, b"ucm")
+        for _ in range(10):
+            rc = store.put(probe, b"ucm")
+            # A client that died lately keeps its segment registered until the master's
+            # client_ttl: puts placed there fail for a while. Not a reason to refuse.
+            if rc != TRANSFER_FAIL:
+                break
+            time.sleep(0.3)
+        if rc == TRANSFER_FAIL:
+            return store
         if rc == NO_AVAILABLE_HANDLE:
             raise NoCapacity(
                 f"the Mooncake pool at {options.master} refuses puts: it is full or no "
