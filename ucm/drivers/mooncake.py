@@ -329,13 +329,6 @@ class MooncakeDriver(RemoteDriver):
             abandon_on_cancel=True)
         return cls(backend, name=name, threads=options.threads)
 
-    async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
-                   views: list[memoryview]) -> list[Any]:
-        # One batch call per batch: the transfer engine spreads it over its own threads, and
-        # two concurrent batch calls measured slower than one (calls are abandonable, so a
-        # big batch does not delay a cancel either).
-        return await self._run(fn, keys, views)
-
     def statistics(self) -> dict[str, int | float]:
         return {**super().statistics(), **self.backend.counters}
 

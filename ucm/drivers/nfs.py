@@ -237,13 +237,7 @@ class NfsBlocks(Backend):
 
         def read(client: Any) -> int:
             with client.open(self.path_for(key), "rb") as f:
-                n = 0
-                while n < want:
-                    got = f.readinto(stage[n:])
-                    if not got:
-                        break
-                    n += got
-                return n
+                return f.readinto(stage)  # fills the range or stops at EOF: one call
 
         try:
             n = self._call(read)
