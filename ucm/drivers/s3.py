@@ -32,6 +32,7 @@ import os
 import random
 import re
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Self
 from urllib.parse import quote, urlsplit
@@ -118,6 +119,10 @@ class S3Client:
             limits=httpx.Limits(max_connections=max_connections,
                                 max_keepalive_connections=max_connections),
             verify=verify_tls, follow_redirects=False)
+        _use_large_reads(self.client)
+        # Requests in flight, bounded here rather than queued in httpcore's pool: its queue
+        # is rescanned against every connection (a poll() per idle one) on each assignment.
+        self._slots = trio.CapacityLimiter(max_connections)
 
     def _signed_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
         from botocore.awsrequest import AWSRequest
@@ -141,8 +146,9 @@ class S3Client:
         for attempt in range(self.max_attempts):
             signed = self._signed_headers(method, url, headers or {})
             try:
-                response = await self.client.request(method, url, headers=signed,
-                                                     content=content)
+                async with self._slots:
+                    response = await self.client.request(method, url, headers=signed,
+                                                         content=content)
             except self._httpx.TransportError as exc:
                 last = _transport_text(exc)
             else:
@@ -155,21 +161,25 @@ class S3Client:
                 await self._backoff(attempt)
         raise S3Error(f"{method} failed after {self.max_attempts} attempts: {last}")
 
+    @asynccontextmanager
     async def stream(self, method: str, object_key: str, *, headers: dict[str, str],
-                     expect: tuple[int, ...]) -> Any:
-        """One streamed attempt (the caller retries): a response whose body is unread, or
-        None for a retryable failure."""
+                     expect: tuple[int, ...]) -> AsyncIterator[Any]:
+        """One streamed attempt (the caller retries): a response whose body is unread and is
+        closed on exit. Raises _Retryable for a retryable status."""
         url = self.target.url(object_key)
         signed = self._signed_headers(method, url, headers)
         request = self.client.build_request(method, url, headers=signed)
-        response = await self.client.send(request, stream=True)
-        if response.status_code in expect:
-            return response
-        await response.aread()
-        await response.aclose()
-        if response.status_code in _RETRY_STATUS:
-            raise _Retryable(_status_error(method, response).args[0])
-        raise _status_error(method, response)
+        async with self._slots:
+            response = await self.client.send(request, stream=True)
+            try:
+                if response.status_code not in expect:
+                    await response.aread()
+                    if response.status_code in _RETRY_STATUS:
+                        raise _Retryable(_status_error(method, response).args[0])
+                    raise _status_error(method, response)
+                yield response
+            finally:
+                await response.aclose()
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -177,6 +187,56 @@ class S3Client:
 
 class _Retryable(Exception):
     pass
+
+
+# Bytes asked of the socket per read. httpcore asks for 64 KiB, so a 2 MiB body took 32+
+# trips through h11, httpcore, httpx and trio on the event loop's one thread; 1 MiB reads cut
+# the client's CPU per loaded GB by about a third (measured: 2.17 -> 1.46 s/GB at x4).
+_READ_BYTES = 1 << 20
+
+
+def _use_large_reads(client: Any) -> None:
+    """Wraps the network backend of the client's connection pool so reads ask for
+    _READ_BYTES. Leaves the client as it is where httpx/httpcore are laid out differently."""
+    import httpcore
+
+    pool = getattr(getattr(client, "_transport", None), "_pool", None)
+    if isinstance(pool, httpcore.AsyncConnectionPool) and hasattr(pool, "_network_backend"):
+        pool._network_backend = _LargeReadBackend(pool._network_backend)
+
+
+class _LargeReadStream:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._inner.read(max(max_bytes, _READ_BYTES), timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await self._inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(self, *args: Any, **kwargs: Any) -> _LargeReadStream:
+        return _LargeReadStream(await self._inner.start_tls(*args, **kwargs))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _LargeReadBackend:
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    async def connect_tcp(self, *args: Any, **kwargs: Any) -> _LargeReadStream:
+        return _LargeReadStream(await self._inner.connect_tcp(*args, **kwargs))
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> _LargeReadStream:
+        return _LargeReadStream(await self._inner.connect_unix_socket(*args, **kwargs))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
 
 
 def _transport_text(exc: Exception) -> str:
@@ -487,9 +547,8 @@ class S3Driver:
     async def _get_once(self, key: bytes, out: memoryview) -> LoadState:
         name = self.object_key(key)
         first = int(self.options.part_size)
-        response = await self.client.stream("GET", name, headers={"range": f"bytes=0-{first - 1}"},
-                                            expect=(200, 206, 404))
-        try:
+        async with self.client.stream("GET", name, headers={"range": f"bytes=0-{first - 1}"},
+                                      expect=(200, 206, 404)) as response:
             if response.status_code == 404:
                 await response.aread()
                 return LoadState.MISSING
@@ -518,8 +577,6 @@ class S3Driver:
             got = _fill(target, 0, rest)
             async for chunk in stream:
                 got = _fill(target, got, chunk)
-        finally:
-            await response.aclose()
         body_end = first - PAYLOAD_OFFSET  # payload bytes the first answer covered
         if got < min(body_end, header.payload_len):
             raise _Retryable(f"GET body ended after {PAYLOAD_OFFSET + got} of {total} bytes")
@@ -542,19 +599,16 @@ class S3Driver:
             if etag:
                 headers["if-match"] = etag
             try:
-                response = await self.client.stream("GET", name, headers=headers,
-                                                     expect=(206,))
+                async with self.client.stream("GET", name, headers=headers,
+                                              expect=(206,)) as response:
+                    got = lo
+                    async for chunk in response.aiter_raw():
+                        got = _fill(target, got, chunk, limit=hi)
             except S3Error as exc:
                 if exc.status in (404, 412):  # replaced or deleted since the first part
                     self._stats["etag_races"] += 1
                     raise _Retryable("the block changed during a ranged load") from None
                 raise
-            try:
-                got = lo
-                async for chunk in response.aiter_raw():
-                    got = _fill(target, got, chunk, limit=hi)
-            finally:
-                await response.aclose()
             if got != hi:
                 raise _Retryable(f"ranged GET ended at {got} of {hi}")
 
