@@ -7,6 +7,9 @@
 #   WEED_PORT_BASE  master port; volume/filer/admin follow (default 9333 -> 9340, 8888, 23646)
 #   UCM_RUN_DIR     pid, log, sockets (/tmp/ucm-backends/run)
 #   UCM_DATA_DIR    data; <dir>/weed is wiped first unless WEED_KEEP=1 (/tmp/ucm-backends/data)
+#   WEED_NETNS      run the server inside this network namespace (made by netns.sh); there it
+#                   binds every address of the namespace (its lo and the veths a test wired
+#                   up: the namespace is the isolation), and the ready checks run inside it
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 run=${UCM_RUN_DIR:-/tmp/ucm-backends/run}
@@ -17,6 +20,16 @@ access=${S3_ACCESS_KEY:-ucmtest}
 secret=${S3_SECRET_KEY:-ucmtest-secret}
 bucket=${S3_BUCKET:-ucm}
 master=${WEED_PORT_BASE:-9333}
+netns=${WEED_NETNS:-}
+bind=127.0.0.1
+in_ns=()
+if [ -n "$netns" ]; then
+  ip netns list | awk '{print $1}' | grep -qx "$netns" || {
+    echo "network namespace $netns does not exist: scripts/backends/netns.sh up $netns" >&2
+    exit 1; }
+  bind=0.0.0.0
+  in_ns=(ip netns exec "$netns")
+fi
 [ -x "$weed" ] || { echo "weed not found at $weed: pip install 'ucm[backends-test]'" >&2; exit 1; }
 mkdir -p "$run/weedtmp"
 pid_file=$run/weed-$port.pid
@@ -29,9 +42,10 @@ fi
 mkdir -p "$data"
 start=$(date +%s.%N)
 # Auth is on only when AWS_* are set at start: weed mini then creates this identity and the
-# bucket S3_BUCKET. glog writes to TMPDIR. Every listener is bound to 127.0.0.1.
+# bucket S3_BUCKET. glog writes to TMPDIR. Every listener is bound to 127.0.0.1 (inside
+# WEED_NETNS: to the namespace's own addresses). `ip netns exec` execs weed: same pid.
 TMPDIR=$run/weedtmp AWS_ACCESS_KEY_ID=$access AWS_SECRET_ACCESS_KEY=$secret S3_BUCKET=$bucket \
-  setsid "$weed" mini -dir="$data" -ip=127.0.0.1 -ip.bind=127.0.0.1 -s3.port="$port" \
+  setsid "${in_ns[@]}" "$weed" mini -dir="$data" -ip=127.0.0.1 -ip.bind="$bind" -s3.port="$port" \
   -master.port="$master" -volume.port=$((master + 7)) -filer.port=$((master - 445)) \
   -admin.port=$((master + 14313)) \
   -filer.localSocket="$run/weedtmp/filer-$port.sock" -s3.localSocket="$run/weedtmp/s3-$port.sock" \
@@ -41,7 +55,7 @@ TMPDIR=$run/weedtmp AWS_ACCESS_KEY_ID=$access AWS_SECRET_ACCESS_KEY=$secret S3_B
 echo $! >"$pid_file"
 code=000
 for _ in $(seq 1 300); do
-  code=$(curl -s -o /dev/null -w '%{http_code}' -I --max-time 2 --aws-sigv4 "aws:amz:us-east-1:s3" \
+  code=$("${in_ns[@]}" curl -s -o /dev/null -w '%{http_code}' -I --max-time 2 --aws-sigv4 "aws:amz:us-east-1:s3" \
          --user "$access:$secret" "http://127.0.0.1:$port/$bucket" || true)
   [ "$code" = 200 ] && break
   if ! kill -0 "$(cat "$pid_file")" 2>/dev/null; then
@@ -54,7 +68,7 @@ if [ "$code" != 200 ]; then
   tail -20 "$log" >&2; exit 1
 fi
 # Credentials must be enforced: an unsigned request has to be refused.
-anon=$(curl -s -o /dev/null -w '%{http_code}' -I "http://127.0.0.1:$port/$bucket" || true)
+anon=$("${in_ns[@]}" curl -s -o /dev/null -w '%{http_code}' -I "http://127.0.0.1:$port/$bucket" || true)
 if [ "$anon" = 200 ]; then echo "seaweedfs accepts anonymous requests: auth is off" >&2; exit 1; fi
 echo "# seaweedfs pid $(cat "$pid_file") ready in $(echo "$(date +%s.%N) - $start" | bc) s; log $log"
-echo "S3_ENDPOINT=http://127.0.0.1:$port S3_BUCKET=$bucket S3_ACCESS_KEY=$access S3_PID=$(cat "$pid_file")"
+echo "S3_ENDPOINT=http://127.0.0.1:$port${netns:+ S3_NETNS=$netns} S3_BUCKET=$bucket S3_ACCESS_KEY=$access S3_PID=$(cat "$pid_file")"

@@ -2,8 +2,9 @@
 environment, large blocks, retries, a server paused or killed under a running kernel, and two
 processes (each with its own kernel) sharing one bucket.
 
-The two "hosts" are two processes on this machine's loopback, not separate network
-namespaces: SeaweedFS listens on 127.0.0.1 of the root namespace only.
+The two "hosts" are processes in two network namespaces, each joined by a veth pair
+(private 10.78.x addresses) to a third namespace that runs SeaweedFS, so their S3 traffic
+crosses a real network link and neither reaches the server on a loopback.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import pytest
 from ucm.drivers import LoadState
 from ucm.drivers.s3 import S3Driver
 from ucm.errors import ConfigError, StorageUnavailable
-from ucm.kernel import Kernel, Load, Lookup, Store
+from ucm.kernel import Kernel, Load, Store
 
+from ._mooncake_nfs import run_script
 from ._support import ACCESS_KEY, SECRET_KEY, SeaweedFS, scratch_prefix
 
 MiB = 2**20
-HOST = Path(__file__).with_name("_s3_host.py")
+HOST = Path(__file__).with_name("_host.py")
 
 
 # --- opening -------------------------------------------------------------------------------
@@ -186,62 +188,70 @@ def test_paused_then_killed_server(own_server, tmp_path):
 
 # --- two hosts -----------------------------------------------------------------------------
 
-
-def _host(server: SeaweedFS, prefix: str, **job) -> subprocess.Popen:
-    job["options"] = server.options(prefix)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
-    return subprocess.Popen([sys.executable, str(HOST), json.dumps(job)],
-                            stdout=subprocess.PIPE, text=True, env=env)
+NS_SERVER, NS_A, NS_B = "ucm-s3-srv", "ucm-s3-a", "ucm-s3-b"
+ADDR_A, ADDR_B = "10.78.1.1", "10.78.2.1"  # the server's end of each host's veth
 
 
-@pytest.mark.timeout(90)
-def test_two_hosts_share_one_bucket(seaweedfs, tmp_path):
-    prefix = scratch_prefix(tmp_path)
-    size = 3 * MiB  # above the ranged-GET part size below, so loads take several requests
-    # host A stores; host B (this process, its own kernel) hits
-    a = _host(seaweedfs, prefix, mode="store", count=4, size=size, seed=1)
-    keys = [bytes.fromhex(k) for k in a.stdout.readline().split()]
-    assert a.wait(30) == 0
-    kernel = Kernel({"tiers": [{"driver": "s3", **seaweedfs.options(
-        prefix, part_size="5MiB")}], "namespace": "hosts", "promote": False})
-    kernel.start()
+@pytest.fixture
+def networked_seaweedfs():
+    """SeaweedFS in its own network namespace, joined to two host namespaces by veth pairs
+    (private 10.78.x addresses made here). Namespaces and server go even when start fails."""
+    env = dict(os.environ)
+    server = SeaweedFS(8533, 9533)
+    server.env["WEED_NETNS"] = NS_SERVER
     try:
-        assert kernel.submit(Lookup(keys)).result(10).hits == (True,) * 4
-        outs = [bytearray(size) for _ in keys]
-        assert kernel.submit(Load(keys, buffers=outs)).result(20).ok
-
-        # both hosts write one key at once; every load sees one whole block
-        patterns = [os.urandom(size) for _ in range(2)]
-        other = _host(seaweedfs, prefix, mode="hammer", count=15, size=size, seed=2,
-                      key=b"same".hex())
-        other.stdout.readline()
-        seen = whole = 0
-        for i in range(15):
-            kernel.submit(Store([b"same"], buffers=[patterns[i % 2]])).result(20)
-            out = bytearray(size)
-            if kernel.submit(Load([b"same"], buffers=[out])).result(20).ok:
-                seen += 1
-                whole += bytes(out) in patterns or _is_host_pattern(out, 2)
-        assert other.wait(60) == 0
-        assert seen and whole == seen
-
-        # host A deletes blocks while this host loads them: whole blocks or misses only
-        deleter = _host(seaweedfs, prefix, mode="delete", keys=[k.hex() for k in keys])
-        states = []
-        while deleter.poll() is None or not states:
-            outs = [bytearray(size) for _ in keys]
-            result = kernel.submit(Load(keys, buffers=outs)).result(20)
-            states += result.states
-            for state, out in zip(result.states, outs, strict=True):
-                if state is LoadState.OK:
-                    assert _is_host_pattern(out, 1)
-        assert deleter.wait(30) == 0
-        assert LoadState.CORRUPT not in states and LoadState.FAILED not in states
+        run_script("netns.sh", env, "veth", NS_SERVER, NS_A, ADDR_A, "10.78.1.2")
+        run_script("netns.sh", env, "veth", NS_SERVER, NS_B, ADDR_B, "10.78.2.2")
+        server.start()
+        yield server
     finally:
-        kernel.close()
+        server.running = True  # stop even a half-started server
+        server.stop()
+        for ns in (NS_A, NS_B, NS_SERVER):
+            run_script("netns.sh", env, "down", ns)
 
 
-def _is_host_pattern(out: bytearray, seed: int) -> bool:
-    import random
+def _host(ns: str, address: str, server: SeaweedFS, prefix: str, **job) -> subprocess.Popen:
+    """A process with its own kernel in network namespace `ns`, reaching S3 at `address`."""
+    opts = server.options(prefix, part_size="5MiB", multipart_threshold="5MiB")
+    opts["endpoint"] = opts["endpoint"].replace("127.0.0.1", address)
+    job["tier"] = {"driver": "s3", **opts}
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(HOST),
+                             json.dumps(job)], stdout=subprocess.PIPE, text=True, env=env)
 
-    return bytes(out) == random.Random(seed).randbytes(len(out))
+
+@pytest.mark.timeout(150)
+def test_two_hosts_over_veth_share_one_bucket(networked_seaweedfs, tmp_path):
+    prefix = scratch_prefix(tmp_path)
+    size = 6 * MiB  # multipart PUTs and ETag-pinned ranged GETs (5 MiB parts)
+    a = lambda **job: _host(NS_A, ADDR_A, networked_seaweedfs, prefix, size=size, **job)  # noqa: E731
+    b = lambda **job: _host(NS_B, ADDR_B, networked_seaweedfs, prefix, size=size, **job)  # noqa: E731
+
+    stored = a(mode="store", count=4, seed=1)  # host A stores, host B hits
+    keys = stored.stdout.readline().split()
+    assert stored.wait(60) == 0 and len(keys) == 4
+    hit = b(mode="load", keys=keys, seed=1)
+    assert hit.stdout.readline().strip() == "ok" and hit.wait(60) == 0
+
+    # both write one key at once while B watches it: one whole block per load
+    same = b"same".hex()
+    first = a(mode="hammer", key=same, seed=1, count=1)
+    assert first.wait(60) == 0
+    watcher = b(mode="watch", keys=[same], seeds=[1, 2, 3], seconds=4)
+    assert watcher.stdout.readline().strip() == "ready"
+    writers = [a(mode="hammer", key=same, seed=2, count=8),
+               b(mode="hammer", key=same, seed=3, count=8)]
+    report = json.loads(watcher.stdout.readline())
+    assert [w.wait(60) for w in writers] == [0, 0] and watcher.wait(60) == 0
+    assert report["mixed"] == 0 and report["states"].get("OK", 0) > 0, report
+    assert set(report["states"]) <= {"OK"}, report
+
+    # A deletes what B is loading: B sees whole blocks or misses, never corrupt
+    watcher = b(mode="watch", keys=keys, seeds=[1], seconds=2)
+    assert watcher.stdout.readline().strip() == "ready"
+    deleter = a(mode="delete", keys=keys)
+    assert deleter.wait(60) == 0
+    report = json.loads(watcher.stdout.readline())
+    assert watcher.wait(60) == 0
+    assert report["mixed"] == 0 and set(report["states"]) <= {"OK", "MISSING"}, report
