@@ -125,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
                       extra={"model_id": run_id}, prefix_caching=True,
                       chunked_prefill_tokens=4096)
     log = os.path.join(work, "engines.log")
+    # Both engines record the kernel's event trace (UCM_TRACE), one file set per process.
+    trace_dir = os.environ.get("UCM_TRACE") or str(default_cache_dir() / "traces" / run_id)
     bpt = SPEC.kv_bytes_per_token()
     results = {}
     for name, label in (("cold", "round 1: cold engine (fresh process, empty store)"),
                         ("warm", "round 2: warm engine (fresh process, same store)")):
         _say(f"{label}: starting")
         results[name] = run_in_subprocess(spec, phases, log_path=log,
+                                          env={"UCM_TRACE": trace_dir},
                                           progress=lambda m, n=name: _say(f"  {n}: {m}"))
     summary = {name: _report(f"== {name} round ==", r, bpt) for name, r in results.items()}
     cold, warm = summary["cold"], summary["warm"]
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = results["warm"]["stats"].get("worker", {}).get("namespace")
     store = default_cache_dir() / "blocks"
     print(f"store: {store} (embedded default config; namespace {ns})")
+    print(f"event trace: {trace_dir} (read it with: ucm-trace summary {trace_dir})")
     print(f"engine logs: {log}; total {time.perf_counter() - t0:.0f} s")
     if not args.keep and ns:
         from ucm.drivers._files import safe_dir_name
