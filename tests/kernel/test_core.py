@@ -262,9 +262,11 @@ async def test_detach_while_busy_loses_nothing(tmp_path, autojump_clock):
         assert len(results) == 4
         assert all(r.ok and buf == data[i] for r, buf, i in results)
         assert core.tiers == []
-        # the tier came back on attach: blocks on disk are found again
+        # the tier came back on attach: blocks on disk are found again, indexed or not
         await core.attach({"driver": "posix", "path": str(tmp_path / "blocks")})
         assert (await core.run(Lookup(keys))).hits == (True,) * 4
+        await core.wait_background_idle()
+        assert all(k in core.tiers[0] for k in keys)
 
 
 async def test_attach_finds_blocks_already_on_disk(tmp_path):
@@ -273,6 +275,7 @@ async def test_attach_finds_blocks_already_on_disk(tmp_path):
         await core.run(Store(keys, buffers=data))
     async with KernelCore.open(two_tiers(tmp_path)) as core:
         disk = core.tiers[1]
+        await core.wait_background_idle()  # the index is rebuilt in the background
         assert all(k in disk for k in keys)
         assert disk.policy.used >= sum(len(d) for d in data)
         result = await core.run(Lookup(keys))

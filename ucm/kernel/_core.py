@@ -112,15 +112,24 @@ class KernelCore(DataMovement):
                              int(tier_config.capacity) if tier_config.capacity else None,
                              clock=trio.current_time)
         tier = Tier(tier_config, driver, policy)
-        if isinstance(driver, Listing):
-            async for key, size in driver.list_blocks():
-                tier.add(key, size, None)
         self.tiers.insert(len(self.tiers) if position is None else position, tier)
-        if policy.capacity is not None and policy.used > policy.capacity:
-            victims = policy.make_room(0) or []
-            self._spawn(self._delete_victims, tier, victims)
-        self._emit("attach", 0, tier=name, blocks=len(policy), bytes=policy.used)
+        if isinstance(driver, Listing):
+            # Blocks already in storage (a restart) enter the index in the background: a tier
+            # of many blocks must not hold up start-up, and until a key is indexed a lookup
+            # asks the driver, which finds it.
+            self._spawn(self._index_stored_blocks, tier)
+        self._emit("attach", 0, tier=name)
         return name
+
+    async def _index_stored_blocks(self, tier: Tier) -> None:
+        with self._using([tier]):
+            async for key, size in tier.driver.list_blocks():
+                if key not in tier:
+                    tier.add(key, size, None)
+            policy = tier.policy
+            if policy.capacity is not None and policy.used > policy.capacity:
+                await self._delete_victims(tier, policy.make_room(0) or [])
+        self._emit("indexed", 0, tier=tier.name, blocks=len(policy), bytes=policy.used)
 
     async def detach(self, name: str) -> None:
         """Removes a tier: new events stop using it at once; events that already hold it
