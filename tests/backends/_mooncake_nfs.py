@@ -144,7 +144,7 @@ class Mooncake:
 
     def __init__(self, *, netns: str = MC_NETNS, rpc: int = MC_RPC_PORT,
                  meta: int = MC_META_PORT, metrics: int = MC_METRICS_PORT,
-                 segment: str = "512 MB", lease_ms: int = 500, client_ttl: int = 3) -> None:
+                 segment: str = "512 MB", lease_ms: int = 500, client_ttl: int = 5) -> None:
         self.netns = netns
         self.rpc = rpc
         self.meta = meta
