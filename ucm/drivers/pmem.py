@@ -59,6 +59,7 @@ from ucm.block import (
     verify_payload,
 )
 from ucm.drivers._files import (
+    CHUNK_BYTES,
     PARALLEL,
     Backend,
     ThreadedDriver,
@@ -125,6 +126,8 @@ def libpmem() -> Any:
 
 def buffer_address(view: memoryview) -> int:
     """The address of a contiguous buffer, read-only ones included."""
+    if not view.readonly:  # ctypes is ~7x cheaper than numpy (0.2 vs 1.5 us a call)
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
     import numpy as np
 
     return int(np.frombuffer(view, np.uint8).ctypes.data)
@@ -499,6 +502,28 @@ class PmemPool(Backend):
             self._lock_fd = -1
 
 
+def _chunks(views: list[memoryview]) -> list[slice]:
+    """Contiguous parts of at most CHUNK_BYTES (or one block, when a block is larger)."""
+    parts, start, acc = [], 0, 0
+    for i, view in enumerate(views):
+        if acc and acc + view.nbytes > CHUNK_BYTES:
+            parts.append(slice(start, i))
+            start, acc = i, 0
+        acc += view.nbytes
+    parts.append(slice(start, len(views)))
+    return parts
+
+
+def _store_part(fn: Callable[..., list[int]], keys: list[bytes],
+                views: list[memoryview]) -> list[int]:
+    try:
+        return fn(keys, views)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        return [0] * len(keys)
+
+
 def _outcome(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
@@ -529,10 +554,24 @@ class PmemDriver(ThreadedDriver):
         per part: the worker runs the first part itself and hands the others to helper
         threads. A pmem batch is pure memcpy + xxh3 (both release the GIL), so the fixed cost
         of each hop (two thread wake-ups) is a large share of a 16 MiB batch's ~1 ms."""
+        results: list[Any] = []
+        if fn == self._backend.store:
+            # Stores run one part at a time: each part costs three barriers (payloads, entries,
+            # replaced entries), so fewer and larger parts win; on ext4 one 16 MiB part beat
+            # two in parallel by 8-13% (1.48 -> 1.61 GB/s at x8). Parts of at most CHUNK_BYTES
+            # keep a cancel landing within one part.
+            parts = _chunks(views)
+            if len(parts) == 1:
+                return await self._run(fn, keys, views)
+            for part in parts:  # a full pool fails a part; the batch only when none stored
+                results.extend(await self._run(_store_part, fn, keys[part], views[part]))
+            if not any(results):
+                raise os_error(OSError(errno.ENOSPC, f"pool {self.pool.path} is full",
+                                       self.pool.path), self.name)
+            return results
         parts = _partition(views)
         if len(parts) == 1:
             return await self._run(fn, keys, views)
-        results: list[Any] = []
         for at in range(0, len(parts), PARALLEL):  # a cancel still lands between groups
             results.extend(await self._run(self._fan_out, fn, keys, views,
                                            parts[at:at + PARALLEL]))
