@@ -171,6 +171,31 @@ class TierBench:
             self.raw.close()
         self.direct.close()
         self.kernel.close()
+        self._remove_namespace_files()
+
+    def _remove_namespace_files(self) -> None:
+        """Removes what the bench namespaces left on local storage (empty shard directories,
+        pmem pool files), which deleting the blocks does not."""
+        import glob
+        import shutil
+
+        from ucm.drivers._files import safe_dir_name
+        from ucm.drivers.memory import SHM_ROOT
+
+        options = self.tier.options.model_dump()
+        roots = options.get("path") or []
+        roots = [roots] if isinstance(roots, str) else list(roots)
+        if self.tier.driver == "memory" and options.get("shared"):
+            roots.append(options.get("shm_dir") or SHM_ROOT)
+        ns = safe_dir_name(self.namespace)
+        for root in roots:
+            base = glob.escape(root)
+            for leftover in (glob.glob(os.path.join(base, ns + "*"))
+                             + glob.glob(os.path.join(base, "raw-" + ns + "*"))):
+                if os.path.isdir(leftover):
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    os.unlink(leftover)
 
     # -- data -------------------------------------------------------------------------------
     def _blocks(self, size: int, tag: str) -> tuple[list[bytes], list[memoryview]]:
