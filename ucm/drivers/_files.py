@@ -177,6 +177,18 @@ def _partition(views: list[memoryview]) -> list[slice]:
     return [p for p in parts if p.start < p.stop]
 
 
+def count_loads(stats: dict[str, int], states: Sequence[LoadState],
+                views: Sequence[memoryview]) -> None:
+    """Adds one load batch's outcomes to a driver's counters."""
+    stats["loads"] += len(states)
+    for state, view in zip(states, views, strict=True):
+        if state is LoadState.OK:
+            stats["loaded"] += 1
+            stats["bytes_read"] += view.nbytes
+        else:
+            stats[state.name.lower()] += 1
+
+
 class ThreadedDriver:
     """Validation, thread hops, counters and error translation around a Backend."""
 
@@ -237,18 +249,7 @@ class ThreadedDriver:
     async def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[LoadState]:
         keys, views = check_batch(keys, buffers, writable=True)
         states: list[LoadState] = await self._map(self._backend.load, keys, views)
-        stats = self._stats
-        stats["loads"] += len(keys)
-        for state, view in zip(states, views, strict=True):
-            if state is LoadState.OK:
-                stats["loaded"] += 1
-                stats["bytes_read"] += view.nbytes
-            elif state is LoadState.MISSING:
-                stats["missing"] += 1
-            elif state is LoadState.CORRUPT:
-                stats["corrupt"] += 1
-            else:
-                stats["failed"] += 1
+        count_loads(self._stats, states, views)
         if all(s is LoadState.FAILED for s in states):
             raise StorageUnavailable(f"all {len(keys)} reads failed", driver=self.name)
         return states

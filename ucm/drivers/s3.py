@@ -51,7 +51,14 @@ from ucm.block import (
     encode_payload,
     verify_payload,
 )
-from ucm.drivers._files import check_batch, check_keys, parse_codec, safe_dir_name, size_mismatch
+from ucm.drivers._files import (
+    check_batch,
+    check_keys,
+    count_loads,
+    parse_codec,
+    safe_dir_name,
+    size_mismatch,
+)
 from ucm.drivers._protocol import DriverOptions, LoadState
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
@@ -391,18 +398,7 @@ class S3Driver:
                 return LoadState.FAILED
 
         states: list[LoadState] = await self._each(one, keys)
-        stats = self._stats
-        stats["loads"] += len(keys)
-        for state, view in zip(states, views, strict=True):
-            if state is LoadState.OK:
-                stats["loaded"] += 1
-                stats["bytes_read"] += view.nbytes
-            elif state is LoadState.MISSING:
-                stats["missing"] += 1
-            elif state is LoadState.CORRUPT:
-                stats["corrupt"] += 1
-            else:
-                stats["failed"] += 1
+        count_loads(self._stats, states, views)
         if failures and len(failures) == len(keys):
             raise StorageUnavailable(f"all {len(keys)} reads failed: {failures[0]}",
                                      driver=self.name)
