@@ -187,6 +187,10 @@ class SparseSession:
             budget=self._budget,
         )
 
+    def mark_resident(self, blocks: Sequence[int]) -> None:
+        """Blocks in the cache without a load (a prompt's partial last block, computed)."""
+        self._resident.update(blocks)
+
     def forget(self, blocks: Sequence[int]) -> None:
         """Blocks that failed to load: not resident, so the next step asks for them again."""
         self._resident.difference_update(blocks)
