@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import settings_from_vllm
+from ucm.vllm_hook.sparse import SparseAttention, sparse_config
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +39,7 @@ class UCMConnector(KVConnectorBase_V1):
         self.settings = settings_from_vllm(vllm_config)
         self.scheduler = None
         self.worker = None
+        self.sparse: SparseAttention | None = None
         if role == KVConnectorRole.SCHEDULER:
             from ucm.vllm_hook.scheduler import SchedulerSide
 
@@ -52,6 +54,10 @@ class UCMConnector(KVConnectorBase_V1):
 
             self.worker = WorkerSide(self.settings)
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+            config = sparse_config(self.settings.extra, self.settings.block_size)
+            if config is not None:  # wraps vLLM's CPU attention (ucm.vllm_hook.sparse)
+                self.sparse = SparseAttention(config, self.worker)
+                self.sparse.activate()
         _live.add(self)
 
     def _meta(self) -> UCMConnectorMetadata:
@@ -78,8 +84,12 @@ class UCMConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches, self._num_blocks)
+        if self.sparse is not None:
+            self.sparse.register(list(kv_caches))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.sparse is not None:
+            self.sparse.observe(self._meta())
         self.worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -102,10 +112,15 @@ class UCMConnector(KVConnectorBase_V1):
     def statistics(self) -> dict[str, Any]:
         """Counters of this side (and its kernel, on the worker side)."""
         if self.worker is not None:
-            return self.worker.statistics()
+            stats = self.worker.statistics()
+            if self.sparse is not None:
+                stats["sparse"] = self.sparse.statistics()
+            return stats
         return dict(self.scheduler.stats)
 
     def shutdown(self) -> None:
+        if self.worker is not None and self.sparse is not None:
+            self.sparse.deactivate()
         side = self.worker or self.scheduler
         if side is not None:
             side.shutdown()

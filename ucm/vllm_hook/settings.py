@@ -38,7 +38,7 @@ log = logging.getLogger("ucm.vllm_hook")
 
 _OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "lookup_wait",
                 "lookup_timeout", "start_timeout", "load_timeout", "max_store_bytes",
-                "save_generated", "load_failure"}
+                "save_generated", "load_failure", "sparse"}
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,11 @@ class WorkerSide:
         self._stores_idle = threading.Event()
         self._stores_idle.set()
 
+    @property
+    def kernel(self) -> Any:
+        """This worker's kernel (None before `register_kv_caches`; it may still be starting)."""
+        return self._kernel
+
     def _key(self, digest: bytes) -> bytes:
         return rank_key(digest, self.settings.tp_rank, self.settings.tp_size)
 
