@@ -94,13 +94,16 @@ def test_hanging_storage_answers_later_then_misses(tmp_path):
     side.shutdown()
 
 
-def test_storage_that_hangs_at_start_is_all_misses(tmp_path):
+def test_storage_that_hangs_is_all_misses_and_never_stalls_the_step(tmp_path):
+    # The kernel starts at once (a tier's index is rebuilt in the background), but every
+    # driver call hangs: lookups answer "ask again later" without stalling the scheduler
+    # step, then count as misses after lookup_timeout.
     config = {"tiers": [{"driver": "faulty", "hang": True,
                          "inner": {"driver": "posix", "path": str(tmp_path)}}]}
-    side = SchedulerSide(_settings(config, start_timeout=0.3))
+    side = SchedulerSide(_settings(config, start_timeout=0.3, lookup_timeout=0.5))
     req = _request("a", list(range(16)))
     t0 = time.monotonic()
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
     assert time.monotonic() - t0 < 0.1
     assert _answer(side, req) == (0, False)  # then a miss
-    assert side.stats["lookup_kernel_not_ready"] == 1
+    assert side.stats["lookup_timeouts"] + side.stats["lookup_kernel_not_ready"] == 1

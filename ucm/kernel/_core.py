@@ -123,9 +123,14 @@ class KernelCore(DataMovement):
 
     async def _index_stored_blocks(self, tier: Tier) -> None:
         with self._using([tier]):
-            async for key, size in tier.driver.list_blocks():
-                if key not in tier:
-                    tier.add(key, size, None)
+            tier.indexing = True
+            try:
+                async for key, size in tier.driver.list_blocks():
+                    if key not in tier and key not in tier.removed_while_indexing:
+                        tier.add(key, size, None)
+            finally:
+                tier.indexing = False
+                tier.removed_while_indexing.clear()
             policy = tier.policy
             if policy.capacity is not None and policy.used > policy.capacity:
                 await self._delete_victims(tier, policy.make_room(0) or [])

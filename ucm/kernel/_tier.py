@@ -30,6 +30,10 @@ class Tier:
         self.users = 0  # events holding this tier in their snapshot
         self.detaching = False
         self._idle = trio.Event()
+        # While the index is rebuilt from a listing (a snapshot of the past), keys removed
+        # meanwhile are remembered, so the listing does not bring them back.
+        self.indexing = False
+        self.removed_while_indexing: set[bytes] = set()
 
     async def call(self, priority: int, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         async with self.limiter.slot(priority):
@@ -47,6 +51,8 @@ class Tier:
     def discard(self, key: bytes) -> None:
         self.policy.remove(key)
         self.raw_sizes.pop(key, None)
+        if self.indexing:
+            self.removed_while_indexing.add(key)
 
     @staticmethod
     def estimate(raw_bytes: int) -> int:
@@ -63,6 +69,8 @@ class Tier:
                 return None
             for key in victims:
                 self.raw_sizes.pop(key, None)
+                if self.indexing:
+                    self.removed_while_indexing.add(key)
         else:
             victims = []
         self.reserved += needed
