@@ -33,27 +33,34 @@ class Flight:
         self.tier: str | None = None
 
 
+_ABSENT = object()
+
+
 class FlightTable:
     def __init__(self) -> None:
-        self._flights: dict[bytes, Flight] = {}
+        self._flights: dict[bytes, Flight | None] = {}
 
     def __len__(self) -> int:
         return len(self._flights)
 
     def join(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
              ) -> tuple[list[int], list[tuple[int, Flight]]]:
-        """Splits a batch into the indices this event leads and the flights it follows."""
+        """Splits a batch into the indices this event leads and the flights it follows.
+        A led key holds a bare marker until a follower arrives: most loads have none, and
+        they pay no Event for it."""
         leaders: list[int] = []
         followers: list[tuple[int, Flight]] = []
         flights = self._flights
         for i, key in enumerate(keys):
-            flight = flights.get(key)
-            if flight is None:
-                flights[key] = Flight()
+            flight = flights.get(key, _ABSENT)
+            if flight is _ABSENT:
+                flights[key] = None
                 leaders.append(i)
-            else:
-                flight.followers.append(buffers[i])
-                followers.append((i, flight))
+                continue
+            if flight is None:
+                flight = flights[key] = Flight()
+            flight.followers.append(buffers[i])
+            followers.append((i, flight))
         return leaders, followers
 
     async def land(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
@@ -65,6 +72,8 @@ class FlightTable:
         landed = []
         for i in leaders:
             flight = self._flights.pop(keys[i])
+            if flight is None:  # nobody followed
+                continue
             flight.frozen = True
             flight.state = states[i]
             flight.tier = tiers[i]
