@@ -26,7 +26,7 @@ from ucm.drivers.mooncake import MooncakeDriver
 from ucm.errors import NoCapacity, StorageUnavailable
 from ucm.kernel import Kernel, Load, Store
 
-from ._mooncake_nfs import REPO, Mooncake, mooncake_contract_enabled
+from ._mooncake_nfs import REPO, Mooncake, mooncake_contract_enabled, run_script
 
 MiB = 2**20
 HOST = Path(__file__).with_name("_host.py")
@@ -55,6 +55,7 @@ def test_suite_inside_the_namespace():
         assert " passed" in tail and "failed" not in tail
     finally:
         store.stop()
+        run_script("netns.sh", store.env, "down", store.netns)  # leave no namespace behind
 
 
 # --- inside the namespace --------------------------------------------------------------------
