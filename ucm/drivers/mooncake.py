@@ -258,7 +258,14 @@ class MooncakeBlocks(Backend):
         if n < 0:
             self.counters[f"load_error_{-n}"] = self.counters.get(f"load_error_{-n}", 0) + 1
             return LoadState.FAILED
-        return self._verify(key, self.pool.view[offset:offset + n], out)
+        state = self._verify(key, self.pool.view[offset:offset + n], out)
+        if state is LoadState.CORRUPT:
+            # An upsert by another client can replace the object under a read in progress: a
+            # torn read fails its checksum. Read once more before calling the block corrupt.
+            self.counters["reread_after_corrupt"] = (
+                self.counters.get("reread_after_corrupt", 0) + 1)
+            state = self._load_bytes(key, out)
+        return state
 
     def _load_bytes(self, key: bytes, out: memoryview) -> LoadState:
         data = self.client.get(self.name_of(key))
