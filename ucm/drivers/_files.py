@@ -189,6 +189,17 @@ def count_loads(stats: dict[str, int], states: Sequence[LoadState],
             stats[state.name.lower()] += 1
 
 
+def count_stores(stats: dict[str, int], sizes: Sequence[int]) -> None:
+    """Adds one store batch's outcomes (bytes per block, 0 = not stored) to the counters."""
+    stats["stores"] += len(sizes)
+    for size in sizes:
+        if size:
+            stats["stored"] += 1
+            stats["bytes_written"] += size
+        else:
+            stats["store_failed"] += 1
+
+
 class ThreadedDriver:
     """Validation, thread hops, counters and error translation around a Backend."""
 
@@ -257,14 +268,7 @@ class ThreadedDriver:
     async def store(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
         keys, views = check_batch(keys, buffers, writable=False)
         sizes: list[int] = await self._map(self._backend.store, keys, views)
-        stats = self._stats
-        stats["stores"] += len(keys)
-        for size in sizes:
-            if size:
-                stats["stored"] += 1
-                stats["bytes_written"] += size
-            else:
-                stats["store_failed"] += 1
+        count_stores(self._stats, sizes)
         return sizes
 
     async def delete(self, keys: Sequence[bytes]) -> None:

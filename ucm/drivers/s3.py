@@ -55,6 +55,7 @@ from ucm.drivers._files import (
     check_batch,
     check_keys,
     count_loads,
+    count_stores,
     parse_codec,
     safe_dir_name,
     size_mismatch,
@@ -417,14 +418,7 @@ class S3Driver:
                 return 0
 
         sizes: list[int] = await self._each(one, keys)
-        stats = self._stats
-        stats["stores"] += len(keys)
-        for size in sizes:
-            if size:
-                stats["stored"] += 1
-                stats["bytes_written"] += size
-            else:
-                stats["store_failed"] += 1
+        count_stores(self._stats, sizes)
         if failures and len(failures) == len(keys):
             raise StorageUnavailable(f"all {len(keys)} writes failed: {failures[0]}",
                                      driver=self.name)
