@@ -55,6 +55,7 @@ from ucm.block import (
     encode_payload,
     verify_payload,
 )
+from ucm.drivers._extents import Extents
 from ucm.drivers._files import Backend, parse_codec, safe_dir_name, size_mismatch
 from ucm.drivers._protocol import DriverOptions, LoadState
 from ucm.drivers._remote import RemoteDriver, deliver, gate
@@ -92,33 +93,16 @@ class StagingPool:
         self._array = (ctypes.c_char * size).from_buffer(self._map)
         self.addr = ctypes.addressof(self._array)
         self.view = memoryview(self._map)
-        self._free: list[tuple[int, int]] = [(0, size)]
+        self._free = Extents([(0, size)])
         self._lock = threading.Lock()
 
     def alloc(self, nbytes: int) -> int | None:
-        need = -(-nbytes // _ALIGN) * _ALIGN
         with self._lock:
-            for i, (start, length) in enumerate(self._free):
-                if length >= need:
-                    if length == need:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (start + need, length - need)
-                    return start
-        return None
+            return self._free.allocate(-(-nbytes // _ALIGN) * _ALIGN)
 
     def free(self, offset: int, nbytes: int) -> None:
-        need = -(-nbytes // _ALIGN) * _ALIGN
         with self._lock:
-            self._free.append((offset, need))
-            self._free.sort()
-            merged: list[tuple[int, int]] = []
-            for start, length in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == start:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
-                else:
-                    merged.append((start, length))
-            self._free = merged
+            self._free.release(offset, -(-nbytes // _ALIGN) * _ALIGN)
 
 
 class MooncakeBlocks(Backend):

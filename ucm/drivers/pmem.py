@@ -37,7 +37,6 @@ import hashlib
 import os
 import struct
 import threading
-from bisect import bisect_left, insort
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -58,6 +57,7 @@ from ucm.block import (
     encode_payload,
     verify_payload,
 )
+from ucm.drivers._extents import Extents
 from ucm.drivers._files import (
     CHUNK_BYTES,
     PARALLEL,
@@ -158,7 +158,7 @@ class PmemPool(Backend):
         self.size = 0
         self.is_pmem = False
         self.index: dict[bytes, _Entry] = {}
-        self._free: list[tuple[int, int]] = []  # (offset, length), sorted, coalesced
+        self._free = Extents()
         self._free_slots: list[int] = []
         self._seq = 0
         self.recovered_dropped = 0
@@ -244,15 +244,8 @@ class PmemPool(Backend):
             found[key] = item
         self._free_slots.reverse()  # pop() hands out low slots first
         self.index = found
-        used = sorted((e.offset, e.extent) for e in found.values())
-        free, at = [], self.data_offset
-        for offset, extent in used:
-            if offset > at:
-                free.append((at, offset - at))
-            at = max(at, offset + extent)
-        if at < self.size:
-            free.append((at, self.size - at))
-        self._free = free
+        self._free = Extents.gaps([(e.offset, e.extent) for e in found.values()],
+                                  self.data_offset, self.size)
 
     def _read_entry(self, slot: int) -> tuple[bytes, _Entry] | None:
         at = self.index_offset + slot * _ENTRY_SIZE
@@ -330,24 +323,10 @@ class PmemPool(Backend):
     # -- allocator (call with the lock held) --------------------------------------------------
 
     def _allocate(self, length: int) -> int | None:
-        for i, (offset, size) in enumerate(self._free):
-            if size >= length:
-                if size == length:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + length, size - length)
-                return offset
-        return None
+        return self._free.allocate(length)
 
     def _release(self, offset: int, length: int) -> None:
-        free = self._free
-        i = bisect_left(free, (offset, 0))
-        if i < len(free) and offset + length == free[i][0]:
-            length += free.pop(i)[1]
-        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:
-            offset, length = free[i - 1][0], free[i - 1][1] + length
-            del free[i - 1]
-        insort(free, (offset, length))
+        self._free.release(offset, length)
 
     def _maybe_free(self, entry: _Entry) -> None:
         if entry.cleared and entry.readers == 0:
@@ -490,7 +469,7 @@ class PmemPool(Backend):
 
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(size for _, size in self._free)
+            return self._free.free_bytes
 
     def close(self) -> None:
         if self.addr:
