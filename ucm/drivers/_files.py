@@ -312,6 +312,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def is_dead_writers_temp(name: str) -> bool:
+    """True for a temp file name (see `_tmp_name`) of a writer on this host that is no longer
+    alive; a live writer's, and other hosts' (whose pids mean nothing here), are False."""
+    parts = name.rsplit(".", 4)
+    if len(parts) != 5 or parts[4] != "tmp" or parts[0] != _HOST:
+        return False
+    try:
+        pid = int(parts[1])
+    except ValueError:
+        return False
+    return pid != os.getpid() and not pid_alive(pid)
+
+
 def remove_stale_temp_files(tmp_dir: str) -> int:
     """Removes temp files left by dead processes of this host; returns how many. A live
     writer's files, and files of other hosts (their pids mean nothing here), are kept."""
@@ -321,14 +334,7 @@ def remove_stale_temp_files(tmp_dir: str) -> int:
     except FileNotFoundError:
         return 0
     for entry in entries:
-        parts = entry.name.rsplit(".", 4)
-        if len(parts) != 5 or parts[4] != "tmp" or parts[0] != _HOST:
-            continue
-        try:
-            pid = int(parts[1])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
+        if is_dead_writers_temp(entry.name):
             try:
                 os.unlink(entry.path)
                 removed += 1

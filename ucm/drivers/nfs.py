@@ -51,15 +51,14 @@ from ucm.block import (
     verify_payload,
 )
 from ucm.drivers._files import (
-    _HOST,
     Backend,
     BlockFiles,
     FileLayout,
     ThreadedDriver,
     _tmp_name,
+    is_dead_writers_temp,
     os_error,
     parse_codec,
-    pid_alive,
     safe_dir_name,
     size_mismatch,
 )
@@ -161,14 +160,7 @@ class NfsBlocks(Backend):
         live writer's, and other hosts', are kept: their pids mean nothing here)."""
         self._call(lambda c: c.mkdir(self.tmp_dir, parents=True, exist_ok=True))
         for name in self._call(lambda c: c.listdir(self.tmp_dir)):
-            parts = name.rsplit(".", 4)
-            if len(parts) != 5 or parts[4] != "tmp" or parts[0] != _HOST:
-                continue
-            try:
-                pid = int(parts[1])
-            except ValueError:
-                continue
-            if pid != os.getpid() and not pid_alive(pid):
+            if is_dead_writers_temp(name):
                 try:
                     self._call(lambda c, n=name: c.remove(f"{self.tmp_dir}/{n}"))
                 except FileNotFoundError:
