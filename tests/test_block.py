@@ -12,7 +12,10 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     BlockHeader,
     Codec,
+    Scatter,
     check_key,
+    checksum,
+    copy_bytes,
     decode_header,
     decode_payload_into,
     encode_header,
@@ -138,3 +141,22 @@ def test_codec_parse_and_keys():
         check_key(b"x" * 256)
     with pytest.raises(InvalidRequest, match="namespace is 300 bytes"):
         encode_header(KEY, "n" * 300, Codec.NONE, b"", 0)
+
+
+def test_scatter_checksum_copy_and_checks():
+    data = bytes(range(256)) * 40
+    pieces = [bytearray(n) for n in (1, 4095, 3000, len(data) - 7096)]
+    target = Scatter(pieces)
+    assert target.nbytes == len(data) and not target.readonly
+    copy_bytes(target, data)
+    assert b"".join(pieces) == data == bytes(target.gather())
+    assert checksum(target) == checksum(data)  # streamed over the pieces, the same digest
+    other = Scatter([bytearray(5000), bytearray(len(data) - 5000)])
+    copy_bytes(other, target)  # piece boundaries that do not line up
+    assert bytes(other.gather()) == data
+    with pytest.raises(InvalidRequest, match="buffer is 10240 bytes; the block holds 10239"):
+        copy_bytes(target, data[:-1])
+    with pytest.raises(InvalidRequest, match="writable"):
+        Scatter([bytearray(4), b"read-only"])
+    with pytest.raises(InvalidRequest, match="at least one part"):
+        Scatter([])

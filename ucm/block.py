@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,7 +91,12 @@ def check_key(key: object) -> bytes:
     return key
 
 
-def checksum(data: Buffer) -> int:
+def checksum(data: Buffer | Scatter) -> int:
+    if type(data) is Scatter:
+        h = xxhash.xxh3_64()
+        for part in data.parts:
+            h.update(part)
+        return h.intdigest()
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -170,16 +176,17 @@ def encode_payload(codec: Codec, raw: Buffer) -> Buffer:
     return _compressor().compress(raw)
 
 
-def verify_payload(header: BlockHeader, stored: Buffer) -> None:
+def verify_payload(header: BlockHeader, stored: Buffer | Scatter) -> None:
     """Raises BlockCorrupt unless `stored` has the length and checksum the header names."""
-    nbytes = memoryview(stored).nbytes
+    nbytes = stored.nbytes if type(stored) is Scatter else memoryview(stored).nbytes
     if nbytes != header.payload_len:
         raise BlockCorrupt(f"payload is {nbytes} bytes, header says {header.payload_len}")
     if checksum(stored) != header.checksum:
         raise BlockCorrupt("payload checksum mismatch")
 
 
-def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview) -> None:
+def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | Scatter,
+                        ) -> None:
     """Verifies `stored` against `header` and writes the raw bytes into `out`.
 
     A driver that read a codec-NONE payload straight into the caller's buffer calls
@@ -189,7 +196,7 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview) ->
         raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
     verify_payload(header, stored)
     if header.codec is Codec.NONE:
-        out[:] = as_byte_view(stored)
+        copy_bytes(out, stored)
         return
     try:
         raw = _decompressor().decompress(stored, max_output_size=header.raw_len)
@@ -197,7 +204,7 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview) ->
         raise BlockCorrupt(f"zstd payload does not decode: {exc}") from None
     if len(raw) != header.raw_len:
         raise BlockCorrupt("decoded payload has the wrong length")
-    out[:] = raw
+    copy_bytes(out, raw)
 
 
 def as_byte_view(buf: Buffer) -> memoryview:
@@ -208,3 +215,72 @@ def as_byte_view(buf: Buffer) -> memoryview:
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
+
+
+class Scatter:
+    """One block's load buffer in pieces, filled in order as if it were one buffer.
+
+    A caller whose block is not contiguous in its own memory (the vLLM hook: one piece per
+    layer of the KV cache) passes a Scatter instead of a buffer, and a driver that declares
+    `scatter = True` reads straight into the pieces (`preadv` takes them as they are); the
+    kernel gives any other driver a contiguous buffer and copies it into the pieces after a
+    verified load. Loads only: a store's buffer is one contiguous snapshot.
+    """
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: Iterable[Buffer]) -> None:
+        views = []
+        for part in parts:
+            try:
+                view = as_byte_view(part)
+            except TypeError:
+                raise InvalidRequest(f"scatter part is a {type(part).__name__}, not a buffer"
+                                     ) from None
+            if view.readonly:
+                raise InvalidRequest("scatter parts must be writable")
+            views.append(view)
+        if not views:
+            raise InvalidRequest("a Scatter needs at least one part")
+        self.parts: tuple[memoryview, ...] = tuple(views)
+        self.nbytes = sum(v.nbytes for v in views)
+
+    readonly = False
+
+    def __repr__(self) -> str:
+        return f"Scatter({len(self.parts)} parts, {self.nbytes} bytes)"
+
+    def gather(self) -> bytearray:
+        """The pieces' bytes, contiguous (a copy)."""
+        out = bytearray(self.nbytes)
+        copy_bytes(memoryview(out), self)
+        return out
+
+
+def copy_bytes(dst: memoryview | Scatter, src: Buffer | Scatter) -> None:
+    """dst[:] = src, where either side may be a Scatter; InvalidRequest unless the sizes
+    match."""
+    dst_parts = dst.parts if type(dst) is Scatter else (dst,)
+    src_parts = src.parts if type(src) is Scatter else (as_byte_view(src),)
+    size, src_size = sum(p.nbytes for p in dst_parts), sum(p.nbytes for p in src_parts)
+    if size != src_size:
+        raise InvalidRequest(f"buffer is {size} bytes; the block holds {src_size}")
+    if len(dst_parts) == 1 and len(src_parts) == 1:
+        dst_parts[0][:] = src_parts[0]
+        return
+    si, s_off = 0, 0
+    for d in dst_parts:
+        d_off = 0
+        while d_off < d.nbytes:
+            s = src_parts[si]
+            n = min(d.nbytes - d_off, s.nbytes - s_off)
+            d[d_off:d_off + n] = s[s_off:s_off + n]
+            d_off += n
+            s_off += n
+            if s_off == s.nbytes:
+                si, s_off = si + 1, 0
+
+
+def as_buffer_view(buf: Buffer | Scatter) -> memoryview | Scatter:
+    """A Scatter as it is, anything else as a flat byte view (see `as_byte_view`)."""
+    return buf if type(buf) is Scatter else as_byte_view(buf)

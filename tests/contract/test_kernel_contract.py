@@ -4,13 +4,15 @@ driver, prefix lookup through the tier."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import trio
 import trio.testing
 
-from tests.contract.conftest import DriverSpec, Scratch
+from tests.contract.conftest import DriverSpec, Scratch, call_hook
+from ucm.block import Scatter
 from ucm.config import load_config
 from ucm.drivers import LoadState
 from ucm.errors import DeadlineExceeded
@@ -46,6 +48,48 @@ async def test_prefix_lookup_and_load_through_the_kernel(spec, scratch):
         assert result.states[:2] == (LoadState.OK, LoadState.OK)
         assert result.states[2:] == (LoadState.MISSING, LoadState.MISSING)
         assert [bytes(b) for b in out[:2]] == blocks[:2]
+
+
+def scatter_of(size: int) -> tuple[Scatter, list[bytearray]]:
+    """A Scatter of uneven, unaligned pieces (one per vLLM layer, in real use)."""
+    cuts = [0, 1, 4097, size // 2 + 3, size - 5, size]
+    pieces = [bytearray(b - a) for a, b in itertools.pairwise(cuts)]
+    return Scatter(pieces), pieces
+
+
+async def test_scatter_load_round_trip_and_corruption(spec, scratch):
+    keys, blocks = data(3, 4)
+    cfg = load_config({"tiers": [tier_of(spec, scratch)], "namespace": "kc-scatter"})
+    async with KernelCore.open(cfg) as core:
+        assert (await core.run(Store(keys[:2], buffers=blocks[:2]))).ok
+        outs = [scatter_of(BLOCK) for _ in keys]
+        result = await core.run(Load(keys, buffers=[s for s, _ in outs]))
+        assert result.states == (LoadState.OK, LoadState.OK, LoadState.MISSING)
+        assert [b"".join(p) for _, p in outs[:2]] == blocks[:2]
+
+        # a scatter load of a corrupt block reports CORRUPT, never OK
+        await call_hook(spec.corrupt, core.tiers[0].driver, keys[1])
+        target, _ = scatter_of(BLOCK)
+        assert (await core.run(Load([keys[1]], buffers=[target]))).states == (
+            LoadState.CORRUPT,)
+
+        # single flight: a Scatter follower gets the leader's bytes, and the other way round
+        loaded: list[bytes] = []
+
+        async def load(as_scatter: bool) -> None:
+            if as_scatter:
+                target, pieces = scatter_of(BLOCK)
+                assert (await core.run(Load([keys[0]], buffers=[target]))).ok
+                loaded.append(b"".join(pieces))
+            else:
+                buf = bytearray(BLOCK)
+                assert (await core.run(Load([keys[0]], buffers=[buf]))).ok
+                loaded.append(bytes(buf))
+
+        async with trio.open_nursery() as nursery:
+            for as_scatter in (True, False, True):
+                nursery.start_soon(load, as_scatter)
+        assert loaded == [blocks[0]] * 3
 
 
 async def test_capacity_eviction_keeps_pinned_blocks(spec, scratch):

@@ -41,6 +41,7 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     BlockHeader,
     Codec,
+    Scatter,
     as_byte_view,
     check_key,
     decode_header,
@@ -96,6 +97,9 @@ def check_batch(
         raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
     views = []
     for i, buf in enumerate(buffers):
+        if writable and type(buf) is Scatter:
+            views.append(buf)
+            continue
         try:
             view = as_byte_view(buf)
         except TypeError:
@@ -373,10 +377,12 @@ def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _aligned(view: memoryview) -> bool:
+def _aligned(view: memoryview | Scatter) -> bool:
     import numpy as np  # only O_DIRECT needs an address; numpy reads it from any buffer
 
-    return view.nbytes % ALIGN == 0 and np.frombuffer(view, np.uint8).ctypes.data % ALIGN == 0
+    parts = view.parts if type(view) is Scatter else (view,)
+    return all(p.nbytes % ALIGN == 0 and np.frombuffer(p, np.uint8).ctypes.data % ALIGN == 0
+               for p in parts)
 
 
 def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
@@ -502,11 +508,12 @@ class BlockFiles(Backend):
                 os.close(fd)
         return states
 
-    def _load_fd(self, fd: int, key: bytes, out: memoryview) -> LoadState:
+    def _load_fd(self, fd: int, key: bytes, out: memoryview | Scatter) -> LoadState:
         head = _scratch.head
         if self.codec is Codec.NONE and (not self.direct or _aligned(out)):
             # The expected case: header and payload in one syscall, payload into `out`.
-            n = _read_into(fd, [head, out], 0, once=self.direct)
+            parts = [head, *out.parts] if type(out) is Scatter else [head, out]
+            n = _read_into(fd, parts, 0, once=self.direct)
             header = decode_header(head[: min(n, ALIGN)], expect_key=key)
             if header.raw_len != out.nbytes:
                 raise size_mismatch(out, header)

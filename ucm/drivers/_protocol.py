@@ -6,7 +6,11 @@ starts no threads or timers of its own: blocking calls go through
 `trio.to_thread.run_sync(..., limiter=...)`, and a driver never retries forever.
 
 All calls are batched. Keys are validated bytes (see `ucm.block.check_key`); buffers are flat
-byte memoryviews, one per key, and a load writes straight into them. A driver reports per-key
+byte memoryviews, one per key, and a load writes straight into them. A driver that sets
+`scatter = True` also takes a `ucm.block.Scatter` as a load buffer (the block in pieces, to be
+filled in order); the kernel gives other drivers a contiguous stand-in and copies it over. A
+scatter driver must never write into a buffer after its call has returned or been cancelled
+(its threads are never abandoned). A driver reports per-key
 outcomes in its return value and raises a `DriverError` (usually `StorageUnavailable`) only when
 the whole batch failed.
 """
@@ -42,6 +46,7 @@ class Driver(Protocol):
 
     name: str
     persistent: bool
+    # optional: scatter: bool = False (see the module docstring)
 
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored. Cheap: no payload is read or verified."""

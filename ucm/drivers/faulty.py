@@ -78,6 +78,7 @@ class FaultyDriver:
 
     def __init__(self, inner: Driver, options: Options, *, name: str) -> None:
         self.inner = inner
+        self.scatter = bool(getattr(inner, "scatter", False))
         self.name = name
         self.persistent = inner.persistent
         self.faults = Faults(options.latency, options.error_rate, options.corrupt_rate,

@@ -26,6 +26,7 @@ from ucm.block import (
     BlockHeader,
     Codec,
     checksum,
+    copy_bytes,
     decode_payload_into,
     encode_payload,
     verify_payload,
@@ -76,7 +77,7 @@ class LocalBlocks(Backend):
                 raise size_mismatch(out, header)
             try:
                 if header.codec is Codec.NONE:
-                    out[:] = record.payload
+                    copy_bytes(out, record.payload)
                     verify_payload(header, out)  # checks the bytes the caller got
                 else:
                     decode_payload_into(header, record.payload, out)
@@ -114,6 +115,7 @@ class MemoryDriver(ThreadedDriver):
     """Host DRAM, process-local or shared through /dev/shm."""
 
     persistent = False
+    scatter = True  # loads read straight into a Scatter's pieces
 
     class Options(DriverOptions):
         shared: bool = False

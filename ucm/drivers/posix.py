@@ -33,6 +33,7 @@ class PosixDriver(ThreadedDriver):
     """Blocks as files under one or more directory roots."""
 
     persistent = True
+    scatter = True  # loads read straight into a Scatter's pieces
 
     class Options(DriverOptions):
         path: str | list[str]

@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from ucm.block import Scatter, copy_bytes
 from ucm.config import TierConfig, UCMConfig
 from ucm.drivers import Listing, LoadState, get_driver_class
 from ucm.errors import (
@@ -317,9 +318,13 @@ class KernelCore(DataMovement):
             if not pending:
                 return
             t0 = time.monotonic_ns()
+            targets = [buffers[i] for i in pending]
+            staged = None if tier.scatter else _stage_scatters(targets)
             try:
                 result = await tier.call(Priority.LOAD, tier.driver.load, keys_of(keys, pending),
-                                         [buffers[i] for i in pending])
+                                         staged or targets)
+                if staged:
+                    await _unstage(staged, targets, result)
             except InvalidRequest:
                 raise
             except DriverError as exc:
@@ -415,3 +420,25 @@ def _configured_tracer(config: UCMConfig) -> Any:
     from ucm.trace import tracer_from_config
 
     return tracer_from_config(config)
+
+
+def _stage_scatters(targets: list[memoryview | Scatter]) -> list[memoryview] | None:
+    """Contiguous stand-ins for the Scatter buffers, for a driver that reads into one buffer
+    per key (None when there is no Scatter). A driver whose call was abandoned may still write
+    into a stand-in later, never into the caller's pieces."""
+    if not any(type(t) is Scatter for t in targets):
+        return None
+    return [memoryview(bytearray(t.nbytes)) if type(t) is Scatter else t for t in targets]
+
+
+async def _unstage(staged: list[memoryview], targets: list[memoryview | Scatter],
+                   states: Sequence[LoadState]) -> None:
+    copies = [(t, s) for t, s, state in zip(targets, staged, states, strict=True)
+              if type(t) is Scatter and state is LoadState.OK]
+    if copies:
+        await trio.to_thread.run_sync(_copy_into, copies)
+
+
+def _copy_into(copies: list[tuple[Scatter, memoryview]]) -> None:
+    for dst, src in copies:
+        copy_bytes(dst, src)

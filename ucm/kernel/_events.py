@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ucm.block import MAX_KEY_BYTES, as_byte_view, check_key
+from ucm.block import MAX_KEY_BYTES, Scatter, as_buffer_view, as_byte_view, check_key
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest
 
@@ -41,10 +41,14 @@ def _check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
 
 
 def _check_buffers(keys: tuple[bytes, ...], buffers: Sequence, *, writable: bool,
-                   ) -> tuple[memoryview, ...]:
+                   ) -> tuple[memoryview | Scatter, ...]:
     if len(buffers) != len(keys):
         raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
-    views = tuple(as_byte_view(b) for b in buffers)
+    try:
+        views = tuple(as_buffer_view(b) if writable else as_byte_view(b) for b in buffers)
+    except TypeError as exc:
+        what = "a buffer or a Scatter" if writable else "a contiguous buffer"
+        raise InvalidRequest(f"each buffer must be {what} ({exc})") from None
     if writable:
         for v in views:
             if v.readonly:
@@ -76,9 +80,10 @@ class Lookup(_Event):
 
 @dataclass(frozen=True, slots=True)
 class Load(_Event):
-    """Reads each block into its buffer (a writable buffer of exactly the block's size)."""
+    """Reads each block into its buffer: a writable buffer of exactly the block's size, or a
+    `Scatter` of pieces that add up to it."""
 
-    buffers: tuple[memoryview, ...] = field(default=(), kw_only=True)
+    buffers: tuple[memoryview | Scatter, ...] = field(default=(), kw_only=True)
     priority = Priority.LOAD
 
     def __post_init__(self) -> None:

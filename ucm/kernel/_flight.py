@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import trio
 
+from ucm.block import Scatter, copy_bytes
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest
 
@@ -109,8 +110,6 @@ class FlightTable:
             raise
 
 
-def _copy_all(copies: list[tuple[memoryview, memoryview]]) -> None:
+def _copy_all(copies: list[tuple[memoryview | Scatter, memoryview | Scatter]]) -> None:
     for dst, src in copies:
-        if dst.nbytes != src.nbytes:
-            raise InvalidRequest(f"buffer is {dst.nbytes} bytes; the block holds {src.nbytes}")
-        dst[:] = src
+        copy_bytes(dst, src)

@@ -23,6 +23,7 @@ class Tier:
         self.name = config.name or config.driver
         self.driver = driver
         self.persistent = bool(driver.persistent)
+        self.scatter = bool(getattr(driver, "scatter", False))  # loads into a Scatter itself
         self.policy = policy
         self.limiter = PriorityLimiter(config.concurrency)
         self.raw_sizes: dict[bytes, int] = {}  # bytes a loader needs, where this kernel knows
