@@ -107,6 +107,29 @@ def test_layout_round_trips_blocks_through_staging():
         assert not v[[0, 1, 4, 6, 8, 9]].any()
 
 
+def test_layout_scatter_is_the_staging_row_in_place():
+    """A direct load's target (one piece per layer segment of one block) takes exactly the
+    bytes a staging row holds, and writes nothing outside that block."""
+    torch = pytest.importorskip("torch")
+    from ucm.block import copy_bytes
+    from ucm.vllm_hook.layout import BlockLayout
+
+    caches = {f"l{i}": torch.randn(2, 5, 4, 2, 8) for i in range(2)}  # K/V halves
+    layout = BlockLayout(caches, num_blocks=5)
+    assert layout.scatters
+    staging = layout.new_staging(1)
+    layout.copy_out([3], staging)
+    target = layout.scatter(3)
+    assert target.nbytes == layout.block_bytes and len(target.parts) == 4
+    original = {k: v.clone() for k, v in caches.items()}
+    for v in caches.values():
+        v.zero_()
+    copy_bytes(target, staging[0].numpy())
+    for k, v in caches.items():
+        assert torch.equal(v[:, 3], original[k][:, 3])
+        assert not v[:, [0, 1, 2, 4]].any()
+
+
 def test_layout_splits_k_and_v_halves_of_cuda_style_caches():
     torch = pytest.importorskip("torch")
     from ucm.vllm_hook.layout import BlockLayout

@@ -6,11 +6,14 @@ A ucm block is the KV of one engine block for every layer of this rank, layer-ma
 opaque bytes (on CPU the order inside a block changes with dtype and ISA; we never look
 inside). vLLM allocates the cache layer-major (one tensor per layer, `[num_blocks, ...]` on CPU,
 `[2, num_blocks, ...]` for K and V on most CUDA backends), so one ucm block is not contiguous
-in the cache: the storage I/O goes through a staging buffer of whole ucm blocks (pinned host
-memory when the cache is on a GPU), and the copies between staging and cache go per layer
-segment, one torch copy per run of consecutive block ids. On CUDA those copies are host<->device
-`copy_`s; a fused gather/scatter kernel (`ucm.ops.blocks.*_cupy`, native/blocks.cu) would plug
-in at `Segment.copy_in` / `Segment.copy_out`.
+in the cache. When the cache is in host memory, a load goes straight into it: each block's
+target is a `Scatter` of its per-layer pieces, which the storage reads fill in order (no
+staging, no extra copy). Saves, and loads into a GPU cache, go through a staging buffer of
+whole ucm blocks (pinned host memory when the cache is on a GPU), and the copies between
+staging and cache go per layer segment, one torch copy per run of consecutive block ids. On
+CUDA those copies are host<->device `copy_`s; a fused gather/scatter kernel
+(`ucm.ops.blocks.*_cupy`, native/blocks.cu) would plug in at `Segment.copy_in` /
+`Segment.copy_out`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ucm.block import Scatter
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,20 @@ class BlockLayout:
             self.segments.extend(segs)
             self.by_layer[name] = segs
         self.block_bytes = offset
+        self._rows: list | None = None  # numpy views of the segments, made on first use
+
+    @property
+    def scatters(self) -> bool:
+        """Whether loads can go straight into the cache (host memory: see `scatter`)."""
+        return self.device.type == "cpu"
+
+    def scatter(self, block_id: int) -> Scatter:
+        """Block `block_id`'s pieces in the cache, in ucm block order: a load target that
+        skips the staging buffer. Host memory only."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = [seg.view.numpy() for seg in self.segments]
+        return Scatter([r[block_id] for r in rows])
 
     def new_staging(self, n_blocks: int) -> torch.Tensor:
         pin = self.device.type == "cuda"

@@ -1,10 +1,15 @@
 """The worker side of the connector: runs in each worker process (one per TP rank).
 
-Loads: `start_load_kv` posts one Load event for every block the step needs, into a reused
-staging buffer, and copies the verified blocks into the KV cache: all layers before the forward
-pass, or (layerwise) each layer just before it runs, in `wait_for_layer_load`. A block that does
-not load (missing, corrupt, I/O error, KernelBusy, deadline, `load_timeout`) is reported through
-`get_block_ids_with_load_errors`, and vLLM recomputes it and everything after it.
+Loads: `start_load_kv` posts one Load event for every block the step needs. With the cache in
+host memory (vLLM on CPU) each block's target is a `Scatter` of its pieces in the cache, so the
+storage reads land straight in the KV cache: no staging buffer, no copy (`direct_loads`).
+Otherwise the load goes into a reused staging buffer, and the verified blocks are copied into
+the cache: all layers before the forward pass, or (layerwise) each layer just before it runs,
+in `wait_for_layer_load`. A block that does not load (missing, corrupt, I/O error,
+KernelBusy, deadline, `load_timeout`) is reported through `get_block_ids_with_load_errors`, and
+vLLM recomputes it and everything after it: its cache blocks may hold anything until then.
+A direct load that times out is cancelled and waited for until it has stopped, so nothing
+writes into cache blocks that vLLM recomputes or gives to another request.
 
 Saves: `save_kv_layer` snapshots this step's new full blocks of that layer into a staging
 buffer as soon as the layer has written them; `wait_for_save` posts one Store per step and
@@ -43,10 +48,10 @@ log = logging.getLogger("ucm.vllm_hook")
 class _PendingLoad:
     """One step's loads: the Load completion and where each row goes."""
 
-    def __init__(self, transfers: list[BlockTransfer], staging: torch.Tensor,
+    def __init__(self, transfers: list[BlockTransfer], staging: torch.Tensor | None,
                  completion: concurrent.futures.Future | None) -> None:
         self.transfers = transfers
-        self.staging = staging
+        self.staging = staging  # None: a direct load, into the cache itself
         self.completion = completion
         self.ok_rows: list[tuple[BlockTransfer, int, int]] | None = None  # (t, first row, n ok)
         self.copied_layers: set[str] = set()
@@ -92,11 +97,15 @@ class WorkerSide:
         if not meta.loads or self.layout is None:
             return
         n = sum(len(t.block_ids) for t in meta.loads)
-        staging = self._load_staging
-        if staging is None or staging.shape[0] < n:
-            staging = self._load_staging = self.layout.new_staging(n)
         keys = [self._key(d) for t in meta.loads for d in t.digests]
-        buffers = [staging[i].numpy() for i in range(n)]
+        if self.settings.direct_loads and self.layout.scatters:
+            staging = None
+            buffers = [self.layout.scatter(b) for t in meta.loads for b in t.block_ids]
+        else:
+            staging = self._load_staging
+            if staging is None or staging.shape[0] < n:
+                staging = self._load_staging = self.layout.new_staging(n)
+            buffers = [staging[i].numpy() for i in range(n)]
         completion = None
         try:
             if not wait_running(self._kernel, self.settings.start_timeout):
@@ -124,7 +133,10 @@ class WorkerSide:
             except concurrent.futures.TimeoutError:
                 pending.completion.cancel()
                 self.stats["load_timeouts"] += 1
-                self._load_staging = None  # a driver may still write into it
+                if pending.staging is None:
+                    self._wait_stopped(pending.completion)
+                else:
+                    self._load_staging = None  # a driver may still write into it
             except (UCMError, concurrent.futures.CancelledError) as exc:
                 self.stats["load_failed_events"] += 1
                 log.warning("ucm: load failed (%s); recomputing", exc)
@@ -150,7 +162,20 @@ class WorkerSide:
             row += n
         pending.ok_rows = ok_rows
 
+    def _wait_stopped(self, completion: concurrent.futures.Future) -> None:
+        """Waits until a cancelled direct load has stopped writing into the cache. Drivers
+        that take a Scatter stop at their next block (their threads are never abandoned), so
+        the wait is short unless a disk hangs; then it is the only safe choice."""
+        grace = max(1.0, self.settings.load_timeout)
+        done, _ = concurrent.futures.wait([completion], timeout=grace)
+        if not done:
+            log.error("ucm: a cancelled load into the KV cache has not stopped after %.0f s; "
+                      "waiting for it, since its blocks must not be reused before", grace)
+            concurrent.futures.wait([completion])
+
     def _copy_all(self, pending: _PendingLoad, layer: str | None = None) -> None:
+        if pending.staging is None:
+            return  # a direct load: the blocks are in place
         for t, first_row, good in pending.ok_rows or ():
             if good:
                 self.layout.copy_in(t.block_ids[:good], pending.staging, layer=layer,
