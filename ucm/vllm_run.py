@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -178,8 +179,11 @@ def run(spec: EngineSpec, phases: list[Phase]) -> dict[str, Any]:
         results.append(run_phase(llm, p))
         _progress(f"{p.name or 'phase'}: {len(p.prompts)} requests in "
                   f"{results[-1]['wall_s'][-1]:.2f} s")
-    return {"engine_start_s": start_s, "phases": results, "stats": connector_stats(),
-            "preemptions": _preemptions(llm)}
+    out = {"engine_start_s": start_s, "phases": results, "stats": connector_stats(),
+           "preemptions": _preemptions(llm)}
+    if spec.multiprocess:  # connectors live in the worker processes: their shutdown waits
+        llm.llm_engine.engine_core.shutdown()  # for the stores in flight
+    return out
 
 
 def _preemptions(llm: Any) -> int | None:
@@ -200,10 +204,12 @@ def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float =
     payload = json.dumps({"spec": asdict(spec), "phases": [asdict(p) for p in phases]})
     full_env = {**os.environ, **(env or {})}
     log = open(log_path, "a") if log_path else open(os.devnull, "w")  # noqa: SIM115
+    # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
+    # keep our pipe open, so once the result is in, the whole group is killed.
     with log, subprocess.Popen([sys.executable, "-m", "ucm.vllm_run"], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=log, text=True,
-                               env=full_env) as proc:
-        timer = threading.Timer(timeout, proc.kill)
+                               env=full_env, start_new_session=True) as proc:
+        timer = threading.Timer(timeout, _kill_group, (proc,))
         timer.start()
         result = None
         try:
@@ -212,13 +218,18 @@ def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float =
             for line in proc.stdout:
                 if line.startswith("UCM_RESULT "):
                     result = json.loads(line[len("UCM_RESULT "):])
-                elif line.startswith("UCM_PROGRESS ") and progress is not None:
+                    break
+                if line.startswith("UCM_PROGRESS ") and progress is not None:
                     progress(line[len("UCM_PROGRESS "):].rstrip())
                 else:
                     log.write(line)
-            proc.wait()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
         finally:
             timer.cancel()
+            _kill_group(proc)
     if result is None:
         tail = ""
         if log_path:
@@ -226,6 +237,14 @@ def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float =
                 tail = f.read()[-4000:]
         raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{tail}")
     return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kills the engine process and whatever vLLM started under it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _progress(message: str) -> None:
