@@ -44,6 +44,8 @@ from ucm.vllm_hook.settings import (
 
 log = logging.getLogger("ucm.vllm_hook")
 
+_SPARE_SNAPSHOT_BYTES = 256 * 2**20  # snapshot buffers kept for reuse once their store ends
+
 
 class _PendingLoad:
     """One step's loads: the Load completion and where each row goes."""
@@ -67,6 +69,8 @@ class WorkerSide:
         self._load: _PendingLoad | None = None
         self._load_errors: set[int] = set()
         self._save_staging: torch.Tensor | None = None
+        self._spare: list[torch.Tensor] = []  # snapshot buffers whose stores have ended
+        self._snapshot_bases: dict[int, torch.Tensor] = {}  # id(snapshot) -> its buffer
         self._save_rows: list[tuple[BlockTransfer, int]] = []
         self._save_layers_done: set[str] = set()
         self._lock = threading.Lock()
@@ -215,7 +219,7 @@ class WorkerSide:
                 self._save_layers_done.add("")  # marks this step as skipped
                 return
             self._store_bytes += nbytes
-        self._save_staging = self.layout.new_staging(n)
+        self._save_staging = self._take_snapshot_buffer(n)
         row = 0
         for t in meta.saves:
             self._save_rows.append((t, row))
@@ -264,9 +268,31 @@ class WorkerSide:
         except Exception:  # pragma: no cover - never let the trio thread see an error
             log.exception("ucm: store callback failed")
 
+    def _take_snapshot_buffer(self, n_blocks: int) -> torch.Tensor:
+        """`n_blocks` rows of a spare snapshot buffer (the smallest that fits), else a new one.
+        Reusing them matters: a fresh buffer costs page faults and zeroing on first touch,
+        several times the copy itself (pinned allocations on a GPU host cost more still)."""
+        with self._lock:
+            fits = [t for t in self._spare if t.shape[0] >= n_blocks]
+            base = min(fits, key=lambda t: t.shape[0]) if fits else None
+            if base is not None:
+                self._spare.remove(base)
+        if base is None:
+            base = self.layout.new_staging(n_blocks)
+        view = base[:n_blocks]
+        self._snapshot_bases[id(view)] = base
+        return view
+
     def _release(self, staging: torch.Tensor) -> None:
+        """A snapshot's store has ended: its bytes no longer count, its buffer is spare."""
         with self._lock:
             self._store_bytes -= staging.numel()
+            base = self._snapshot_bases.pop(id(staging), None)
+            if base is None:
+                return
+            self._spare.append(base)
+            while sum(t.numel() for t in self._spare) > _SPARE_SNAPSHOT_BYTES:
+                self._spare.remove(min(self._spare, key=lambda t: t.numel()))
 
     def wait_for_stores(self, timeout: float | None = None) -> bool:
         """Blocks until every posted store finished (for shutdown and tests)."""

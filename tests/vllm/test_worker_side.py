@@ -1,0 +1,91 @@
+"""The worker side without an engine: a real kernel (memory tier) and CPU KV cache tensors.
+Direct loads land in the cache blocks (and nowhere else), a missing block is reported for
+recompute, and snapshot buffers are reused once their stores end."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from ucm.config import load_config  # noqa: E402
+from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata  # noqa: E402
+from ucm.vllm_hook.settings import HookSettings, wait_running  # noqa: E402
+from ucm.vllm_hook.worker import WorkerSide  # noqa: E402
+
+
+def _worker(namespace: str, **kw) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    cfg = load_config({"tiers": [{"driver": "memory", "shared": False}],
+                       "namespace": namespace})
+    worker = WorkerSide(HookSettings(ucm_config=cfg, namespace=namespace, block_size=16, **kw))
+    caches = {f"l{i}": torch.randn(12, 16, 2, 8) for i in range(3)}
+    worker.register_kv_caches(caches)
+    assert wait_running(worker.kernel, 30)  # until then, saves are dropped (future misses)
+    return worker, caches
+
+
+def _save(worker: WorkerSide, caches: dict, transfer: BlockTransfer) -> None:
+    meta = UCMConnectorMetadata(saves=[transfer])
+    for name in caches:
+        worker.save_kv_layer(meta, name)
+    worker.wait_for_save()
+    assert worker.wait_for_stores(30)
+
+
+def test_direct_load_round_trip_and_missing_block():
+    worker, caches = _worker("ws-direct")
+    try:
+        digests = [bytes([i]) * 16 for i in range(3)]
+        _save(worker, caches, BlockTransfer("a", [1, 2, 3], digests))
+        assert worker.stats["saved_blocks"] == 3
+        original = {k: v.clone() for k, v in caches.items()}
+        for v in caches.values():
+            v.zero_()
+        # blocks 7, 8 take the first two stored blocks; block 9 asks for one never stored
+        missing = b"\xee" * 16
+        worker.start_load_kv(UCMConnectorMetadata(loads=[
+            BlockTransfer("b", [7, 8, 9], [digests[0], digests[1], missing])]))
+        assert worker._load_staging is None  # straight into the cache, no staging buffer
+        for k, v in caches.items():
+            assert torch.equal(v[7], original[k][1]) and torch.equal(v[8], original[k][2])
+            assert not v[[0, 1, 2, 3, 4, 5, 6, 10, 11]].any()  # nothing else was written
+        assert worker.get_block_ids_with_load_errors() == {9}
+        assert worker.stats["loaded_blocks"] == 2
+    finally:
+        worker.shutdown()
+
+
+def test_staged_load_when_direct_loads_are_off():
+    worker, caches = _worker("ws-staged", direct_loads=False)
+    try:
+        digest = b"\x01" * 16
+        _save(worker, caches, BlockTransfer("a", [4], [digest]))
+        expected = {k: v[4].clone() for k, v in caches.items()}
+        worker.start_load_kv(UCMConnectorMetadata(loads=[BlockTransfer("b", [10], [digest])]))
+        assert worker._load_staging is not None
+        for k, v in caches.items():
+            assert torch.equal(v[10], expected[k])
+        assert not worker.get_block_ids_with_load_errors()
+    finally:
+        worker.shutdown()
+
+
+def test_snapshot_buffers_are_reused_after_their_stores():
+    worker, caches = _worker("ws-reuse")
+    try:
+        _save(worker, caches, BlockTransfer("a", [1, 2, 3], [bytes([i]) * 16 for i in range(3)]))
+        assert len(worker._spare) == 1 and worker._store_bytes == 0
+        first = worker._spare[0].data_ptr()
+        meta = UCMConnectorMetadata(saves=[BlockTransfer("b", [5, 6], [b"\x05" * 16,
+                                                                       b"\x06" * 16])])
+        worker.save_kv_layer(meta, "l0")
+        assert worker._save_staging.data_ptr() == first  # two rows of the spare three-row one
+        assert not worker._spare
+        for name in list(caches)[1:]:
+            worker.save_kv_layer(meta, name)
+        worker.wait_for_save()
+        assert worker.wait_for_stores(30)
+        assert worker.stats["saved_blocks"] == 5 and worker._store_bytes == 0
+    finally:
+        worker.shutdown()
