@@ -1,6 +1,7 @@
 """The pmem driver on real libpmem: recovery after SIGKILL (on /dev/shm and on ext4), torn
 index entries, a full pool, the pmem_persist path (PMEM_IS_PMEM_FORCE=1), one owner per pool,
-and deletes that never break a load in progress."""
+deletes that never break a load in progress, batches spread over threads (a failed block, a
+cancel between parts), and the raw bench baseline."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -171,3 +173,124 @@ async def test_delete_and_overwrite_never_break_a_load(tmp_path):
         assert set(states) <= {LoadState.OK, LoadState.MISSING}
     finally:
         await drv.aclose()
+
+
+# --- batches spread over threads ---------------------------------------------------------------
+
+
+async def test_wide_batch_round_trips_across_threads(pool_dir):
+    drv = await PmemDriver.open({"path": str(pool_dir), "size": "64MiB"}, namespace="wide")
+    try:
+        blocks = [os.urandom(MiB + 4096 * i) for i in range(7)]  # 7 MiB+: two threads
+        keys = [b"w%d" % i for i in range(7)]
+        twin = os.urandom(len(blocks[2]))  # w2 twice in one batch: one of the two is kept
+        sizes = await drv.store([*keys, b"w2"], [memoryview(b) for b in [*blocks, twin]])
+        assert sizes == [4096 + len(b) for b in [*blocks, twin]]
+        assert drv.statistics()["blocks"] == 7
+        outs = [memoryview(bytearray(len(b))) for b in blocks]
+        assert await drv.load(keys, outs) == [LoadState.OK] * 7
+        assert [bytes(o) for i, o in enumerate(outs) if i != 2] == blocks[:2] + blocks[3:]
+        assert bytes(outs[2]) in (blocks[2], twin)
+    finally:
+        await drv.aclose()
+
+
+async def test_failed_block_fails_its_part_and_stores_nothing(tmp_path, monkeypatch):
+    drv = await PmemDriver.open({"path": str(tmp_path), "size": "32MiB"}, namespace="fail")
+    free = drv.pool.free_bytes()
+    place = drv.pool.place
+
+    def flaky(key: bytes, view: memoryview):
+        if key == b"bad":
+            raise OSError(5, "injected")
+        return place(key, view)
+
+    monkeypatch.setattr(drv.pool, "place", flaky)
+    try:
+        keys = [b"a", b"bad", b"c", b"d"]
+        with pytest.raises(StorageUnavailable, match="injected"):
+            await drv.store(keys, [memoryview(os.urandom(2 * MiB))] * 4)
+        assert await drv.lookup(keys) == [False] * 4
+        assert drv.pool.free_bytes() == free  # the blocks that were copied are given back
+    finally:
+        await drv.aclose()
+    drv = await PmemDriver.open({"path": str(tmp_path), "size": "32MiB"}, namespace="fail")
+    try:
+        assert await drv.lookup(keys) == [False] * 4  # nor after a restart
+    finally:
+        await drv.aclose()
+
+
+async def test_cancel_lands_between_parts(tmp_path, monkeypatch):
+    from ucm.drivers import pmem
+
+    monkeypatch.setattr(pmem, "CHUNK_BYTES", 2 * MiB)  # one 2 MiB block per store part
+    drv = await PmemDriver.open({"path": str(tmp_path), "size": "32MiB"}, namespace="cancel")
+    entered, release = threading.Event(), threading.Event()
+    place = drv.pool.place
+
+    def slow(key: bytes, view: memoryview):
+        entered.set()
+        assert release.wait(10)
+        return place(key, view)
+
+    monkeypatch.setattr(drv.pool, "place", slow)
+    keys = [b"p0", b"p1", b"p2"]
+    try:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drv.store, keys, [memoryview(os.urandom(2 * MiB))] * 3)
+                await trio.to_thread.run_sync(entered.wait)
+                scope.cancel()  # the first part is being copied: it finishes, no other starts
+                release.set()
+        assert scope.cancelled_caught
+        assert await drv.lookup(keys) == [True, False, False]
+    finally:
+        release.set()
+        await drv.aclose()
+
+
+def test_pmem_path_round_trips_when_forced(tmp_path):
+    script = r"""
+import os, sys, trio
+from ucm.drivers import LoadState
+from ucm.drivers.pmem import PmemDriver
+async def main():
+    options = {"path": sys.argv[1], "size": "32MiB"}
+    blocks = [os.urandom(2 * 2**20) for _ in range(4)]
+    keys = [b"k%d" % i for i in range(4)]
+    drv = await PmemDriver.open(options, namespace="forced")
+    assert drv.statistics()["is_pmem"] == 1
+    await drv.store(keys, [memoryview(b) for b in blocks])
+    await drv.aclose()
+    drv = await PmemDriver.open(options, namespace="forced")
+    outs = [memoryview(bytearray(len(b))) for b in blocks]
+    assert await drv.load(keys, outs) == [LoadState.OK] * 4
+    assert [bytes(o) for o in outs] == blocks
+    await drv.aclose()
+    print("ok")
+trio.run(main)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60,
+                         env={**os.environ, "PMEM_IS_PMEM_FORCE": "1",
+                              "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert out.stdout.split() == ["ok"], out.stderr
+
+
+def test_raw_baseline_rewrites_a_key_in_place(tmp_path):
+    from ucm.drivers.pmem import raw_baseline
+
+    raw = raw_baseline({"path": str(tmp_path), "size": "16MiB"}, "raw")
+    try:
+        block = memoryview(os.urandom(MiB))
+        raw.store([b"a", b"b"], [block, block])
+        a = raw.slots[b"a"]
+        raw.store([b"a"], [block])
+        assert raw.slots[b"a"] == a  # the same pages, not fresh ones
+        raw.delete([b"a"])
+        raw.store([b"c"], [block])
+        assert raw.slots[b"c"] == a  # a deleted key's slot is reused
+        raw.load([b"b", b"c"], MiB, 2)
+    finally:
+        raw.close()

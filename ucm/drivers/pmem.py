@@ -25,6 +25,12 @@ duplicate, everything else is free space. An extent that a load is reading stays
 until that load is done, so a delete or overwrite never breaks a load in progress.
 
 One process owns a pool at a time (an exclusive flock): the index lives in this process.
+
+A batch runs as parts of up to 32 MiB (stores) or 64 MiB (loads); in a part, up to PARALLEL
+threads of trio's thread cache take blocks one at a time (copy + xxh3, both outside the GIL),
+and the thread that finishes the last one publishes a store part and wakes the caller: one
+trip into and out of trio per part. On pmem the copies flush as they go
+(pmem_memcpy_nodrain), so a store part drains once.
 """
 
 from __future__ import annotations
@@ -38,8 +44,6 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -61,9 +65,9 @@ from ucm.drivers._extents import Extents
 from ucm.drivers._files import (
     CHUNK_BYTES,
     PARALLEL,
+    SPLIT_BYTES,
     Backend,
     ThreadedDriver,
-    _partition,
     os_error,
     parse_codec,
     safe_dir_name,
@@ -119,18 +123,26 @@ def libpmem() -> Any:
         lib.pmem_msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.pmem_memcpy_persist.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
         lib.pmem_memcpy_persist.restype = ctypes.c_void_p
+        lib.pmem_memcpy_nodrain.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.pmem_memcpy_nodrain.restype = ctypes.c_void_p
         lib.pmem_errormsg.restype = ctypes.c_char_p
         _lib = lib
     return _lib
 
 
+_np: Any = None
+
+
 def buffer_address(view: memoryview) -> int:
     """The address of a contiguous buffer, read-only ones included."""
+    global _np
     if not view.readonly:  # ctypes is ~7x cheaper than numpy (0.2 vs 1.5 us a call)
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    import numpy as np
+    if _np is None:  # imported once: an import statement per call cost 4 us more
+        import numpy
 
-    return int(np.frombuffer(view, np.uint8).ctypes.data)
+        _np = numpy
+    return int(_np.frombuffer(view, _np.uint8).ctypes.data)
 
 
 @dataclass(slots=True)
@@ -354,24 +366,22 @@ class PmemPool(Backend):
         return [key in index for key in keys]
 
     def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
-        states = []
-        for key, out in zip(keys, views, strict=True):
-            with self._lock:
-                entry = self.index.get(key)
-                if entry is not None:
-                    entry.readers += 1
+        return [self.load_one(key, out) for key, out in zip(keys, views, strict=True)]
+
+    def load_one(self, key: bytes, out: memoryview) -> LoadState:
+        with self._lock:
+            entry = self.index.get(key)
             if entry is None:
-                states.append(LoadState.MISSING)
-                continue
-            try:
-                states.append(self._load_one(entry, key, out))
-            except BlockCorrupt:
-                states.append(LoadState.CORRUPT)
-            finally:
-                with self._lock:
-                    entry.readers -= 1
-                    self._maybe_free(entry)
-        return states
+                return LoadState.MISSING
+            entry.readers += 1
+        try:
+            return self._load_one(entry, key, out)
+        except BlockCorrupt:
+            return LoadState.CORRUPT
+        finally:
+            with self._lock:
+                entry.readers -= 1
+                self._maybe_free(entry)
 
     def _load_one(self, entry: _Entry, key: bytes, out: memoryview) -> LoadState:
         start = entry.offset
@@ -390,10 +400,57 @@ class PmemPool(Backend):
         return LoadState.OK
 
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
-        """Stores a batch with three barriers in all, not two per block:
+        placed = []
+        try:
+            for key, view in zip(keys, views, strict=True):
+                placed.append(self.place(key, view))
+        except BaseException:
+            self.unplace(placed)
+            raise
+        return self.publish(keys, placed)
 
-        1. every block's header and payload is copied into a freshly allocated extent, and all
-           those extents are persisted together (one msync per run of nearby extents);
+    def place(self, key: bytes, view: memoryview) -> _Entry | None:
+        """Copies one block (header and payload) into a free extent, not yet durable nor
+        named by any entry; None when the pool has no room. `publish` or `unplace` it."""
+        payload = as_byte_view(encode_payload(self.codec, view))
+        header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+        length = PAYLOAD_OFFSET + payload.nbytes
+        extent = _round_up(length)
+        with self._lock:
+            if not self._free_slots:
+                return None
+            offset = self._allocate(extent)
+            if offset is None:
+                return None
+            slot = self._free_slots.pop()
+            self._seq += 1
+            entry = _Entry(slot, offset, length, extent, self._seq)
+        dst = self.addr + offset
+        if self.is_pmem:  # copied and flushed: publish needs only one drain for the batch
+            copy = self.lib.pmem_memcpy_nodrain
+            copy(dst, header, PAYLOAD_OFFSET)
+        else:
+            copy = ctypes.memmove
+            self.view[offset:offset + PAYLOAD_OFFSET] = header
+        if payload.nbytes:
+            copy(dst + PAYLOAD_OFFSET, buffer_address(payload), payload.nbytes)
+        return entry
+
+    def unplace(self, placed: list[_Entry | None]) -> None:
+        """Gives back what `place` took, for a batch that will not be published."""
+        with self._lock:
+            for entry in placed:
+                if entry is not None:
+                    self._put_clear(entry.slot)  # not durable yet: never let it resurface
+                    self._free_slots.append(entry.slot)
+                    self._release(entry.offset, entry.extent)
+
+    def publish(self, keys: list[bytes], placed: list[_Entry | None]) -> list[int]:
+        """Makes placed blocks durable and visible with three barriers in all, not two per
+        block; returns the stored bytes per key (0: no room).
+
+        1. every placed extent (header and payload) is persisted (one msync per run of nearby
+           extents);
         2. only then are the index entries naming them written, and persisted together: an
            entry never reaches the media before the bytes it names, and a torn or half-written
            entry fails its own checksum, so a crash at any point shows each block either whole
@@ -402,55 +459,32 @@ class PmemPool(Backend):
            cleared (persisted together) and their extents freed, so after a crash recovery
            finds the old or the new block of a key (the higher sequence wins), never neither.
         """
-        sizes = [0] * len(keys)
-        placed: list[tuple[int, bytes, _Entry]] = []
+        done = [(key, e) for key, e in zip(keys, placed, strict=True) if e is not None]
         try:
-            for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-                payload = as_byte_view(encode_payload(self.codec, view))
-                header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
-                length = PAYLOAD_OFFSET + payload.nbytes
-                extent = _round_up(length)
-                with self._lock:
-                    if not self._free_slots:
-                        continue
-                    offset = self._allocate(extent)
-                    if offset is None:
-                        continue
-                    slot = self._free_slots.pop()
-                    self._seq += 1
-                    entry = _Entry(slot, offset, length, extent, self._seq)
-                placed.append((i, key, entry))
-                self.view[offset:offset + PAYLOAD_OFFSET] = header
-                if payload.nbytes:
-                    ctypes.memmove(self.addr + offset + PAYLOAD_OFFSET,
-                                   buffer_address(payload), payload.nbytes)
-            self.persist_ranges([(e.offset, e.length) for _, _, e in placed])  # 1. the bytes
-            for _, key, entry in placed:
+            if self.is_pmem:  # 1. the bytes (place flushed them already)
+                self.lib.pmem_drain()
+            else:
+                self.persist_ranges([(e.offset, e.length) for _, e in done])
+            for key, entry in done:
                 self._put_entry(entry, key)
             self.persist_ranges([(self._entry_at(e.slot), _ENTRY_SIZE)  # 2. then the entries
-                                 for _, _, e in placed])
+                                 for _, e in done])
         except BaseException:
-            with self._lock:
-                for _, _, entry in placed:
-                    self._put_clear(entry.slot)  # not durable yet: never let it resurface
-                    self._free_slots.append(entry.slot)
-                    self._release(entry.offset, entry.extent)
+            self.unplace(placed)
             raise
         retired = []
         with self._lock:
-            for _, key, entry in placed:
+            for key, entry in done:
                 old = self.index.get(key)
                 if old is not None and old.seq > entry.seq:
                     old, entry = entry, old  # a newer store of this key finished first
                 self.index[key] = entry
                 if old is not None:
                     retired.append(old)
-        for i, _, entry in placed:
-            sizes[i] = entry.length
         self._retire(retired)  # 3. the blocks these replaced
-        if keys and not placed:
+        if keys and not done:
             raise OSError(errno.ENOSPC, f"pool {self.path} is full", self.path)
-        return sizes
+        return [0 if e is None else e.length for e in placed]
 
     def delete(self, keys: list[bytes]) -> None:
         with self._lock:
@@ -481,11 +515,11 @@ class PmemPool(Backend):
             self._lock_fd = -1
 
 
-def _chunks(views: list[memoryview]) -> list[slice]:
-    """Contiguous parts of at most CHUNK_BYTES (or one block, when a block is larger)."""
+def _chunks(views: list[memoryview], limit: int) -> list[slice]:
+    """Contiguous parts of at most `limit` bytes (or one block, when a block is larger)."""
     parts, start, acc = [], 0, 0
     for i, view in enumerate(views):
-        if acc and acc + view.nbytes > CHUNK_BYTES:
+        if acc and acc + view.nbytes > limit:
             parts.append(slice(start, i))
             start, acc = i, 0
         acc += view.nbytes
@@ -493,21 +527,74 @@ def _chunks(views: list[memoryview]) -> list[slice]:
     return parts
 
 
-def _store_part(fn: Callable[..., list[int]], keys: list[bytes],
-                views: list[memoryview]) -> list[int]:
-    try:
-        return fn(keys, views)
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-        return [0] * len(keys)
+class _Spread:
+    """fn(keys[i], views[i]) for every i, on up to PARALLEL threads of trio's thread cache.
+
+    Each thread takes the next block when it is free, so a thread that wakes up late (a busy
+    machine) takes only what is left, and a thread that starts after the last block was taken
+    touches nothing. The thread that finishes the last block runs `then` (if any) and wakes
+    the waiting task: one wake-up back into trio, however many threads shared the work. A pmem
+    block is pure memcpy + xxh3 (both release the GIL), so two threads overlap one block's
+    copy with another's checksum."""
+
+    def __init__(self, fn: Callable[[bytes, memoryview], Any], keys: list[bytes],
+                 views: list[memoryview], then: Callable[[_Spread], Any] | None = None) -> None:
+        self.keys, self.views = keys, views
+        self._fn, self._then = fn, then
+        self._next = iter(range(len(keys)))
+        self._lock = threading.Lock()
+        self._taken = 0
+        self._finished = False
+        self._wake: Callable[[], None] = lambda: None
+        self.results: list[Any] = [None] * len(keys)
+        self.errors: list[BaseException | None] = [None] * len(keys)
+        self.outcome: Any = None  # what `then` returned
+        self.error: BaseException | None = None  # what `then` raised
+
+    def _drain(self) -> None:
+        fn, keys, views, results = self._fn, self.keys, self.views, self.results
+        lock = self._lock
+        while True:
+            with lock:
+                i = next(self._next, None)
+                if i is None:  # the last thread out finds nothing left and nothing taken
+                    last = not self._taken and not self._finished
+                    self._finished |= last
+                    break
+                self._taken += 1
+            try:
+                results[i] = fn(keys[i], views[i])
+            except BaseException as exc:
+                self.errors[i] = exc
+            with lock:
+                self._taken -= 1
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self._then is not None:
+                self.outcome = self._then(self)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._wake()
+
+    async def run(self, threads: int) -> _Spread:
+        """Runs the blocks on `threads` threads and returns when all are done. A cancel lands
+        before they start or after they are done, never while they write into the caller's
+        buffers (as with trio.to_thread.run_sync without abandon_on_cancel)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        token, task = trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()
+        self._wake = lambda: token.run_sync_soon(trio.lowlevel.reschedule, task)
+        for _ in range(max(1, threads)):
+            trio.lowlevel.start_thread_soon(self._drain, _ignore_outcome)  # no name: 2 syscalls
+        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        return self
 
 
-def _outcome(fn: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception as exc:
-        return exc
+def _ignore_outcome(_: Any) -> None:
+    pass  # _drain never raises: errors are kept per block
 
 
 class PmemDriver(ThreadedDriver):
@@ -524,63 +611,68 @@ class PmemDriver(ThreadedDriver):
         super().__init__(pool, name=name)
         self.pool = pool
         self.inline_meta = True  # lookup and listing touch only the in-memory index
-        # Helpers for the other parts of a split batch (see _map).
-        self._helpers = ThreadPoolExecutor(PARALLEL - 1, thread_name_prefix=f"ucm-{name}")
+        self._spreads = 0  # threads of the parts in progress (see _spread)
+
+    async def _spread(self, fn: Callable[[bytes, memoryview], Any], keys: list[bytes],
+                      views: list[memoryview],
+                      then: Callable[[_Spread], Any] | None = None) -> _Spread:
+        if self._closed:
+            raise StorageUnavailable("driver is closed", driver=self.name)
+        # About PARALLEL threads in all: a part that starts while others run gets fewer, as
+        # more copying threads than cores only take turns (and evict each other's cache).
+        wide = len(keys) > 1 and sum(v.nbytes for v in views) >= SPLIT_BYTES
+        threads = max(1, PARALLEL - self._spreads) if wide else 1
+        self._spreads += threads
+        try:
+            return await _Spread(fn, keys, views, then).run(threads)
+        finally:
+            self._spreads -= threads
+
+    async def _load_part(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+        spread = await self._spread(self.pool.load_one, keys, views)
+        for error in spread.errors:
+            if error is not None:
+                raise error
+        return spread.results
+
+    def _publish(self, spread: _Spread) -> list[int]:
+        """Runs on the thread that placed the part's last block."""
+        if any(e is not None for e in spread.errors):
+            self.pool.unplace(spread.results)
+            return []
+        try:
+            return self.pool.publish(spread.keys, spread.results)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return [0] * len(spread.keys)
+
+    async def _store_part(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+        """Copies the part's blocks on PARALLEL threads, then publishes them with one set of
+        barriers (PmemPool.publish)."""
+        spread = await self._spread(self.pool.place, keys, views, then=self._publish)
+        error = next((e for e in spread.errors if e is not None), spread.error)
+        if error is not None:
+            raise error
+        return spread.outcome
 
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
                    views: list[memoryview]) -> list[Any]:
-        """Like ThreadedDriver._map, with one trio thread hop per PARALLEL parts instead of one
-        per part: the worker runs the first part itself and hands the others to helper
-        threads. A pmem batch is pure memcpy + xxh3 (both release the GIL), so the fixed cost
-        of each hop (two thread wake-ups) is a large share of a 16 MiB batch's ~1 ms."""
+        """Parts of at most CHUNK_BYTES (stores: every part costs three barriers, so parts are
+        large) or PARALLEL * CHUNK_BYTES (loads), so a cancel lands within one part; inside a
+        part PARALLEL threads share the blocks (_Spread)."""
+        store = fn == self._backend.store
+        part_fn = self._store_part if store else self._load_part
         results: list[Any] = []
-        if fn == self._backend.store:
-            # Stores run one part at a time: each part costs three barriers (payloads, entries,
-            # replaced entries), so fewer and larger parts win; on ext4 one 16 MiB part beat
-            # two in parallel by 8-13% (1.48 -> 1.61 GB/s at x8). Parts of at most CHUNK_BYTES
-            # keep a cancel landing within one part.
-            parts = _chunks(views)
-            if len(parts) == 1:
-                return await self._run(fn, keys, views)
-            for part in parts:  # a full pool fails a part; the batch only when none stored
-                results.extend(await self._run(_store_part, fn, keys[part], views[part]))
-            if not any(results):
-                raise os_error(OSError(errno.ENOSPC, f"pool {self.pool.path} is full",
-                                       self.pool.path), self.name)
-            return results
-        parts = _partition(views)
-        if len(parts) == 1:
-            return await self._run(fn, keys, views)
-        for at in range(0, len(parts), PARALLEL):  # a cancel still lands between groups
-            results.extend(await self._run(self._fan_out, fn, keys, views,
-                                           parts[at:at + PARALLEL]))
-        return results
-
-    def _fan_out(self, fn: Callable[..., list[Any]], keys: list[bytes],
-                 views: list[memoryview], parts: list[slice]) -> list[Any]:
-        futures = [self._helpers.submit(fn, keys[p], views[p]) for p in parts[1:]]
         try:
-            first = _outcome(fn, keys[parts[0]], views[parts[0]])
-        finally:
-            wait_futures(futures)  # never return while a helper still touches the buffers
-        outcomes = [first, *(_outcome(f.result) for f in futures)]
-        full = None
-        results: list[Any] = []
-        for part, outcome in zip(parts, outcomes, strict=True):
-            if isinstance(outcome, OSError) and outcome.errno == errno.ENOSPC:
-                full = outcome  # a store part with no room: 0 for its keys, as in one part
-                results.extend([0] * (part.stop - part.start))
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            else:
-                results.extend(outcome)
-        if full is not None and not any(results):
-            raise full
+            for part in _chunks(views, CHUNK_BYTES if store else PARALLEL * CHUNK_BYTES):
+                results.extend(await part_fn(keys[part], views[part]))
+        except OSError as exc:
+            raise os_error(exc, self.name) from exc
+        if store and keys and not any(results):  # a full pool: the batch fails when none fit
+            raise os_error(OSError(errno.ENOSPC, f"pool {self.pool.path} is full",
+                                   self.pool.path), self.name)
         return results
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        self._helpers.shutdown(wait=False)
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "pmem", namespace: str,
@@ -606,7 +698,6 @@ class PmemDriver(ThreadedDriver):
         return {**super().statistics(), "is_pmem": int(pool.is_pmem),
                 "capacity_bytes": pool.capacity(), "blocks": len(pool.index),
                 "recovered_dropped": pool.recovered_dropped}
-
 
 
 class RawPmem:
