@@ -1,0 +1,29 @@
+"""`ucm bench vllm`'s arithmetic, without engines: the raw read baseline and the table."""
+
+from __future__ import annotations
+
+from ucm.bench_vllm import _print_table, _raw_read_bandwidth
+
+
+def test_raw_read_reads_as_many_files_as_the_kv_needs(tmp_path):
+    paths = []
+    for i in range(6):
+        path = tmp_path / f"{i}.blk"
+        path.write_bytes(bytes([i]) * 8192)
+        paths.append(str(path))
+    bandwidth, total = _raw_read_bandwidth(paths, 4 * 8192)
+    assert total == 4 * 8192 and bandwidth > 0
+
+
+def test_table_reports_overheads_ratios_and_load_bandwidth(capsys):
+    ttft = {"recompute": {4096: 4000.0}, "floor": {4096: 200.0}, "example": {4096: 220.0},
+            "ucm-posix": {4096: 208.0}, "ucm-shm": {4096: 212.0}}
+    miss = {"recompute": {4096: 4000.0}, "ucm": {4096: 4080.0}}
+    _print_table([4096], ttft, miss, {4096: 64 * 2**20}, {"ucm-posix": {4096: 8.0}},
+                 8 * 2**30, 64 * 2**20)
+    out = capsys.readouterr().out
+    assert "ucm-posix overhead / example overhead = 0.40" in out
+    assert "ucm-shm overhead / example overhead = 0.60" in out
+    assert "ucm-posix effective load bandwidth 7.81 GiB/s (64 MiB)" in out
+    assert "ucm-posix load wait 8.0 ms (7.81 GiB/s)" in out
+    assert "overhead +2.0% (target <= 5%)" in out
