@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Starts a Mooncake Store: the HTTP metadata server and mooncake_master, on 127.0.0.1.
+# Starts a Mooncake Store: the HTTP metadata server and mooncake_master (127.0.0.1 or MC_HOST).
 #   MC_RPC_PORT (50051)  MC_META_PORT (8080)  MC_METRICS_PORT (9003)
+#   MC_HOST (127.0.0.1) the address everything binds and advertises; another one only with
+#              MC_NETNS, where it is an address of that namespace (netns.sh lan gives one that
+#              clients in other namespaces reach)
 #   MC_CLIENT_TTL (10 s: a crashed client's segment is dropped after this)
 #   MC_LEASE_TTL_MS (10000: a read lease blocks removal this long)
 #   MC_NETNS   run everything inside this network namespace (netns.sh up NAME); Mooncake
@@ -20,6 +23,10 @@ venv=${UCM_VENV:-$repo/.venv}
 rpc=${MC_RPC_PORT:-50051}; meta=${MC_META_PORT:-8080}; metrics=${MC_METRICS_PORT:-9003}
 dir=${UCM_RUN_DIR:-/tmp/ucm-backends/run}/mooncake-$rpc
 ns=${MC_NETNS:-}
+host=${MC_HOST:-127.0.0.1}
+[ -n "$ns" ] || [ "$host" = 127.0.0.1 ] || {
+  echo "MC_HOST=$host needs MC_NETNS: outside a namespace of our own, bind 127.0.0.1 only" >&2
+  exit 2; }
 [ -x "$venv/bin/mooncake_master" ] || {
   echo "mooncake_master not found in $venv: pip install 'ucm[mooncake]'" >&2; exit 1; }
 mkdir -p "$dir"
@@ -35,11 +42,11 @@ exec_in=()
 [ -n "$ns" ] && exec_in=(ip netns exec "$ns")
 t0=$(date +%s.%N)
 nohup "${exec_in[@]}" "$venv/bin/python" "$venv/bin/mooncake_http_metadata_server" \
-  --host 127.0.0.1 --port "$meta" --log-level WARNING > "$dir/meta.log" 2>&1 &
+  --host "$host" --port "$meta" --log-level WARNING > "$dir/meta.log" 2>&1 &
 echo $! > "$dir/meta.pid"
 # The wrapper script execs the real binary, so $! is the master itself.
-nohup "${exec_in[@]}" "$venv/bin/mooncake_master" --rpc_address=127.0.0.1 --rpc_port="$rpc" \
-  --metrics_host=127.0.0.1 --metrics_port="$metrics" --rpc_thread_num=2 \
+nohup "${exec_in[@]}" "$venv/bin/mooncake_master" --rpc_address="$host" --rpc_port="$rpc" \
+  --metrics_host="$host" --metrics_port="$metrics" --rpc_thread_num=2 \
   --client_ttl="${MC_CLIENT_TTL:-10}" --default_kv_lease_ttl="${MC_LEASE_TTL_MS:-10000}" \
   > "$dir/master.log" 2>&1 &
 echo $! > "$dir/master.pid"
@@ -59,36 +66,37 @@ for _ in $(seq 1 200); do
   kill -0 "$(cat "$dir/meta.pid")" 2>/dev/null || fail "the metadata server exited"
   # The metadata server answers 404 for an unknown key: any HTTP answer means it serves.
   code=$("${exec_in[@]}" curl -s -o /dev/null -w '%{http_code}' --max-time 1 \
-         "http://127.0.0.1:$meta/metadata?key=ucm-ready-probe" || true)
-  if [ "$code" != 000 ] && http_ok "http://127.0.0.1:$metrics/health"; then
+         "http://$host:$meta/metadata?key=ucm-ready-probe" || true)
+  if [ "$code" != 000 ] && http_ok "http://$host:$metrics/health"; then
     break
   fi
   sleep 0.05
 done
 [ "$code" != 000 ] || fail "not ready after 10 s"
 if [ "$segment" != 0 ]; then
-  nohup ip netns exec "$ns" env MC_TCP_BIND_ADDRESS=127.0.0.1 MC_LOG_LEVEL=ERROR \
-    "$venv/bin/python" "$venv/bin/mooncake_client" --host=127.0.0.1 \
-    --global_segment_size="$segment" --master_server_address="127.0.0.1:$rpc" \
-    --metadata_server="http://127.0.0.1:$meta/metadata" --port="${MC_HOLDER_PORT:-$((rpc + 1))}" \
+  nohup ip netns exec "$ns" env MC_TCP_BIND_ADDRESS="$host" MC_LOG_LEVEL=ERROR \
+    "$venv/bin/python" "$venv/bin/mooncake_client" --host="$host" \
+    --global_segment_size="$segment" --master_server_address="$host:$rpc" \
+    --metadata_server="http://$host:$meta/metadata" --port="${MC_HOLDER_PORT:-$((rpc + 1))}" \
     > "$dir/holder.log" 2>&1 &
   echo $! > "$dir/holder.pid"
   probe='
 import os, sys, time
 from mooncake.store import MooncakeDistributedStore
-master, meta, deadline = sys.argv[1], sys.argv[2], time.monotonic() + 15
+master, meta, host = sys.argv[1:4]
+deadline = time.monotonic() + 15
 s = MooncakeDistributedStore()
-assert s.setup("127.0.0.1", meta, 0, 16 << 20, "tcp", "", master) == 0, "setup failed"
+assert s.setup(host, meta, 0, 16 << 20, "tcp", "", master) == 0, "setup failed"
 while time.monotonic() < deadline:
     if s.put("ucm-ready-probe", b"ok") == 0 and s.get("ucm-ready-probe") == b"ok":
         s.remove("ucm-ready-probe", True); s.close(); sys.exit(0)
     time.sleep(0.1)
 sys.exit("the segment holder lent no memory within 15 s")'
-  ip netns exec "$ns" env MC_TCP_BIND_ADDRESS=127.0.0.1 MC_LOG_LEVEL=ERROR \
-    "$venv/bin/python" -c "$probe" "127.0.0.1:$rpc" "http://127.0.0.1:$meta/metadata" \
+  ip netns exec "$ns" env MC_TCP_BIND_ADDRESS="$host" MC_LOG_LEVEL=ERROR \
+    "$venv/bin/python" -c "$probe" "$host:$rpc" "http://$host:$meta/metadata" "$host" \
     > "$dir/probe.log" 2>&1 || { cat "$dir/probe.log" >&2; echo "--- holder.log" >&2
                                  tail -20 "$dir/holder.log" >&2; fail "probe put/get failed"; }
 fi
 echo "mooncake master pid $(cat "$dir/master.pid"), metadata pid $(cat "$dir/meta.pid")" \
      "${segment:+holder (${segment}) }ready in $(echo "$(date +%s.%N) - $t0" | bc)s${ns:+ (netns $ns)}"
-echo "MC_MASTER=127.0.0.1:$rpc MC_METADATA=http://127.0.0.1:$meta/metadata"
+echo "MC_MASTER=$host:$rpc MC_METADATA=http://$host:$meta/metadata"

@@ -5,7 +5,8 @@ storage-side hooks the contract suite uses on them.
   export is a local directory, so hooks corrupt blocks by editing the exported files.
 - `Mooncake`: metadata server + mooncake_master + a segment holder, all inside a lo-only
   network namespace (Mooncake clients listen on every interface). Clients must run in that
-  namespace too: tests start them with `ip netns exec` (`Mooncake.python_cmd`).
+  namespace too: tests start them with `ip netns exec` (`Mooncake.python_cmd`). With `host`,
+  the store binds an address on a private LAN instead, which clients in other namespaces reach.
 
 A server that cannot start raises ServerError with the script's output and log tail: the test
 that needed it fails (CI installs every backend), it is never skipped.
@@ -140,25 +141,29 @@ def truncate_nfs_file(driver: Any, key: bytes) -> None:
 
 
 class Mooncake:
-    """A Mooncake Store inside network namespace `netns` (created here, lo only)."""
+    """A Mooncake Store inside network namespace `netns` (created here if missing, lo only),
+    bound to `host`: 127.0.0.1, or an address of `netns` that other namespaces reach (one
+    that `netns.sh lan` gave it)."""
 
     def __init__(self, *, netns: str = MC_NETNS, rpc: int = MC_RPC_PORT,
                  meta: int = MC_META_PORT, metrics: int = MC_METRICS_PORT,
-                 segment: str = "512 MB", lease_ms: int = 500, client_ttl: int = 5) -> None:
+                 segment: str = "512 MB", lease_ms: int = 500, client_ttl: int = 5,
+                 host: str = "127.0.0.1") -> None:
         self.netns = netns
+        self.host = host
         self.rpc = rpc
         self.meta = meta
         self.run_dir = RUN_ROOT / f"mooncake-{rpc}"
         self.env = dict(os.environ, MC_RPC_PORT=str(rpc), MC_META_PORT=str(meta),
-                        MC_METRICS_PORT=str(metrics), MC_NETNS=netns,
+                        MC_METRICS_PORT=str(metrics), MC_NETNS=netns, MC_HOST=host,
                         MC_SEGMENT_SIZE=segment, MC_LEASE_TTL_MS=str(lease_ms),
                         MC_CLIENT_TTL=str(client_ttl), UCM_RUN_DIR=str(self.run_dir))
         self.running = False
 
     @property
     def options(self) -> dict[str, Any]:
-        return {"master": f"127.0.0.1:{self.rpc}",
-                "metadata": f"http://127.0.0.1:{self.meta}/metadata"}
+        return {"master": f"{self.host}:{self.rpc}",
+                "metadata": f"http://{self.host}:{self.meta}/metadata"}
 
     def pid(self, which: str = "master") -> int:
         return int((self.run_dir / f"mooncake-{self.rpc}" / f"{which}.pid").read_text())
