@@ -107,6 +107,36 @@ async def test_pool_without_memory_fails_at_open_and_full_pool_refuses(own_store
         await drv.aclose()
 
 
+class _PeerLeft:
+    """A store client whose transfers all fail, as when the client holding the replicas
+    leaves in the middle of a read."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def batch_get_into(self, names, addrs, sizes):
+        return [-800] * len(names)  # TRANSFER_FAIL
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+
+@inside
+async def test_failed_transfers_are_read_again_or_missing_without_a_reconnect():
+    drv = await MooncakeDriver.open(_shared_options(), namespace="peer-left")
+    try:
+        block = os.urandom(MiB)
+        assert await drv.store([b"here"], [memoryview(block)]) == [4096 + MiB]
+        drv.backend._client = _PeerLeft(drv.backend.client)
+        outs = [memoryview(bytearray(MiB)) for _ in range(2)]
+        states = await drv.load([b"here", b"gone"], outs)
+        assert [s.name for s in states] == ["OK", "MISSING"] and outs[0] == block
+        stats = drv.statistics()  # the master answered all along: the client stays
+        assert stats["transfer_failed"] == 2 and stats["reconnects"] == 0, stats
+    finally:
+        await drv.aclose()
+
+
 def _kernel(store_options: dict) -> Kernel:
     tier = {"driver": "mooncake", "name": "mc", **store_options, "staging_bytes": "16MiB"}
     kernel = Kernel({"tiers": [{"driver": "memory", "name": "mem"}, tier],

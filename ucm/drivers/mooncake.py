@@ -20,6 +20,9 @@ Mooncake is a cache tier, and the driver keeps its rules:
 - objects can be evicted at any time: a load then reports MISSING (`persistent = False`);
 - `put` on an existing key keeps the old value, so stores use upsert (overwrite);
 - a missing key reads as nothing: MISSING;
+- data moves peer to peer, so a read can fail in the transfer when the client holding the
+  replica leaves meanwhile: it is read once more, and a block gone by then is MISSING. A
+  load takes only RPC failures for an unreachable master (and drops the client to reconnect);
 - a full pool refuses a put: that block is not stored (size 0), counted in `refused_full`;
 - a read takes a lease that blocks `remove` for the master's `default_kv_lease_ttl`: delete
   leaves such objects to expire and be evicted (`delete_deferred`) unless `force_delete`.
@@ -67,6 +70,7 @@ BUFFER_OVERFLOW = -600  # the target buffer is smaller than the object
 OBJECT_NOT_FOUND = -704
 OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800  # this and lower: transfer and RPC failures (the transport, not a key)
+RPC_FAIL = -900  # this and lower: the master failed the call
 _ERROR_NAMES = {
     -200: "NO_AVAILABLE_HANDLE (pool full)", -600: "BUFFER_OVERFLOW",
     -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE", -800: "TRANSFER_FAIL",
@@ -201,7 +205,7 @@ class MooncakeBlocks(Backend):
         if rc == NO_AVAILABLE_HANDLE:
             self.counters["refused_full"] += 1
             return 0
-        if rc <= -900:  # RPC failures: the master is gone
+        if rc <= RPC_FAIL:  # the master is gone
             raise self._unreachable(rc)
         return 0
 
@@ -225,8 +229,8 @@ class MooncakeBlocks(Backend):
                     [self.name_of(keys[i]) for i, _, _ in staged],
                     [self.pool.addr + off for _, off, _ in staged],
                     [cap for _, _, cap in staged])
-                if all(n <= TRANSFER_FAIL for n in results):
-                    raise self._unreachable(results[0])  # transport failed, not the keys
+                if all(n <= RPC_FAIL for n in results):
+                    raise self._unreachable(results[0])  # the master failed, not the keys
                 for (i, offset, _), n in zip(staged, results, strict=True):
                     states[i] = self._finish(keys[i], views[i], offset, n)
         finally:
@@ -239,6 +243,8 @@ class MooncakeBlocks(Backend):
             return LoadState.MISSING
         if n == BUFFER_OVERFLOW:  # stored block is larger than the caller's buffer
             return self._load_bytes(key, out)
+        if RPC_FAIL < n <= TRANSFER_FAIL:
+            return self._after_transfer_failed(key, out)
         if n < 0:
             self.counters[f"load_error_{-n}"] = self.counters.get(f"load_error_{-n}", 0) + 1
             return LoadState.FAILED
@@ -250,6 +256,22 @@ class MooncakeBlocks(Backend):
                 self.counters.get("reread_after_corrupt", 0) + 1)
             state = self._load_bytes(key, out)
         return state
+
+    def _after_transfer_failed(self, key: bytes, out: memoryview) -> LoadState:
+        # The peer whose memory holds the replica failed the transfer: mostly it left under
+        # the read (closed, its segment unmounted), and the object went with it: a miss, and
+        # the master is fine (no reconnect). An object still listed is read once more.
+        self.counters["transfer_failed"] = self.counters.get("transfer_failed", 0) + 1
+        name = self.name_of(key)
+        found = self.client.is_exist(name)
+        if found == 1:
+            data = self.client.get(name)
+            if data:
+                return self._verify(key, memoryview(data), out)
+            found = self.client.is_exist(name)
+        if found <= RPC_FAIL:
+            raise self._unreachable(found)
+        return LoadState.MISSING if found == 0 else LoadState.FAILED
 
     def _load_bytes(self, key: bytes, out: memoryview) -> LoadState:
         data = self.client.get(self.name_of(key))
