@@ -4,7 +4,8 @@ with its own Kernel on one tier, started in a network namespace by the test.
     python _host.py '<json>'
 
 JSON: tier (the tier config), size, mode and:
-- store: seed, count -> stores keys h-0.. with the seed's pattern, prints their hexes
+- store: seed, count -> stores keys h-0.. with the seed's pattern, prints their hexes;
+  with hold, then stays up (and its tier's client with it) until stdin closes
 - load: keys, seed -> every key must load OK with the seed's pattern; prints "ok"
 - hammer: key, seed, count -> prints "ready", stores the key `count` times
 - watch: keys, seeds, seconds -> loads the keys in a loop; prints a JSON count of states and
@@ -38,6 +39,8 @@ def main(job: dict) -> None:
             data = pattern(job["seed"], size)
             assert kernel.submit(Store(keys, buffers=[data] * len(keys))).result(60).ok
             print(" ".join(k.hex() for k in keys), flush=True)
+            if job.get("hold"):
+                sys.stdin.read()
         elif mode == "load":
             keys = [bytes.fromhex(k) for k in job["keys"]]
             outs = [bytearray(size) for _ in keys]
