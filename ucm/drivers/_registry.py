@@ -21,6 +21,7 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
     "nfs": ("ucm.drivers.nfs:NfsDriver", "nfs"),
     "s3": ("ucm.drivers.s3:S3Driver", "s3"),
     "pmem": ("ucm.drivers.pmem:PmemDriver", "pmem"),
+    "redis": ("ucm.drivers.redis:RedisDriver", "redis"),
 }
 
 _lock = threading.Lock()

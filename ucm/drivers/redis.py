@@ -1,0 +1,425 @@
+"""The `redis` driver: blocks as string values on a Redis server (or Valkey, KeyDB...).
+
+    - driver: redis
+      url: redis://127.0.0.1:6379/0   # or host/port/db; rediss:// for TLS, unix:///path
+      password: null                  # default: the URL's password, else REDIS_PASSWORD
+      prefix: ucm                     # keys are <prefix>:<namespace>:<hex key>
+      connect_timeout: 5              # seconds to connect
+      timeout: 10                     # seconds one command may wait for the server
+      pool_size: 8                    # connections, and worker threads for this tier
+
+With neither `url` nor `host`, the address is REDIS_URL, else redis://127.0.0.1:6379. The
+password (and user) come from the options, else the URL, else REDIS_PASSWORD (and
+REDIS_USERNAME); they are never logged or put in messages.
+
+Each block is one value in the `ucm.block` format (header + payload) written by one SET, so a
+reader sees the old or the new whole block, never a part; a writer that dies mid-command leaves
+nothing (Redis runs a command only once it arrived whole). Every load verifies the header and
+the payload checksum: a damaged value is CORRUPT, never data. A batch is one round trip: a
+pipeline of SETs, one MGET, a pipeline of EXISTS, one UNLINK. Keys sit under a per-namespace
+prefix, so SCAN lists a namespace (`list_blocks`) and `delete_namespace` removes it.
+
+The client is redis-py's synchronous one (its asyncio client does not run under trio) on one
+blocking connection pool, run in worker threads through `_remote.RemoteDriver`: a deadline
+abandons a call stuck on a paused server at once, and a late reply never reaches the caller's
+buffer (values are verified in the reply's bytes, then copied through `deliver`). A dropped
+connection is retried `retries` times (every command here is idempotent) and a stale pooled
+connection is replaced on checkout, so the driver recovers from a server restart by itself.
+`open` sends a PING: a wrong address, password or db fails there, naming the problem.
+
+`persistent` (default true) says blocks outlive this process: they live in the server. Whether
+they outlive a server restart is the server's own setting (RDB/AOF); a server with
+`maxmemory` refuses stores when full (counted in `refused_full`) or evicts by its policy, and
+an evicted block is a miss. Redis Cluster is not supported (MGET spans hash slots).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import trio
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    Codec,
+    as_byte_view,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+    verify_payload,
+)
+from ucm.drivers._files import Backend, parse_codec, safe_dir_name, size_mismatch
+from ucm.drivers._protocol import DriverOptions, LoadState
+from ucm.drivers._remote import RemoteDriver, deliver, gate
+from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
+
+_SCAN_COUNT = 1000
+_GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+
+
+class RedisOptions(DriverOptions):
+    url: str | None = None
+    host: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    db: int | None = Field(default=None, ge=0)
+    username: str | None = None
+    password: SecretStr | None = None
+    prefix: str = "ucm"
+    connect_timeout: float = Field(default=5.0, gt=0)
+    timeout: float = Field(default=10.0, gt=0)
+    pool_size: int = Field(default=8, ge=1, le=256)
+    retries: int = Field(default=1, ge=0, le=10)
+    persistent: bool = True
+
+    @field_validator("url")
+    @classmethod
+    def _url_scheme(cls, url: str | None) -> str | None:
+        if url is not None and urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("url must start with redis://, rediss:// or unix://")
+        return url
+
+    @field_validator("prefix")
+    @classmethod
+    def _plain_prefix(cls, prefix: str) -> str:
+        if any(c.isspace() for c in prefix):
+            raise ValueError("prefix must not contain white space")
+        return prefix
+
+    @model_validator(mode="after")
+    def _one_address(self) -> RedisOptions:
+        if self.url is not None and (self.host is not None or self.port is not None):
+            raise ValueError("give url or host/port, not both")
+        return self
+
+
+def _address(options: RedisOptions) -> tuple[dict[str, Any], str, str]:
+    """Connection keywords, the address without credentials (for messages), and where the
+    password came from (never the password)."""
+    from redis.connection import parse_url
+
+    url = options.url
+    if url is None and options.host is None and options.port is None:
+        url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379"
+    if url is not None:
+        try:
+            kwargs = parse_url(url)
+        except ValueError as exc:
+            raise ConfigError(f"url: {exc}") from None
+    else:
+        kwargs = {"host": options.host or "127.0.0.1", "port": options.port or 6379}
+    if options.db is not None:
+        kwargs["db"] = options.db
+    source = "no password"
+    if options.password is not None:
+        kwargs["password"], source = options.password.get_secret_value(), "the driver options"
+    elif kwargs.get("password"):
+        source = "the URL"
+    elif os.environ.get("REDIS_PASSWORD"):
+        kwargs["password"], source = os.environ["REDIS_PASSWORD"], "REDIS_PASSWORD"
+    if options.username is not None:
+        kwargs["username"] = options.username
+    elif not kwargs.get("username") and os.environ.get("REDIS_USERNAME"):
+        kwargs["username"] = os.environ["REDIS_USERNAME"]
+    if "path" in kwargs:
+        where = f"unix://{kwargs['path']}"
+    else:
+        scheme = "rediss" if url is not None and url.startswith("rediss:") else "redis"
+        where = (f"{scheme}://{kwargs.get('host', '127.0.0.1')}:{kwargs.get('port', 6379)}"
+                 f"/{kwargs.get('db', 0)}")
+    return kwargs, where, source
+
+
+def _client(options: RedisOptions, kwargs: dict[str, Any]) -> Any:
+    """A redis.Redis on a blocking pool of `pool_size` connections."""
+    try:
+        import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+    except ImportError as exc:
+        raise ConfigError(f"redis driver needs the redis client ({exc}); install it with: "
+                          "pip install 'ucm[redis]'") from None
+    pool = redis.BlockingConnectionPool(
+        max_connections=options.pool_size, timeout=options.connect_timeout,
+        socket_connect_timeout=options.connect_timeout, socket_timeout=options.timeout,
+        socket_keepalive=True,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), options.retries),
+        **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
+class RedisBlocks(Backend):
+    """The synchronous side: batches of blocks to and from one redis.Redis."""
+
+    def __init__(self, client: Any, *, prefix: bytes, namespace: str, codec: Codec,
+                 where: str) -> None:
+        import redis
+
+        self.client = client
+        self.prefix = prefix
+        self.namespace = namespace
+        self.codec = codec
+        self.where = where
+        self._errors = redis.exceptions
+        self.counters = {"refused_full": 0}
+
+    def name_of(self, key: bytes) -> bytes:
+        return self.prefix + key.hex().encode()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Runs one round trip; a failure of the whole call becomes a ConnectionError (an
+        OSError: RemoteDriver makes it StorageUnavailable) naming the server."""
+        errors = self._errors
+        try:
+            return fn()
+        except errors.AuthenticationError:
+            raise ConnectionError(f"redis at {self.where} refused the credentials") from None
+        except errors.RedisError as exc:
+            raise ConnectionError(f"redis at {self.where}: {exc}") from None
+
+    def _pipeline(self, fill: Callable[[Any], None]) -> list[Any]:
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            fill(pipe)
+            return pipe.execute(raise_on_error=False)
+
+        return self._call(run)
+
+    # lookup / delete
+
+    def lookup(self, keys: list[bytes]) -> list[bool]:
+        if len(keys) == 1:
+            return [self._call(lambda: self.client.exists(self.name_of(keys[0]))) == 1]
+        replies = self._pipeline(lambda p: [p.exists(self.name_of(k)) for k in keys])
+        self._raise_if_all_failed(replies)
+        return [r == 1 for r in replies]
+
+    def delete(self, keys: list[bytes]) -> None:
+        for start in range(0, len(keys), _SCAN_COUNT):
+            names = [self.name_of(k) for k in keys[start:start + _SCAN_COUNT]]
+            self._call(lambda names=names: self.client.unlink(*names))
+
+    def _raise_if_all_failed(self, replies: list[Any]) -> None:
+        if replies and all(isinstance(r, Exception) for r in replies):
+            raise ConnectionError(f"redis at {self.where}: {replies[0]}")
+
+    # store
+
+    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+        values = []
+        for key, view in zip(keys, views, strict=True):
+            payload = as_byte_view(encode_payload(self.codec, view))
+            header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+            values.append(header + payload)  # one value, one SET: atomic for readers
+        replies = self._pipeline(
+            lambda p: [p.set(self.name_of(k), v) for k, v in zip(keys, values, strict=True)])
+        sizes = []
+        for reply, value in zip(replies, values, strict=True):
+            if reply is True:
+                sizes.append(len(value))
+                continue
+            if isinstance(reply, self._errors.OutOfMemoryError):
+                self.counters["refused_full"] += 1
+            sizes.append(0)
+        if not any(sizes) and not all(isinstance(r, self._errors.OutOfMemoryError)
+                                      for r in replies):
+            self._raise_if_all_failed(replies)
+        return sizes
+
+    # load
+
+    def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+        names = [self.name_of(k) for k in keys]
+        values = self._call(lambda: self.client.mget(names))
+        return [self._verify(key, value, out)
+                for key, value, out in zip(keys, values, views, strict=True)]
+
+    def _verify(self, key: bytes, value: bytes | None, out: memoryview) -> LoadState:
+        if value is None:
+            return LoadState.MISSING
+        stored = memoryview(value)
+        try:
+            header = decode_header(stored[:PAYLOAD_OFFSET], expect_key=key)
+            if header.raw_len != out.nbytes:
+                raise size_mismatch(out, header)
+            payload = stored[PAYLOAD_OFFSET:]
+            if header.codec is Codec.NONE:
+                verify_payload(header, payload)
+                deliver(out, payload)
+            else:
+                gate(lambda: decode_payload_into(header, payload, out))
+        except BlockCorrupt:
+            return LoadState.CORRUPT
+        return LoadState.OK
+
+    # listing
+
+    def scan_page(self, cursor: int, *, delete: bool = False) -> tuple[int, list[Any]]:
+        """One SCAN page of this namespace: (next cursor, [(key, bytes stored)]); with
+        `delete`, the page's keys are unlinked instead and the names returned."""
+        pattern = self.prefix.decode().translate(_GLOB).encode() + b"*"
+        cursor, names = self._call(
+            lambda: self.client.scan(cursor, match=pattern, count=_SCAN_COUNT))
+        if not names:
+            return cursor, []
+        if delete:
+            self._call(lambda: self.client.unlink(*names))
+            return cursor, names
+        sizes = self._pipeline(lambda p: [p.strlen(n) for n in names])
+        self._raise_if_all_failed(sizes)
+        items = []
+        for name, size in zip(names, sizes, strict=True):
+            try:
+                key = bytes.fromhex(name[len(self.prefix):].decode())
+            except ValueError:
+                continue  # not one of ours
+            if isinstance(size, int) and size > 0:  # 0: deleted since the SCAN
+                items.append((key, size))
+        return cursor, items
+
+    def close(self) -> None:
+        self.client.connection_pool.disconnect()
+
+
+class RedisDriver(RemoteDriver):
+    """A Redis tier: one value per block under <prefix>:<namespace>:."""
+
+    Options = RedisOptions
+    persistent = True
+
+    def __init__(self, backend: RedisBlocks, *, name: str, threads: int,
+                 persistent: bool = True) -> None:
+        super().__init__(backend, name=name, threads=threads)
+        self.backend = backend
+        self.persistent = persistent
+
+    @classmethod
+    async def open(cls, options: RedisOptions | dict, *, name: str = "redis", namespace: str,
+                   codec: str = "none") -> Self:
+        if not isinstance(options, RedisOptions):
+            options = RedisOptions.model_validate(options)
+        codec_value = parse_codec(codec)
+        kwargs, where, source = _address(options)
+        prefix = (f"{options.prefix}:" if options.prefix else "") + safe_dir_name(namespace)
+        client = _client(options, kwargs)
+        backend = RedisBlocks(client, prefix=(prefix + ":").encode(), namespace=namespace,
+                              codec=codec_value, where=where)
+        try:
+            await trio.to_thread.run_sync(_check_server, backend, name, source,
+                                          abandon_on_cancel=True)
+        except BaseException:
+            backend.close()
+            raise
+        return cls(backend, name=name, threads=options.pool_size,
+                   persistent=options.persistent)
+
+    @property
+    def client(self) -> Any:
+        """The redis.Redis (tests and tools)."""
+        return self.backend.client
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key holding `key`'s block (tests and tools)."""
+        return self.backend.name_of(key)
+
+    async def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
+        seen: set[bytes] = set()  # SCAN may return a key twice
+        cursor = 0
+        while True:
+            cursor, items = await self._run(self.backend.scan_page, cursor)
+            for key, size in items:
+                if key not in seen:
+                    seen.add(key)
+                    yield key, size
+            if cursor == 0:
+                return
+
+    async def delete_namespace(self) -> int:
+        """Removes every block of this namespace; returns how many keys went."""
+        removed, cursor = 0, 0
+        while True:
+            cursor, names = await self._run(
+                lambda c: self.backend.scan_page(c, delete=True), cursor)
+            removed += len(names)
+            if cursor == 0:
+                return removed
+
+    def statistics(self) -> dict[str, int | float]:
+        return {**super().statistics(), **self.backend.counters}
+
+
+def _check_server(backend: RedisBlocks, name: str, source: str) -> None:
+    """PING (which also authenticates and selects the db), so bad settings fail at open."""
+    errors = backend._errors
+    where = backend.where
+    try:
+        backend.client.ping()
+    except (errors.AuthenticationError, errors.ResponseError) as exc:
+        text = str(exc)
+        auth = isinstance(exc, errors.AuthenticationError) or "AUTH" in text
+        if auth and source == "no password":
+            raise ConfigError(f"password: redis at {where} requires one; set password, put "
+                              "it in the URL, or set REDIS_PASSWORD") from None
+        if auth:
+            raise ConfigError(f"password: redis at {where} refused the credentials from "
+                              f"{source}; check password, the URL or REDIS_PASSWORD") from None
+        if "DB index" in text:
+            raise ConfigError(f"db: redis at {where} has no such database ({text})") from None
+        raise StorageUnavailable(f"redis at {where} refused PING: {text}", driver=name
+                                 ) from None
+    except errors.RedisError as exc:
+        raise StorageUnavailable(f"cannot reach redis at {where}: {exc}", driver=name
+                                 ) from None
+
+
+# -- `ucm bench` baseline ----------------------------------------------------------------------
+
+
+class RawRedis:
+    """redis-py called directly doing the driver's transfers: per batch a pipeline of SETs of a
+    4 KiB header plus the payload, and one MGET copied into the caller's buffers. No
+    checksums."""
+
+    label = "raw redis-py pipeline SET/MGET"
+
+    def __init__(self, options: dict[str, Any], namespace: str) -> None:
+        opts = RedisOptions.model_validate(options)
+        kwargs, _, _ = _address(opts)
+        self.client = _client(opts, kwargs)
+        prefix = (f"{opts.prefix}:" if opts.prefix else "") + "raw-" + safe_dir_name(namespace)
+        self.prefix = (prefix + ":").encode()
+        self.header = bytes(PAYLOAD_OFFSET)
+
+    def store(self, keys: list[bytes], bufs: list[memoryview]) -> None:
+        batch = max(1, min(64, (16 * 2**20) // max(1, bufs[0].nbytes)))
+        for i in range(0, len(keys), batch):
+            pipe = self.client.pipeline(transaction=False)
+            for key, buf in zip(keys[i:i + batch], bufs[i:i + batch], strict=True):
+                pipe.set(self.prefix + key.hex().encode(), self.header + buf)
+            if not all(r is True for r in pipe.execute()):
+                raise RuntimeError("raw redis store failed")
+
+    def load(self, keys: list[bytes], size: int, batch: int) -> None:
+        out = [memoryview(bytearray(size)) for _ in range(batch)]
+        for i in range(0, len(keys), batch):
+            values = self.client.mget([self.prefix + k.hex().encode()
+                                       for k in keys[i:i + batch]])
+            for j, value in enumerate(values):
+                out[j][:] = memoryview(value)[PAYLOAD_OFFSET:]
+
+    def delete(self, keys: list[bytes]) -> None:
+        for i in range(0, len(keys), _SCAN_COUNT):
+            self.client.unlink(*[self.prefix + k.hex().encode()
+                                 for k in keys[i:i + _SCAN_COUNT]])
+
+    def close(self) -> None:
+        self.client.connection_pool.disconnect()
+
+
+def raw_baseline(options: dict[str, Any], namespace: str) -> RawRedis:
+    """For `ucm bench`: the raw client next to which the driver is measured."""
+    return RawRedis(options, namespace)
