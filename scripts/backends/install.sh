@@ -26,6 +26,9 @@ want mooncake && packages+=(libibverbs1 curl bc iproute2)
 # --- nfs (nfs-ganesha with the VFS backend; NFSv4.1 only, so rpcbind is never started)
 want nfs && packages+=(nfs-ganesha nfs-ganesha-vfs bc)
 
+# --- redis (redis-server; redis-cli, from redis-tools, for the start script's ready check)
+want redis && packages+=(redis-server redis-tools bc)
+
 # --- network namespaces for the two-host tests
 want netns && packages+=(iproute2)
 
