@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from ._redis import RedisServer, shared_redis
 from ._support import SeaweedFS, scratch_prefix, shared_seaweedfs
 
 
@@ -23,3 +24,16 @@ def seaweedfs():
 def s3_options(seaweedfs: SeaweedFS, tmp_path):
     """Options for an s3 driver on the session's server, under a prefix of this test."""
     return seaweedfs.options(scratch_prefix(tmp_path))
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = shared_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_options(redis_server: RedisServer, tmp_path):
+    """Options for a redis driver on the session's server, under a prefix of this test."""
+    return redis_server.options(scratch_prefix(tmp_path))

@@ -148,6 +148,19 @@ SPECS += [
 ]
 
 
+# redis on the session's redis-server (tests/backends/_redis.py starts it), one prefix per test.
+from backends import _redis  # noqa: E402
+
+SPECS += [
+    DriverSpec("redis", "redis", lambda s: _redis.shared_redis().options(
+        backends.scratch_prefix(s.disk)), _redis.flip_redis_byte, cross_process=True,
+        persistent=True, truncate=_redis.truncate_redis_value),
+    DriverSpec("redis-zstd", "redis", lambda s: _redis.shared_redis().options(
+        backends.scratch_prefix(s.disk)), _redis.flip_redis_byte, codec="zstd",
+        cross_process=True, persistent=True, truncate=_redis.truncate_redis_value),
+]
+
+
 async def open_driver(spec: DriverSpec, scratch: Scratch, *, namespace: str = "contract",
                       name: str | None = None) -> Driver:
     factory = get_driver_class(spec.driver)

@@ -1,0 +1,78 @@
+"""The "server paused, then killed, then restarted under a running kernel" scenario, shared by
+the tests of drivers whose backend is a server.
+
+The kernel has a memory tier over the driver's tier, durability "all". While the server is
+paused (SIGSTOP) a store fails within its deadline and the memory tier keeps serving; after
+SIGCONT the driver works again; once the server is killed a store fails within its deadline;
+after `restart` the same kernel and driver store and load again (no process restart).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ucm.kernel import Kernel, Load, Store
+
+MiB = 2**20
+
+
+def memory_over(tier: dict[str, Any]) -> Kernel:
+    """A started kernel: a memory tier over `tier`, every store to both."""
+    kernel = Kernel({"tiers": [{"driver": "memory", "name": "mem"}, tier],
+                     "namespace": "faults", "durability": "all", "promote": False})
+    kernel.start()
+    return kernel
+
+
+def until_ok(kernel: Kernel, key: bytes, block: bytes, *, within: float = 20) -> None:
+    """Stores `key` until a store succeeds; fails the test after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        future = kernel.submit(Store([key], buffers=[block], deadline=5.0))
+        error = future.exception(20)
+        if error is None and future.result().ok:
+            return
+        assert time.monotonic() < deadline, f"the driver did not recover: {error or future}"
+        time.sleep(0.2)
+
+
+def fails_within(kernel: Kernel, event: Any, limit: float) -> None:
+    """Submits `event`: it must fail (an error or a not-ok result) within `limit` seconds."""
+    start = time.monotonic()
+    future = kernel.submit(event)
+    assert future.exception(limit + 5) is not None or not future.result().ok, \
+        f"{type(event).__name__} succeeded against a stopped server"
+    elapsed = time.monotonic() - start
+    assert elapsed < limit, f"took {elapsed:.1f} s: the deadline did not cut the call"
+
+
+def paused_then_killed(kernel: Kernel, server: Any, *, restart: Callable[[], None],
+                       block_size: int = 2 * MiB) -> None:
+    """Runs the scenario (see the module docstring) on `server` (which has `signal(signum)`).
+    `restart` brings a killed server back."""
+    block = os.urandom(block_size)
+    assert kernel.submit(Store([b"both"], buffers=[block])).result(10).ok
+    hot = b"mem-only"
+    assert kernel.submit(Store([hot], buffers=[block], durability="memory")).result(10).ok
+
+    server.signal(signal.SIGSTOP)  # paused: requests hang until a deadline
+    try:
+        fails_within(kernel, Store([b"during-pause"], buffers=[block], deadline=1.0), 2.5)
+        out = bytearray(block_size)  # the memory tier keeps serving meanwhile
+        loaded = kernel.submit(Load([hot], buffers=[out], deadline=1.0)).result(5)
+        assert loaded.ok and bytes(out) == block
+    finally:
+        server.signal(signal.SIGCONT)
+    until_ok(kernel, b"after-pause", block)
+
+    server.signal(signal.SIGKILL)  # gone: fails fast, then recovers after a restart
+    fails_within(kernel, Store([b"while-dead"], buffers=[block], deadline=3.0), 4)
+    restart()
+    until_ok(kernel, b"after-restart", block)  # the same kernel and driver
+    out = bytearray(block_size)
+    assert kernel.submit(Load([b"after-restart"], buffers=[out])).result(20).ok
+    assert bytes(out) == block
