@@ -192,3 +192,22 @@ def test_paused_then_killed_server(own_redis, tmp_path):
         paused_then_killed(kernel, own_redis, restart=own_redis.start)
     finally:
         kernel.close()
+
+
+# --- `ucm bench` baseline --------------------------------------------------------------------
+
+
+def test_raw_baseline_moves_the_bytes_the_driver_moves(redis_options):
+    from ucm.drivers.redis import raw_baseline
+
+    raw = raw_baseline(redis_options, "bench")
+    try:
+        block = memoryview(os.urandom(MiB))
+        raw.store([b"a", b"b"], [block, block])
+        name = raw.prefix + b"a".hex().encode()
+        assert raw.client.strlen(name) == 4096 + MiB  # a block's bytes: header + payload
+        raw.load([b"a", b"b"], MiB, 2)
+        raw.delete([b"a", b"b"])
+        assert raw.client.exists(name) == 0
+    finally:
+        raw.close()
