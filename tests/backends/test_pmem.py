@@ -1,7 +1,7 @@
 """The pmem driver on real libpmem: recovery after SIGKILL (on /dev/shm and on ext4), torn
 index entries, a full pool, the pmem_persist path (PMEM_IS_PMEM_FORCE=1), one owner per pool,
-deletes that never break a load in progress, batches spread over threads (a failed block, a
-cancel between parts), and the raw bench baseline."""
+deletes that never break a load in progress, and batches spread over threads (a failed block,
+a cancel between parts)."""
 
 from __future__ import annotations
 
@@ -277,20 +277,3 @@ trio.run(main)
                               "PYTHONPATH": str(Path(__file__).parents[2])})
     assert out.stdout.split() == ["ok"], out.stderr
 
-
-def test_raw_baseline_rewrites_a_key_in_place(tmp_path):
-    from ucm.drivers.pmem import raw_baseline
-
-    raw = raw_baseline({"path": str(tmp_path), "size": "16MiB"}, "raw")
-    try:
-        block = memoryview(os.urandom(MiB))
-        raw.store([b"a", b"b"], [block, block])
-        a = raw.slots[b"a"]
-        raw.store([b"a"], [block])
-        assert raw.slots[b"a"] == a  # the same pages, not fresh ones
-        raw.delete([b"a"])
-        raw.store([b"c"], [block])
-        assert raw.slots[b"c"] == a  # a deleted key's slot is reused
-        raw.load([b"b", b"c"], MiB, 2)
-    finally:
-        raw.close()
