@@ -89,3 +89,19 @@ def test_snapshot_buffers_are_reused_after_their_stores():
         assert worker.stats["saved_blocks"] == 5 and worker._store_bytes == 0
     finally:
         worker.shutdown()
+
+
+def test_snapshot_buffers_of_several_sizes_pick_the_smallest_that_fits():
+    worker, _ = _worker("ws-sizes")
+    try:
+        three, one = worker._take_snapshot_buffer(3), worker._take_snapshot_buffer(1)
+        worker._store_bytes += three.numel() + one.numel()  # as _begin_snapshot counts them
+        worker._release(three)
+        worker._release(one)
+        assert sorted(t.shape[0] for t in worker._spare) == [1, 3] and not worker._store_bytes
+        assert worker._take_snapshot_buffer(1).data_ptr() == one.data_ptr()
+        again = worker._take_snapshot_buffer(2)  # two rows of the three-row buffer
+        assert again.data_ptr() == three.data_ptr() and again.shape[0] == 2
+        assert not worker._spare
+    finally:
+        worker.shutdown()

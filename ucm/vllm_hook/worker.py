@@ -272,11 +272,10 @@ class WorkerSide:
         """`n_blocks` rows of a spare snapshot buffer (the smallest that fits), else a new one.
         Reusing them matters: a fresh buffer costs page faults and zeroing on first touch,
         several times the copy itself (pinned allocations on a GPU host cost more still)."""
-        with self._lock:
-            fits = [t for t in self._spare if t.shape[0] >= n_blocks]
-            base = min(fits, key=lambda t: t.shape[0]) if fits else None
-            if base is not None:
-                self._spare.remove(base)
+        with self._lock:  # (by position: list.remove would compare tensors elementwise)
+            fits = [i for i, t in enumerate(self._spare) if t.shape[0] >= n_blocks]
+            best = min(fits, key=lambda i: self._spare[i].shape[0]) if fits else None
+            base = self._spare.pop(best) if best is not None else None
         if base is None:
             base = self.layout.new_staging(n_blocks)
         view = base[:n_blocks]
@@ -292,7 +291,8 @@ class WorkerSide:
                 return
             self._spare.append(base)
             while sum(t.numel() for t in self._spare) > _SPARE_SNAPSHOT_BYTES:
-                self._spare.remove(min(self._spare, key=lambda t: t.numel()))
+                smallest = min(range(len(self._spare)), key=lambda i: self._spare[i].numel())
+                del self._spare[smallest]
 
     def wait_for_stores(self, timeout: float | None = None) -> bool:
         """Blocks until every posted store finished (for shutdown and tests)."""
