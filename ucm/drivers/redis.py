@@ -59,6 +59,9 @@ from ucm.drivers._remote import RemoteDriver, deliver, gate
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 _SCAN_COUNT = 1000
+# Bytes asked of the socket per read (redis-py asks for 64 KiB): a 2 MiB value then takes 2
+# reads into the parser's buffer instead of 32.
+_READ_BYTES = 1 << 20
 _GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
 
@@ -146,7 +149,7 @@ def _client(options: RedisOptions, kwargs: dict[str, Any]) -> Any:
     pool = redis.BlockingConnectionPool(
         max_connections=options.pool_size, timeout=options.connect_timeout,
         socket_connect_timeout=options.connect_timeout, socket_timeout=options.timeout,
-        socket_keepalive=True,
+        socket_keepalive=True, socket_read_size=_READ_BYTES,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), options.retries),
         **kwargs)
     return redis.Redis(connection_pool=pool)
