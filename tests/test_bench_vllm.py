@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ucm.bench_vllm import _print_table, _raw_read_bandwidth
+from ucm.bench_vllm import Row, _print_table, _raw_read_bandwidth
 
 
 def test_raw_read_reads_as_many_files_as_the_kv_needs(tmp_path):
@@ -16,14 +16,15 @@ def test_raw_read_reads_as_many_files_as_the_kv_needs(tmp_path):
 
 
 def test_table_reports_overheads_ratios_and_load_bandwidth(capsys):
-    ttft = {"recompute": {4096: 4000.0}, "floor": {4096: 200.0}, "example": {4096: 220.0},
-            "ucm-posix": {4096: 208.0}, "ucm-shm": {4096: 212.0}}
+    rows = {"example": {4096: Row(220.0, 200.0, 20.0, None)},
+            "ucm-posix": {4096: Row(208.0, 200.0, 8.0, 7.5)},
+            "ucm-shm": {4096: Row(212.0, 199.0, 12.0, 9.0)}}
     miss = {"recompute": {4096: 4000.0}, "ucm": {4096: 4080.0}}
-    _print_table([4096], ttft, miss, {4096: 64 * 2**20}, {"ucm-posix": {4096: 8.0}},
-                 8 * 2**30, 64 * 2**20)
+    _print_table([4096], miss, rows, {4096: 64 * 2**20}, 8 * 2**30, 64 * 2**20)
     out = capsys.readouterr().out
     assert "ucm-posix overhead / example overhead = 0.40" in out
     assert "ucm-shm overhead / example overhead = 0.60" in out
-    assert "ucm-posix effective load bandwidth 7.81 GiB/s (64 MiB)" in out
-    assert "ucm-posix load wait 8.0 ms (7.81 GiB/s)" in out
+    assert "ucm-posix effective load bandwidth 7.81 GiB/s" in out
+    assert "ucm-posix load wait 7.5 ms (8.33 GiB/s)" in out
+    assert "64 MiB of KV" in out
     assert "overhead +2.0% (target <= 5%)" in out

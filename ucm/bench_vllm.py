@@ -1,18 +1,20 @@
 """`ucm bench vllm`: time to first token on vLLM when the prompt's KV is recomputed, already in
-vLLM's own cache, or loaded by a connector; each setup in a fresh engine process.
+vLLM's own cache, or loaded by a connector.
 
-Setups (per prompt length; the store pass for a connector runs in its own earlier process):
+Setups (per prompt length; a connector's store pass runs in its own earlier engine process):
     recompute   no connector, no prefix cache
-    floor       vLLM's own prefix-cache hit in the same engine: nothing to load, the limit
     example     vLLM's built-in ExampleConnector (safetensors files), full hit
     ucm-posix   ucm, posix tier only (page cache warm: the files were just written)
     ucm-shm     ucm, memory tier shared through /dev/shm
-    all-miss    ucm on, nothing stored, stores of earlier prompts running; vs recompute
-TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request;
-the median of `--repeat` runs. Overhead is TTFT minus the floor's. ucm's effective load
-bandwidth is the KV bytes it loaded over its overhead, next to the worker's own wait for the
-load; the raw read bandwidth is plain preadv()s of the same block files into memory as large
-as the KV, with the page cache warm.
+    all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
+                pass); against recompute
+TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request. Each
+connector's engine runs `--repeat` stored prompts, each twice in a row with vLLM's prefix cache
+on: first loaded by the connector, then vLLM's own hit in the same engine (the floor: nothing
+to load, the limit). The overhead is the median of the per-prompt differences. ucm's effective
+load bandwidth is the KV bytes it loaded over its overhead, next to the worker's own wait for
+the load; the raw read bandwidth is plain preadv()s of the same block files into memory as
+large as the KV, with the page cache warm.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ucm.models import ModelSpec, build_model
@@ -86,10 +89,11 @@ def _raw_read_bandwidth(paths: list[str], nbytes: int) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ucm bench vllm", description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="4096,8192", help="prompt lengths in tokens")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="prompts per length")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--setups", default="recompute,floor,example,ucm-posix,ucm-shm")
+    ap.add_argument("--setups", default="example,ucm-posix,ucm-shm",
+                    help="connector setups (recompute always runs)")
     args = ap.parse_args(argv)
 
     from ucm.vllm_run import EngineSpec, Phase, run_in_subprocess
@@ -107,101 +111,118 @@ def main(argv: list[str] | None = None) -> int:
     base = {"model": model, "dtype": SPEC.dtype, "block_size": args.block_size,
             "max_model_len": max_len, "kv_cache_bytes": 2 * 2**30, "max_num_seqs": 4}
     warmup = Phase([_prompt(lengths[0], 1)], max_tokens=1, name="warmup")
-    hits = {n: _prompt(n, 10 + n) for n in lengths}
+    hits = {n: [_prompt(n, 10 * n + i) for i in range(args.repeat)] for n in lengths}
     misses = {n: [_prompt(n, 1000 * n + i) for i in range(args.repeat)] for n in lengths}
 
-    def timed_hits() -> list[Phase]:
-        return [Phase([hits[n]], max_tokens=1, name=f"hit{n}", repeat=args.repeat)
-                for n in lengths]
-
     def store_pass() -> list[Phase]:
-        return [warmup] + [Phase([hits[n]], max_tokens=1, name=f"store{n}") for n in lengths]
+        # Timed too: on ucm-posix these are the all-miss runs (nothing stored yet, the stores
+        # of the earlier prompts running).
+        return [warmup] + [Phase([p], max_tokens=1, name=f"store{n}.{i}")
+                           for n in lengths for i, p in enumerate(hits[n])]
 
-    def timed_misses() -> list[Phase]:
-        return [Phase([p], max_tokens=1, name=f"miss{n}.{i}")
-                for n in lengths for i, p in enumerate(misses[n])]
+    def paired_hits() -> list[Phase]:
+        # Each prompt twice in a row in one engine with vLLM's prefix cache on: first loaded
+        # by the connector, then vLLM's own hit (the floor). Pairing them cancels the
+        # differences between engine processes, which on a small shared machine are as large
+        # as the overheads measured.
+        return [Phase([p], max_tokens=1, name=f"{kind}{n}.{i}")
+                for n in lengths for i, p in enumerate(hits[n]) for kind in ("hit", "again")]
 
     def run(label: str, phases: list[Phase], **kw: Any) -> dict:
         _say(f"{label}: fresh engine process")
-        result = run_in_subprocess(EngineSpec(**{**base, **kw}), phases, log_path=log,
-                                   progress=lambda m: _say(f"  {label}: {m}"))
-        for phase in result["phases"]:
-            if phase["name"].startswith("hit"):
-                runs = ", ".join(f"{w * 1e3:.0f}" for w in phase["wall_s"])
-                _say(f"  {label}: {phase['name']} TTFT ms per run: {runs}")
-        return result
+        return run_in_subprocess(EngineSpec(**{**base, **kw}), phases, log_path=log,
+                                 progress=lambda m: _say(f"  {label}: {m}"))
+
+    def walls(result: dict, name: str, n: int) -> list[float]:
+        return [_median_ms(result, f"{name}{n}.{i}") for i in range(args.repeat)]
 
     ucm_posix = {"tiers": [{"driver": "posix", "path": os.path.join(work, "ucm-store")}]}
     ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm}]}
-    ttft: dict[str, dict[int, float]] = {}
+    connectors = [("example", {"connector": "example", "extra": {
+                      "shared_storage_path": os.path.join(work, "example-store")}}),
+                  ("ucm-posix", {"connector": "ucm", "ucm": ucm_posix}),
+                  ("ucm-shm", {"connector": "ucm", "ucm": ucm_shm})]
+    rows: dict[str, dict[int, Row]] = {}
     miss_ms: dict[str, dict[int, float]] = {}
     loaded_bytes: dict[int, int] = {}
-    load_ms: dict[str, dict[int, float]] = {"ucm-posix": {}, "ucm-shm": {}}
     try:
-        recompute = run("recompute", [warmup, *timed_misses()])
-        miss_ms["recompute"] = {n: statistics.median(_median_ms(recompute, f"miss{n}.{i}")
-                                                     for i in range(args.repeat))
+        recompute = run("recompute", [warmup, *(Phase([p], max_tokens=1, name=f"miss{n}.{i}")
+                                                for n in lengths
+                                                for i, p in enumerate(misses[n]))])
+        miss_ms["recompute"] = {n: statistics.median(walls(recompute, "miss", n))
                                 for n in lengths}
-        ttft["recompute"] = miss_ms["recompute"]
-        floor = run("floor", [warmup, *store_pass()[1:], *timed_hits()], prefix_caching=True)
-        ttft["floor"] = {n: _median_ms(floor, f"hit{n}") for n in lengths}
-        if "example" in setups:
-            extra = {"shared_storage_path": os.path.join(work, "example-store")}
-            run("example store pass", store_pass(), connector="example", extra=extra)
-            r = run("example", [warmup, *timed_hits()], connector="example", extra=extra)
-            ttft["example"] = {n: _median_ms(r, f"hit{n}") for n in lengths}
-        for name, cfg in (("ucm-posix", ucm_posix), ("ucm-shm", ucm_shm)):
+        for name, kw in connectors:
             if name not in setups:
                 continue
-            phases = store_pass() + (timed_misses() if name == "ucm-posix" else [])
-            cold = run(f"{name} store pass", phases, connector="ucm", ucm=cfg)
+            cold = run(f"{name} store pass", store_pass(), **kw)
             if name == "ucm-posix":
-                miss_ms["ucm"] = {n: statistics.median(_median_ms(cold, f"miss{n}.{i}")
-                                                       for i in range(args.repeat))
+                miss_ms["ucm"] = {n: statistics.median(walls(cold, "store", n))
                                   for n in lengths}
-            r = run(name, [warmup, *timed_hits()], connector="ucm", ucm=cfg)
-            ttft[name] = {n: _median_ms(r, f"hit{n}") for n in lengths}
+            r = run(name, [warmup, *paired_hits()], prefix_caching=True, **kw)
+            rows[name] = {}
             for n in lengths:
-                phase = next(p for p in r["phases"] if p["name"] == f"hit{n}")
-                delta = phase["worker_delta"]
-                loaded_bytes[n] = delta.get("loaded_bytes", 0) // args.repeat
-                load_ms[name][n] = delta.get("load_wait_ns", 0) / args.repeat / 1e6
+                hit, again = walls(r, "hit", n), walls(r, "again", n)
+                _say(f"  {name}: {n} tokens, TTFT ms loaded / vLLM's own hit: "
+                     + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(hit, again, strict=True)))
+                deltas = [next(p for p in r["phases"] if p["name"] == f"hit{n}.{i}")
+                          ["worker_delta"] for i in range(args.repeat)]
+                load_ms = statistics.median(d.get("load_wait_ns", 0) for d in deltas) / 1e6
+                if name.startswith("ucm"):
+                    loaded_bytes[n] = max(d.get("loaded_bytes", 0) for d in deltas)
+                rows[name][n] = Row(statistics.median(hit), statistics.median(again),
+                                    statistics.median(a - b for a, b in zip(hit, again,
+                                                                            strict=True)),
+                                    load_ms if name.startswith("ucm") else None)
         files = glob.glob(os.path.join(work, "ucm-store", "**", "*.blk"), recursive=True)
         kv = max(loaded_bytes.values(), default=0)
         raw_bw, raw_bytes = _raw_read_bandwidth(files, kv) if files and kv else (0.0, 0)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    _print_table(lengths, ttft, miss_ms, loaded_bytes, load_ms, raw_bw, raw_bytes)
+    _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes)
     return 0
 
 
-def _print_table(lengths: list[int], ttft: dict, miss_ms: dict, loaded: dict[int, int],
-                 load_ms: dict[str, dict[int, float]], raw_bw: float, raw_bytes: int) -> None:
-    print("\nTTFT (ms, median) and overhead over the floor")
-    print(f"{'setup':<12}" + "".join(f"{f'{n} tok':>14}{'overhead':>10}" for n in lengths))
-    for name, row in ttft.items():
-        line = f"{name:<12}"
-        for n in lengths:
-            over = row[n] - ttft["floor"][n]
-            line += f"{row[n]:>14.1f}{over:>10.1f}"
-        print(line)
+@dataclass(frozen=True)
+class Row:
+    """One connector setup at one prompt length (ms, medians over the prompts)."""
+
+    ttft: float  # loaded by the connector
+    floor: float  # the same prompt again: vLLM's own prefix-cache hit, same engine
+    overhead: float  # median of the per-prompt differences
+    load_wait: float | None  # the ucm worker's wait for its Load
+
+
+def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Row]],
+                 loaded: dict[int, int], raw_bw: float, raw_bytes: int) -> None:
+    print("\nTTFT (ms, median): loaded by the connector, vLLM's own prefix hit in the same "
+          "engine (the floor), and the overhead (median of per-prompt differences)")
+    print(f"{'setup':<12}" + "".join(f"{f'{n} tok':>10}{'floor':>8}{'overhead':>10}"
+                                      for n in lengths))
+    print(f"{'recompute':<12}" + "".join(f"{miss_ms['recompute'][n]:>10.1f}{'':>18}"
+                                         for n in lengths))
+    for name, per_n in rows.items():
+        print(f"{name:<12}" + "".join(f"{per_n[n].ttft:>10.1f}{per_n[n].floor:>8.1f}"
+                                      f"{per_n[n].overhead:>10.1f}" for n in lengths))
     for n in lengths:
-        floor = ttft["floor"][n]
         parts = []
-        if "example" in ttft:
-            ex = ttft["example"][n] - floor
-            for name in ("ucm-posix", "ucm-shm"):
-                if name in ttft:
-                    parts.append(f"{name} overhead / example overhead = "
-                                 f"{(ttft[name][n] - floor) / ex if ex > 0 else float('nan'):.2f}")
-        if n in loaded and "ucm-posix" in ttft:
-            over_s = max(1e-6, (ttft["ucm-posix"][n] - floor) / 1e3)
-            parts.append(f"ucm-posix effective load bandwidth {loaded[n] / over_s / 2**30:.2f} "
-                         f"GiB/s ({loaded[n] / 2**20:.0f} MiB)")
-        for name, per_n in load_ms.items():
-            if per_n.get(n) and n in loaded:
-                parts.append(f"{name} load wait {per_n[n]:.1f} ms "
-                             f"({loaded[n] / (per_n[n] / 1e3) / 2**30:.2f} GiB/s)")
+        example = rows.get("example", {}).get(n)
+        for name in ("ucm-posix", "ucm-shm"):
+            row = rows.get(name, {}).get(n)
+            if row is None:
+                continue
+            if example is not None:
+                ratio = (row.overhead / example.overhead if example.overhead > 0
+                         else float("nan"))
+                parts.append(f"{name} overhead / example overhead = {ratio:.2f}")
+            if loaded.get(n):
+                over_s = max(1e-6, row.overhead / 1e3)
+                parts.append(f"{name} effective load bandwidth "
+                             f"{loaded[n] / over_s / 2**30:.2f} GiB/s")
+            if row.load_wait and loaded.get(n):
+                parts.append(f"{name} load wait {row.load_wait:.1f} ms "
+                             f"({loaded[n] / (row.load_wait / 1e3) / 2**30:.2f} GiB/s)")
+        if loaded.get(n):
+            parts.append(f"{loaded[n] / 2**20:.0f} MiB of KV")
         print(f"{n} tokens: " + "; ".join(parts))
     if raw_bytes:
         print(f"raw preadv() of the same block files into {raw_bytes / 2**20:.0f} MiB of memory "
