@@ -6,8 +6,9 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
     example     vLLM's built-in ExampleConnector (safetensors files), full hit
     ucm-posix   ucm, posix tier only (page cache warm: the files were just written)
     ucm-shm     ucm, memory tier shared through /dev/shm
+    null        a connector that does nothing (ucm.vllm_hook.null): vLLM's connector path alone
     all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
-                pass); against recompute
+                pass); against recompute, and against the null connector
 TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request. Each
 connector's engine runs `--repeat` stored prompts, each twice in a row with vLLM's prefix cache
 on: first loaded by the connector, then vLLM's own hit in the same engine (the floor: nothing
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="prompts per length")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--setups", default="example,ucm-posix,ucm-shm",
+    ap.add_argument("--setups", default="null,example,ucm-posix,ucm-shm",
                     help="connector setups (recompute always runs)")
     args = ap.parse_args(argv)
 
@@ -151,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 for i, p in enumerate(misses[n]))])
         miss_ms["recompute"] = {n: statistics.median(walls(recompute, "miss", n))
                                 for n in lengths}
+        if "null" in setups:  # vLLM's connector path alone, on the same prompts
+            null = run("null connector", [warmup, *(Phase([p], max_tokens=1,
+                                                          name=f"miss{n}.{i}")
+                                                    for n in lengths
+                                                    for i, p in enumerate(misses[n]))],
+                       connector="null")
+            miss_ms["null"] = {n: statistics.median(walls(null, "miss", n)) for n in lengths}
         for name, kw in connectors:
             if name not in setups:
                 continue
@@ -230,5 +238,10 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
     if "ucm" in miss_ms:
         for n in lengths:
             rec, ucm = miss_ms["recompute"][n], miss_ms["ucm"][n]
-            print(f"all-miss {n} tokens: no connector {rec:.0f} ms, ucm on {ucm:.0f} ms, "
-                  f"overhead {(ucm - rec) / rec:+.1%} (target <= 5%)")
+            line = (f"all-miss {n} tokens: no connector {rec:.0f} ms, ucm on {ucm:.0f} ms, "
+                    f"overhead {(ucm - rec) / rec:+.1%} (target <= 5%)")
+            if "null" in miss_ms:
+                null = miss_ms["null"][n]
+                line += (f"; vLLM's connector path alone (null connector) {null:.0f} ms "
+                         f"({(null - rec) / rec:+.1%}), ucm over it {(ucm - null) / null:+.1%}")
+            print(line)

@@ -30,7 +30,7 @@ class EngineSpec:
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_bytes: int = 256 * 2**20
-    connector: str | None = None  # None, "ucm" or "example"
+    connector: str | None = None  # None, "ucm", "example" or "null"
     ucm: dict | None = None  # the ucm config; None is the embedded default
     extra: dict = field(default_factory=dict)  # more kv_connector_extra_config keys
     prefix_caching: bool = False
@@ -59,6 +59,10 @@ def kv_transfer_config(spec: EngineSpec) -> Any:
     if spec.connector == "example":
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                 kv_connector_extra_config=dict(spec.extra))
+    if spec.connector == "null":  # the connector path with no connector work (baseline)
+        return KVTransferConfig(kv_connector="NullConnector",
+                                kv_connector_module_path="ucm.vllm_hook.null",
+                                kv_role="kv_both")
     if spec.connector == "ucm":
         extra = dict(spec.extra)
         if spec.ucm is not None:
