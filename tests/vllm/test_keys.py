@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -146,18 +145,3 @@ def test_layout_splits_k_and_v_halves_of_cuda_style_caches():
     layout.copy_in([1, 4], staging)
     for k, v in caches.items():
         assert torch.equal(v[:, [1, 4]], clone[k][:, [1, 4]])
-
-
-def test_prefault_backs_the_cache_without_changing_a_byte():
-    torch = pytest.importorskip("torch")
-    from ucm.vllm_hook.layout import prefault
-
-    caches = {"l0": torch.empty(64, 4096, dtype=torch.uint8)}
-    caches["l0"][::7] = 5
-    before = caches["l0"].clone()
-    nbytes = prefault(list(caches.values()) * 2)  # a tensor twice is populated once
-    assert nbytes <= caches["l0"].numel() and nbytes % 4096 == 0
-    major, minor = (int(x) for x in platform.release().split(".")[:2])
-    if (major, minor) >= (5, 14):  # MADV_POPULATE_WRITE exists
-        assert nbytes > 0
-    assert torch.equal(caches["l0"], before)

@@ -18,9 +18,7 @@ CUDA those copies are host<->device `copy_`s; a fused gather/scatter kernel
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -126,39 +124,6 @@ class BlockLayout:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-
-
-_MADV_HUGEPAGE = 14
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-
-
-def prefault(tensors: Iterable[torch.Tensor]) -> int:
-    """Backs host-memory KV cache tensors with memory now (`MADV_POPULATE_WRITE`, after
-    `MADV_HUGEPAGE` where transparent huge pages are on `madvise`), without changing a byte.
-
-    vLLM allocates the CPU KV cache untouched, so the first write into each page faults and
-    zeroes it: a load into blocks never used before pays that on top of the copy (about as
-    much again, measured here), on the request's time to first token. Returns the bytes
-    populated; 0 where the kernel has no MADV_POPULATE_WRITE (nothing is lost but the gain).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    done = 0
-    seen: set[int] = set()
-    for tensor in tensors:
-        start = tensor.untyped_storage().data_ptr()
-        if tensor.device.type != "cpu" or start in seen:
-            continue
-        seen.add(start)
-        end = start + tensor.untyped_storage().nbytes()
-        first, last = -(-start // page) * page, end // page * page
-        if last <= first:
-            continue
-        libc.madvise(first, last - first, _MADV_HUGEPAGE)  # a hint; errors do not matter
-        if libc.madvise(first, last - first, _MADV_POPULATE_WRITE) == 0:
-            done += last - first
-    return done
 
 
 def _guess_num_blocks(tensor: torch.Tensor) -> int:

@@ -8,7 +8,6 @@ here (no vLLM import), so the option parsing is testable without an engine.
         "model_id": None,          # overrides the config fingerprint in the namespace
         "layerwise": False,        # copy each layer into the cache just before it runs
         "direct_loads": True,      # host-memory caches: read blocks straight into the cache
-        "prefault": True,          # host-memory caches: back them with memory at start-up
         "lookup_wait": 0.002,      # s the scheduler waits inline before "ask again later"
         "lookup_timeout": 5.0,     # s after which an unanswered lookup counts as a miss
         "start_timeout": 30.0,     # s lookups wait for the kernel to open its tiers (it lists
@@ -38,9 +37,9 @@ from ucm.vllm_hook.keys import make_namespace, model_identity
 
 log = logging.getLogger("ucm.vllm_hook")
 
-_OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "prefault",
-                "lookup_wait", "lookup_timeout", "start_timeout", "load_timeout",
-                "max_store_bytes", "save_generated", "load_failure", "sparse"}
+_OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "lookup_wait",
+                "lookup_timeout", "start_timeout", "load_timeout", "max_store_bytes",
+                "save_generated", "load_failure", "sparse"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,6 @@ class HookSettings:
     tp_size: int = 1
     layerwise: bool = False
     direct_loads: bool = True
-    prefault: bool = True
     lookup_wait: float = 0.002
     lookup_timeout: float = 5.0
     start_timeout: float = 30.0
@@ -99,7 +97,6 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         tp_size=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
         layerwise=bool(extra.get("layerwise", False)),
         direct_loads=bool(extra.get("direct_loads", True)),
-        prefault=bool(extra.get("prefault", True)),
         lookup_wait=float(extra.get("lookup_wait", 0.002)),
         lookup_timeout=float(extra.get("lookup_timeout", base.deadline or 5.0)),
         start_timeout=float(extra.get("start_timeout", 30.0)),

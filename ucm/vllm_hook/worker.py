@@ -33,7 +33,7 @@ from ucm.drivers import LoadState
 from ucm.errors import KernelClosed, UCMError
 from ucm.kernel import Load, Store
 from ucm.vllm_hook.keys import rank_key
-from ucm.vllm_hook.layout import BlockLayout, prefault
+from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
     HookSettings,
@@ -91,26 +91,10 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
                            num_blocks: int | None = None) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
-        if self.settings.prefault and self.layout.scatters:
-            # In the background: populating GiBs takes a while and changes no byte, so vLLM's
-            # start-up need not wait for it.
-            threading.Thread(target=self._prefault, args=(list(kv_caches.values()),),
-                             name="ucm-prefault", daemon=True).start()
         self._kernel = acquire_kernel(self.settings.ucm_config, register=True)
         log.info("ucm: %d layers, %d blocks of %d bytes, namespace %s, rank %d/%d",
                  len(self.layout.by_layer), self.layout.num_blocks, self.layout.block_bytes,
                  self.settings.namespace, self.settings.tp_rank, self.settings.tp_size)
-
-    def _prefault(self, tensors: list[torch.Tensor]) -> None:
-        t0 = time.perf_counter()
-        try:
-            nbytes = prefault(tensors)
-        except (OSError, AttributeError) as exc:  # no libc madvise: only the gain is lost
-            log.info("ucm: KV cache not prefaulted (%s)", exc)
-            return
-        self.stats["prefaulted_bytes"] = nbytes
-        log.info("ucm: prefaulted %.1f GiB of KV cache in %.2f s", nbytes / 2**30,
-                 time.perf_counter() - t0)
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
