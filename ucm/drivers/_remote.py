@@ -20,8 +20,10 @@ from typing import Any
 
 import trio
 
-from ucm.drivers._files import Backend, ThreadedDriver, os_error
-from ucm.errors import StorageUnavailable
+from ucm.block import PAYLOAD_OFFSET, Codec, decode_header, decode_payload_into, verify_payload
+from ucm.drivers._files import Backend, ThreadedDriver, os_error, size_mismatch
+from ucm.drivers._protocol import LoadState
+from ucm.errors import BlockCorrupt, StorageUnavailable
 
 
 class Abandoned(Exception):
@@ -66,6 +68,24 @@ def gate(fn: Callable[[], Any]) -> Any:
     if current is None:
         return fn()
     return current.run(fn)
+
+
+def verify_into(key: bytes, stored: memoryview, out: memoryview) -> LoadState:
+    """Checks a block a remote server returned (header + payload, `ucm.block` format) and
+    delivers its raw bytes into `out` under the current call's gate: OK, or CORRUPT."""
+    try:
+        header = decode_header(stored[:PAYLOAD_OFFSET], expect_key=key)
+        if header.raw_len != out.nbytes:
+            raise size_mismatch(out, header)
+        payload = stored[PAYLOAD_OFFSET:]
+        if header.codec is Codec.NONE:
+            verify_payload(header, payload)
+            deliver(out, payload)
+        else:
+            gate(lambda: decode_payload_into(header, payload, out))
+    except BlockCorrupt:
+        return LoadState.CORRUPT
+    return LoadState.OK
 
 
 def _call_gated(gate_: Gate, fn: Callable[..., Any], *args: Any) -> Any:

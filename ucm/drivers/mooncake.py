@@ -52,17 +52,14 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     Codec,
     as_byte_view,
-    decode_header,
-    decode_payload_into,
     encode_header,
     encode_payload,
-    verify_payload,
 )
 from ucm.drivers._extents import Extents
-from ucm.drivers._files import Backend, parse_codec, safe_dir_name, size_mismatch
+from ucm.drivers._files import Backend, parse_codec, safe_dir_name
 from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, deliver, gate
-from ucm.errors import BlockCorrupt, ConfigError, NoCapacity, StorageUnavailable
+from ucm.drivers._remote import RemoteDriver, verify_into
+from ucm.errors import ConfigError, NoCapacity, StorageUnavailable
 
 # Mooncake's ErrorCode values the driver acts on.
 NO_AVAILABLE_HANDLE = -200  # the pool is full
@@ -248,7 +245,7 @@ class MooncakeBlocks(Backend):
         if n < 0:
             self.counters[f"load_error_{-n}"] = self.counters.get(f"load_error_{-n}", 0) + 1
             return LoadState.FAILED
-        state = self._verify(key, self.pool.view[offset:offset + n], out)
+        state = verify_into(key, self.pool.view[offset:offset + n], out)
         if state is LoadState.CORRUPT:
             # An upsert by another client can replace the object under a read in progress: a
             # torn read fails its checksum. Read once more before calling the block corrupt.
@@ -267,7 +264,7 @@ class MooncakeBlocks(Backend):
         if found == 1:
             data = self.client.get(name)
             if data:
-                return self._verify(key, memoryview(data), out)
+                return verify_into(key, memoryview(data), out)
             found = self.client.is_exist(name)
         if found <= RPC_FAIL:
             raise self._unreachable(found)
@@ -277,22 +274,7 @@ class MooncakeBlocks(Backend):
         data = self.client.get(self.name_of(key))
         if not data:
             return LoadState.MISSING
-        return self._verify(key, memoryview(data), out)
-
-    def _verify(self, key: bytes, stored: memoryview, out: memoryview) -> LoadState:
-        try:
-            header = decode_header(stored[:PAYLOAD_OFFSET], expect_key=key)
-            if header.raw_len != out.nbytes:
-                raise size_mismatch(out, header)
-            payload = stored[PAYLOAD_OFFSET:]
-            if header.codec is Codec.NONE:
-                verify_payload(header, payload)
-                deliver(out, payload)
-            else:
-                gate(lambda: decode_payload_into(header, payload, out))
-        except BlockCorrupt:
-            return LoadState.CORRUPT
-        return LoadState.OK
+        return verify_into(key, memoryview(data), out)
 
     def close(self) -> None:
         client, self._client = self._client, None

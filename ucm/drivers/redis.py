@@ -47,16 +47,13 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     Codec,
     as_byte_view,
-    decode_header,
-    decode_payload_into,
     encode_header,
     encode_payload,
-    verify_payload,
 )
-from ucm.drivers._files import Backend, parse_codec, safe_dir_name, size_mismatch
+from ucm.drivers._files import Backend, parse_codec, safe_dir_name
 from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, deliver, gate
-from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
+from ucm.drivers._remote import RemoteDriver, verify_into
+from ucm.errors import ConfigError, StorageUnavailable
 
 _SCAN_COUNT = 1000
 # Bytes asked of the socket per read (redis-py asks for 64 KiB): a 2 MiB value then takes 2
@@ -241,23 +238,11 @@ class RedisBlocks(Backend):
         return [self._verify(key, value, out)
                 for key, value, out in zip(keys, values, views, strict=True)]
 
-    def _verify(self, key: bytes, value: bytes | None, out: memoryview) -> LoadState:
+    @staticmethod
+    def _verify(key: bytes, value: bytes | None, out: memoryview) -> LoadState:
         if value is None:
             return LoadState.MISSING
-        stored = memoryview(value)
-        try:
-            header = decode_header(stored[:PAYLOAD_OFFSET], expect_key=key)
-            if header.raw_len != out.nbytes:
-                raise size_mismatch(out, header)
-            payload = stored[PAYLOAD_OFFSET:]
-            if header.codec is Codec.NONE:
-                verify_payload(header, payload)
-                deliver(out, payload)
-            else:
-                gate(lambda: decode_payload_into(header, payload, out))
-        except BlockCorrupt:
-            return LoadState.CORRUPT
-        return LoadState.OK
+        return verify_into(key, memoryview(value), out)
 
     # listing
 
