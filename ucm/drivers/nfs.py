@@ -45,10 +45,8 @@ from ucm.block import (
     Codec,
     as_byte_view,
     decode_header,
-    decode_payload_into,
     encode_header,
     encode_payload,
-    verify_payload,
 )
 from ucm.drivers._files import (
     Backend,
@@ -60,10 +58,9 @@ from ucm.drivers._files import (
     os_error,
     parse_codec,
     safe_dir_name,
-    size_mismatch,
 )
 from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, deliver, gate
+from ucm.drivers._remote import RemoteDriver, verify_into
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 _TMP_DIR = ".tmp"
@@ -235,21 +232,7 @@ class NfsBlocks(Backend):
             n = self._call(read)
         except (FileNotFoundError, NotADirectoryError):
             return LoadState.MISSING
-        try:
-            header = decode_header(stage[:min(n, PAYLOAD_OFFSET)], expect_key=key)
-            if header.raw_len != out.nbytes:
-                raise size_mismatch(out, header)
-            if n - PAYLOAD_OFFSET != header.payload_len:
-                raise BlockCorrupt("payload length differs from the header")
-            payload = stage[PAYLOAD_OFFSET:n]
-            if header.codec is Codec.NONE:
-                verify_payload(header, payload)
-                deliver(out, payload)
-            else:
-                gate(lambda: decode_payload_into(header, payload, out))
-        except BlockCorrupt:
-            return LoadState.CORRUPT
-        return LoadState.OK
+        return verify_into(key, stage[:n], out)
 
     # listing
 
