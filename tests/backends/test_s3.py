@@ -245,7 +245,9 @@ def test_two_hosts_over_veth_share_one_bucket(networked_seaweedfs, tmp_path):
     report = json.loads(watcher.stdout.readline())
     assert [w.wait(60) for w in writers] == [0, 0] and watcher.wait(60) == 0
     assert report["mixed"] == 0 and report["states"].get("OK", 0) > 0, report
-    assert set(report["states"]) <= {"OK"}, report
+    # A load that loses the ETag race on every one of its bounded retries is FAILED (a miss
+    # for the caller, seen once in 184 loads in CI); never a mixed or corrupt block.
+    assert set(report["states"]) <= {"OK", "FAILED"}, report
 
     # A deletes what B is loading: B sees whole blocks or misses, never corrupt
     watcher = b(mode="watch", keys=keys, seeds=[1], seconds=2)
