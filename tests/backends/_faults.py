@@ -1,5 +1,5 @@
 """The "server paused, then killed, then restarted under a running kernel" scenario, shared by
-the tests of drivers whose backend is a server.
+the tests of drivers whose backend is a server (redis, s3, nfs, mooncake).
 
 The kernel has a memory tier over the driver's tier, durability "all". While the server is
 paused (SIGSTOP) a store fails within its deadline and the memory tier keeps serving; after
@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ucm.errors import DeadlineExceeded
 from ucm.kernel import Kernel, Load, Store
 
 MiB = 2**20
@@ -29,31 +30,47 @@ def memory_over(tier: dict[str, Any]) -> Kernel:
 
 
 def until_ok(kernel: Kernel, key: bytes, block: bytes, *, within: float = 20) -> None:
-    """Stores `key` until a store succeeds; fails the test after `within` seconds."""
+    """Stores `key` until a store succeeds; fails the test after `within` seconds. A store may
+    fail (a not-ok result) or run past its deadline meanwhile; any other error fails at once."""
     deadline = time.monotonic() + within
     while True:
         future = kernel.submit(Store([key], buffers=[block], deadline=5.0))
         error = future.exception(20)
         if error is None and future.result().ok:
             return
+        assert error is None or isinstance(error, DeadlineExceeded), \
+            f"a store raised while the driver recovered: {error!r}"
         assert time.monotonic() < deadline, f"the driver did not recover: {error or future}"
         time.sleep(0.2)
 
 
-def fails_within(kernel: Kernel, event: Any, limit: float) -> None:
-    """Submits `event`: it must fail (an error or a not-ok result) within `limit` seconds."""
+def fails_within(kernel: Kernel, event: Any, limit: float, *, raises: bool = False) -> None:
+    """Submits `event`: it must fail (an error or a not-ok result; with `raises`, an error)
+    within `limit` seconds."""
     start = time.monotonic()
     future = kernel.submit(event)
-    assert future.exception(limit + 5) is not None or not future.result().ok, \
-        f"{type(event).__name__} succeeded against a stopped server"
+    error = future.exception(limit + 5)
+    if raises:
+        assert error is not None, f"{type(event).__name__} to a stopped server completed"
+    else:
+        assert error is not None or not future.result().ok, \
+            f"{type(event).__name__} succeeded against a stopped server"
     elapsed = time.monotonic() - start
     assert elapsed < limit, f"took {elapsed:.1f} s: the deadline did not cut the call"
 
 
 def paused_then_killed(kernel: Kernel, server: Any, *, restart: Callable[[], None],
-                       block_size: int = 2 * MiB) -> None:
-    """Runs the scenario (see the module docstring) on `server` (which has `signal(signum)`).
-    `restart` brings a killed server back."""
+                       block_size: int = 2 * MiB, pause_raises: bool = False,
+                       while_paused: Callable[[bytes], None] | None = None,
+                       resumes_at_once: bool = False, recover_within: float = 20) -> bytes:
+    """Runs the scenario (see the module docstring) on `server` (which has `signal(signum)`)
+    and returns the block it stored (under b"both" first, and last under b"after-restart").
+
+    `restart` brings a killed server back. `pause_raises`: the store to the paused server must
+    raise (its deadline), not only fail. `while_paused(block)` runs extra checks while the
+    server is paused, after that store. `resumes_at_once`: the first store after SIGCONT must
+    succeed, no retries. `recover_within`: seconds the driver has to work again after SIGCONT
+    and after the restart."""
     block = os.urandom(block_size)
     assert kernel.submit(Store([b"both"], buffers=[block])).result(10).ok
     hot = b"mem-only"
@@ -61,18 +78,25 @@ def paused_then_killed(kernel: Kernel, server: Any, *, restart: Callable[[], Non
 
     server.signal(signal.SIGSTOP)  # paused: requests hang until a deadline
     try:
-        fails_within(kernel, Store([b"during-pause"], buffers=[block], deadline=1.0), 2.5)
+        fails_within(kernel, Store([b"during-pause"], buffers=[block], deadline=1.0), 2.5,
+                     raises=pause_raises)
+        if while_paused is not None:
+            while_paused(block)
         out = bytearray(block_size)  # the memory tier keeps serving meanwhile
         loaded = kernel.submit(Load([hot], buffers=[out], deadline=1.0)).result(5)
         assert loaded.ok and bytes(out) == block
     finally:
         server.signal(signal.SIGCONT)
-    until_ok(kernel, b"after-pause", block)
+    if resumes_at_once:
+        assert kernel.submit(Store([b"after-pause"], buffers=[block])).result(20).ok
+    else:
+        until_ok(kernel, b"after-pause", block, within=recover_within)
 
     server.signal(signal.SIGKILL)  # gone: fails fast, then recovers after a restart
     fails_within(kernel, Store([b"while-dead"], buffers=[block], deadline=3.0), 4)
     restart()
-    until_ok(kernel, b"after-restart", block)  # the same kernel and driver
+    until_ok(kernel, b"after-restart", block, within=recover_within)  # same kernel and driver
     out = bytearray(block_size)
     assert kernel.submit(Load([b"after-restart"], buffers=[out])).result(20).ok
     assert bytes(out) == block
+    return block

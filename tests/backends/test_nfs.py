@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from ucm.drivers.nfs import NfsDriver, NfsOptions
 from ucm.errors import StorageUnavailable
-from ucm.kernel import Kernel, Load, Store
+from ucm.kernel import Load
 
+from ._faults import memory_over, paused_then_killed
 from ._mooncake_nfs import Ganesha, run_script, scratch_dir
 
 MiB = 2**20
@@ -55,61 +54,19 @@ def own_ganesha():
     server.stop()
 
 
-def _kernel(server: Ganesha, root: str) -> Kernel:
-    nfs = {"driver": "nfs", "name": "nfs", **server.options(root, timeout=2.0,
-                                                              connect_timeout=1.0)}
-    kernel = Kernel({"tiers": [{"driver": "memory", "name": "mem"}, nfs],
-                     "namespace": "faults", "durability": "all", "promote": False})
-    kernel.start()
-    return kernel
-
-
 @pytest.mark.timeout(90)
 def test_paused_then_killed_server(own_ganesha, tmp_path):
-    kernel = _kernel(own_ganesha, scratch_dir(tmp_path))
-    try:
-        block = os.urandom(2 * MiB)
-        assert kernel.submit(Store([b"both"], buffers=[block])).result(10).ok
-        hot = b"mem-only"
-        kernel.submit(Store([hot], buffers=[block], durability="memory")).result(10)
-
-        own_ganesha.signal(signal.SIGSTOP)
-        try:
-            start = time.monotonic()
-            failed = kernel.submit(Store([b"during-pause"], buffers=[block], deadline=1.0))
-            assert failed.exception(10) is not None or not failed.result().ok
-            assert time.monotonic() - start < 2.5, "the deadline did not cut the call"
-            out = bytearray(2 * MiB)  # the memory tier keeps serving meanwhile
-            loaded = kernel.submit(Load([hot], buffers=[out], deadline=1.0)).result(5)
-            assert loaded.ok and bytes(out) == block
-        finally:
-            own_ganesha.signal(signal.SIGCONT)
-        _until_ok(kernel, b"after-pause", block)
-
-        own_ganesha.signal(signal.SIGKILL)
-        start = time.monotonic()
-        failed = kernel.submit(Store([b"while-dead"], buffers=[block], deadline=3.0))
-        assert failed.exception(10) is not None or not failed.result().ok
-        assert time.monotonic() - start < 4
-        own_ganesha.start()  # same export directory: the blocks are still there
-        _until_ok(kernel, b"after-restart", block)  # same kernel, same driver
-        out = bytearray(2 * MiB)
+    tier = {"driver": "nfs", "name": "nfs",
+            **own_ganesha.options(scratch_dir(tmp_path), timeout=2.0, connect_timeout=1.0)}
+    kernel = memory_over(tier)
+    try:  # same export directory after the restart: the blocks are still there
+        block = paused_then_killed(kernel, own_ganesha, restart=own_ganesha.start)
+        out = bytearray(len(block))
         result = kernel.submit(Load([b"both", b"after-restart"],
-                                    buffers=[out, bytearray(2 * MiB)])).result(20)
+                                    buffers=[out, bytearray(len(block))])).result(20)
         assert result.ok and bytes(out) == block
     finally:
         kernel.close()
-
-
-def _until_ok(kernel: Kernel, key: bytes, block: bytes) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        future = kernel.submit(Store([key], buffers=[block], deadline=5.0))
-        error = future.exception(20)
-        if error is None and future.result().ok:
-            return
-        assert time.monotonic() < deadline, f"the driver did not recover: {error or future}"
-        time.sleep(0.2)
 
 
 # --- two hosts -------------------------------------------------------------------------------
