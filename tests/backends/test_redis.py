@@ -206,7 +206,9 @@ def test_raw_baseline_moves_the_bytes_the_driver_moves(redis_options):
         raw.store([b"a", b"b"], [block, block])
         name = raw.prefix + b"a".hex().encode()
         assert raw.client.strlen(name) == 4096 + MiB  # a block's bytes: header + payload
-        raw.load([b"a", b"b"], MiB, 2)
+        outs = [memoryview(bytearray(MiB)) for _ in range(2)]
+        raw.load([b"a", b"b"], outs, 2)
+        assert bytes(outs[0]) == bytes(outs[1]) == bytes(block)
         raw.delete([b"a", b"b"])
         assert raw.client.exists(name) == 0
     finally:

@@ -411,11 +411,13 @@ class RawNfs:
                 f.write(self.header + buf)
             self.client.rename(tmp, f"{self.dir}/{key.hex()}")
 
-    def load(self, keys: list[bytes], size: int, batch: int) -> None:
-        out = [memoryview(bytearray(PAYLOAD_OFFSET + size)) for _ in range(batch)]
+    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
+        # Header and payload in one read, as the driver reads them; the network bounds both.
+        size = outs[0].nbytes
+        staged = [memoryview(bytearray(PAYLOAD_OFFSET + size)) for _ in range(batch)]
         for i, key in enumerate(keys):
             with self.client.open(f"{self.dir}/{key.hex()}", "rb") as f:
-                f.readinto(out[i % batch])
+                f.readinto(staged[i % batch])
 
     def delete(self, keys: list[bytes]) -> None:
         for key in keys:

@@ -391,13 +391,12 @@ class RawRedis:
             if not all(r is True for r in pipe.execute()):
                 raise RuntimeError("raw redis store failed")
 
-    def load(self, keys: list[bytes], size: int, batch: int) -> None:
-        out = [memoryview(bytearray(size)) for _ in range(batch)]
+    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
         for i in range(0, len(keys), batch):
             values = self.client.mget([self.prefix + k.hex().encode()
                                        for k in keys[i:i + batch]])
-            for j, value in enumerate(values):
-                out[j][:] = memoryview(value)[PAYLOAD_OFFSET:]
+            for out, value in zip(outs[i:i + batch], values, strict=True):
+                out[:] = memoryview(value)[PAYLOAD_OFFSET:]
 
     def delete(self, keys: list[bytes]) -> None:
         for i in range(0, len(keys), _SCAN_COUNT):

@@ -780,11 +780,10 @@ class RawS3:
             self.client.put_object(Bucket=self.bucket, Key=self.prefix + key.hex(),
                                    Body=self.header + buf)
 
-    def load(self, keys: list[bytes], size: int, batch: int) -> None:
-        out = [memoryview(bytearray(size)) for _ in range(batch)]
-        for i, key in enumerate(keys):
+    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
+        for key, out in zip(keys, outs, strict=True):
             body = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key.hex())
-            out[i % batch][:] = memoryview(body["Body"].read())[PAYLOAD_OFFSET:]
+            out[:] = memoryview(body["Body"].read())[PAYLOAD_OFFSET:]
 
     def delete(self, keys: list[bytes]) -> None:
         for i in range(0, len(keys), 1000):
