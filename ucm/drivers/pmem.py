@@ -45,6 +45,7 @@ import os
 import struct
 import threading
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -421,9 +422,14 @@ class PmemPool(Backend):
             raise BlockCorrupt("header and index disagree on the block's length")
         payload = start + PAYLOAD_OFFSET
         if header.codec is Codec.NONE:
+            # Checked where it lies, then copied: the extent cannot change in between (it
+            # stays allocated while this load holds it, and a store never writes into an
+            # allocated extent), so the bytes copied are the bytes checked. Checking first
+            # reads the block from memory once and the copy reads it from the CPU cache;
+            # checking the copy read it twice. A corrupt block never reaches `out`.
+            verify_payload(header, self.view[payload:payload + header.payload_len])
             if out.nbytes:
                 ctypes.memmove(buffer_address(out), self.addr + payload, out.nbytes)
-            verify_payload(header, out)
         else:
             decode_payload_into(header, self.view[payload:payload + header.payload_len], out)
         return LoadState.OK
@@ -560,53 +566,83 @@ _GRAB_BYTES = 2 * 2**20  # a thread takes a run of blocks of at most this many b
 _WIDE_BLOCK_BYTES = 256 * 2**10  # blocks at least this large (on average) use PARALLEL threads
 
 
-class _Spread:
-    """fn(keys[i], views[i]) for every i, on up to PARALLEL threads of trio's thread cache.
+class _Pump:
+    """The driver's copy threads: up to PARALLEL threads of trio's thread cache take runs from
+    the batches waiting here, oldest batch first.
 
-    Each thread takes the next run of blocks when it is free (one 2 MiB block, or eight of
-    256 KiB: fewer lock round trips, less trading of the GIL). A thread that wakes up late
-    (a busy machine) takes only what is left, and one that starts after the last run was
-    taken touches nothing. The thread that finishes the last run calls `then` (if any) and
-    wakes the waiting task: one wake-up back into trio, however many threads shared the work.
-    A large block is nearly all memcpy + xxh3 (both release the GIL), so two threads overlap
-    one block's copy with another's checksum."""
+    Batches in flight at once are served in turn rather than side by side, so the first one
+    finishes while the next is copied: its trips back into trio and out to its caller overlap
+    the next batch's copying instead of leaving the cores idle. (Side by side, batches of the
+    same size finish together and their hand-offs, 100-200 us each on a 2-vCPU VM, leave both
+    cores idle at once.) A thread keeps taking runs while any are left, so a busy pump starts
+    no threads at all."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self._queue: deque[_Spread] = deque()
+        self._threads = 0
+        self._limit = limit
+
+    def submit(self, spread: _Spread, threads: int) -> None:
+        with self._lock:
+            self._queue.append(spread)
+            start = max(0, min(threads, self._limit) - self._threads)
+            self._threads += start
+        for _ in range(start):
+            trio.lowlevel.start_thread_soon(self._drain, _ignore_outcome)  # no name: 2 syscalls
+
+    def _drain(self) -> None:
+        lock, queue = self._lock, self._queue
+        while True:
+            with lock:
+                while queue and queue[0].next >= len(queue[0].runs):
+                    queue.popleft()  # every run taken (some may still be running)
+                if not queue:
+                    self._threads -= 1
+                    return
+                spread = queue[0]
+                run = spread.runs[spread.next]
+                spread.next += 1
+                spread.taken += 1
+            spread.run_blocks(run)
+            with lock:
+                spread.taken -= 1
+                last = spread.next >= len(spread.runs) and not spread.taken
+            if last:  # the thread that finished the batch's last run
+                spread.finish()
+
+
+class _Spread:
+    """fn(keys[i], views[i]) for every i, in runs taken by the driver's _Pump threads.
+
+    A run is one 2 MiB block, or eight of 256 KiB (fewer lock round trips, less trading of
+    the GIL). The thread that finishes the last run calls `then` (if any) and wakes the
+    waiting task: one wake-up back into trio, however many threads shared the work. A large
+    block is nearly all memcpy + xxh3 (both release the GIL), so two threads overlap one
+    block's copy with another's checksum."""
 
     def __init__(self, fn: Callable[[bytes, memoryview], Any], keys: list[bytes],
                  views: list[memoryview], then: Callable[[_Spread], Any] | None = None) -> None:
         self.keys, self.views = keys, views
         self._fn, self._then = fn, then
-        self._next = iter(_chunks(views, _GRAB_BYTES))
-        self._lock = threading.Lock()
-        self._taken = 0
-        self._finished = False
+        self.runs = _chunks(views, _GRAB_BYTES)
+        self.next = 0  # the next run to take; `next` and `taken` are guarded by the pump lock
+        self.taken = 0  # runs being copied now
         self._wake: Callable[[], None] = lambda: None
         self.results: list[Any] = [None] * len(keys)
         self.errors: list[BaseException | None] = [None] * len(keys)
         self.outcome: Any = None  # what `then` returned
         self.error: BaseException | None = None  # what `then` raised
 
-    def _drain(self) -> None:
+    def run_blocks(self, run: slice) -> None:
         fn, keys, views, results = self._fn, self.keys, self.views, self.results
-        lock = self._lock
-        while True:
-            with lock:
-                run = next(self._next, None)
-                if run is None:  # the last thread out finds nothing left and nothing taken
-                    last = not self._taken and not self._finished
-                    self._finished |= last
-                    break
-                self._taken += 1
-            for i in range(run.start, run.stop):
-                try:
-                    results[i] = fn(keys[i], views[i])
-                except BaseException as exc:
-                    self.errors[i] = exc
-            with lock:
-                self._taken -= 1
-        if last:
-            self._finish()
+        for i in range(run.start, run.stop):
+            try:
+                results[i] = fn(keys[i], views[i])
+            except BaseException as exc:
+                self.errors[i] = exc
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         try:
             if self._then is not None:
                 self.outcome = self._then(self)
@@ -615,15 +651,14 @@ class _Spread:
         finally:
             self._wake()
 
-    async def run(self, threads: int) -> _Spread:
-        """Runs the blocks on `threads` threads and returns when all are done. A cancel lands
-        before they start or after they are done, never while they write into the caller's
-        buffers (as with trio.to_thread.run_sync without abandon_on_cancel)."""
+    async def run(self, pump: _Pump, threads: int) -> _Spread:
+        """Runs the blocks on up to `threads` pump threads and returns when all are done. A
+        cancel lands before they start or after they are done, never while they write into
+        the caller's buffers (as with trio.to_thread.run_sync without abandon_on_cancel)."""
         await trio.lowlevel.checkpoint_if_cancelled()
         token, task = trio.lowlevel.current_trio_token(), trio.lowlevel.current_task()
         self._wake = lambda: token.run_sync_soon(trio.lowlevel.reschedule, task)
-        for _ in range(max(1, threads)):
-            trio.lowlevel.start_thread_soon(self._drain, _ignore_outcome)  # no name: 2 syscalls
+        pump.submit(self, max(1, threads))
         await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
         return self
 
@@ -646,19 +681,18 @@ class PmemDriver(ThreadedDriver):
         super().__init__(pool, name=name)
         self.pool = pool
         self.inline_meta = True  # lookup and listing touch only the in-memory index
+        self._pump = _Pump(PARALLEL)
 
     async def _spread(self, fn: Callable[[bytes, memoryview], Any], keys: list[bytes],
                       views: list[memoryview],
                       then: Callable[[_Spread], Any] | None = None) -> _Spread:
         if self._closed:
             raise StorageUnavailable("driver is closed", driver=self.name)
-        # A part of large blocks gets PARALLEL threads, even while other parts run: a part
-        # waiting for its wake-ups leaves the cores to the others' threads (giving a part that
-        # starts while others run fewer threads measured 5-10% slower at 2 and 4 submitters).
-        # Small blocks cost more Python than copying: one thread (64 KiB blocks: 15% faster).
+        # A part of large blocks may use all PARALLEL pump threads. Small blocks cost more
+        # Python than copying: one thread (64 KiB blocks: 15% faster).
         nbytes = sum(v.nbytes for v in views)
         wide = nbytes >= SPLIT_BYTES and nbytes >= _WIDE_BLOCK_BYTES * len(keys) > 0
-        return await _Spread(fn, keys, views, then).run(PARALLEL if wide else 1)
+        return await _Spread(fn, keys, views, then).run(self._pump, PARALLEL if wide else 1)
 
     async def _load_part(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
         spread = await self._spread(self.pool.load_one, keys, views)
@@ -775,12 +809,10 @@ class RawPmem:
                 ctypes.memmove(dst, buffer_address(buf), buf.nbytes)
                 self.lib.pmem_msync(self.addr + at, length)
 
-    def load(self, keys: list[bytes], size: int, batch: int) -> None:
-        out = [memoryview(bytearray(size)) for _ in range(batch)]
-        for i, key in enumerate(keys):
-            dst = out[i % batch]
+    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
+        for key, dst in zip(keys, outs, strict=True):
             ctypes.memmove(buffer_address(dst), self.addr + self.slots[key] + PAYLOAD_OFFSET,
-                           size)
+                           dst.nbytes)
 
     def delete(self, keys: list[bytes]) -> None:
         with self.lock:
