@@ -132,7 +132,7 @@ class _DirectDriver:
 
 def _raw_baseline(tier: TierConfig, namespace: str) -> Any:
     """The driver module's own raw client (`raw_baseline(options, namespace)`: an object with
-    label, store(keys, bufs), load(keys, size, batch), delete(keys), close()), or None."""
+    label, store(keys, bufs), load(keys, outs, batch), delete(keys), close()), or None."""
     import importlib
 
     from ucm.drivers import available_drivers
