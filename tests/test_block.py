@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 
@@ -9,6 +10,7 @@ import pytest
 import xxhash
 
 from ucm.block import (
+    NATIVE_MIN,
     PAYLOAD_OFFSET,
     BlockHeader,
     Codec,
@@ -160,3 +162,61 @@ def test_scatter_checksum_copy_and_checks():
         Scatter([bytearray(4), b"read-only"])
     with pytest.raises(InvalidRequest, match="at least one part"):
         Scatter([])
+
+
+@pytest.mark.parametrize("size", [0, 1, NATIVE_MIN - 1, NATIVE_MIN, NATIVE_MIN + 4097, 3 << 20])
+def test_checksum_is_xxh3_at_every_size_and_shape(size):
+    """xxh3-64 of the bytes for read-only and writable buffers and for Scatters cut at any
+    place; copies (memmove from NATIVE_MIN up) land every byte."""
+    data = os.urandom(size)
+    want = xxhash.xxh3_64_intdigest(data)
+    assert checksum(data) == checksum(bytearray(data)) == checksum(memoryview(data)) == want
+    if size:
+        cuts = sorted({0, size // 3, size // 3 + 1, size - 1, size})
+        pieces = [bytearray(data[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
+        assert checksum(Scatter(pieces)) == want
+        copy = Scatter([bytearray(len(p)) for p in reversed(pieces)])  # other boundaries
+        copy_bytes(copy, data)
+        assert bytes(copy.gather()) == data and checksum(copy) == want
+
+
+def test_large_checksums_and_copies_leave_the_gil_to_other_threads():
+    """Another thread runs Python while a large block is hashed or copied. Held through the
+    call (as a slice assignment does), the GIL would stop every other thread: loader threads,
+    the kernel's trio thread, a vLLM step."""
+    import sys
+    import threading
+    import time
+
+    big = memoryview(bytearray(os.urandom(64 << 20)))
+    out = memoryview(bytearray(64 << 20))
+    pieces = Scatter([out[i:i + (1 << 20)] for i in range(0, out.nbytes, 1 << 20)])
+    stop, count = threading.Event(), [0]
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)  # gives the GIL back at once: it never holds up the caller
+
+    def ran_meanwhile(call) -> int:
+        """How often the other thread ran during one call (the GIL never changes hands
+        between the two reads of the count unless the call releases it)."""
+        before = count[0]
+        call()
+        return count[0] - before
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # no forced hand-offs: only a call that releases the GIL
+    thread = threading.Thread(target=other_thread)
+    try:
+        thread.start()
+        time.sleep(0.01)
+        assert ran_meanwhile(lambda: out.__setitem__(slice(None), big)) == 0  # GIL held
+        assert ran_meanwhile(lambda: checksum(big)) > 0
+        assert ran_meanwhile(lambda: checksum(pieces)) > 0
+        assert ran_meanwhile(lambda: copy_bytes(out, big)) > 0
+        assert ran_meanwhile(lambda: copy_bytes(pieces, big)) > 0
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        thread.join()

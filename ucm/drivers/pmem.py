@@ -58,6 +58,7 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     Codec,
     as_byte_view,
+    buffer_address,
     decode_header,
     decode_payload_into,
     encode_header,
@@ -131,21 +132,6 @@ def libpmem() -> Any:
         lib.pmem_errormsg.restype = ctypes.c_char_p
         _lib = lib
     return _lib
-
-
-_np: Any = None
-
-
-def buffer_address(view: memoryview) -> int:
-    """The address of a contiguous buffer, read-only ones included."""
-    global _np
-    if not view.readonly:  # ctypes is ~7x cheaper than numpy (0.2 vs 1.5 us a call)
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    if _np is None:  # imported once: an import statement per call cost 4 us more
-        import numpy
-
-        _np = numpy
-    return int(_np.frombuffer(view, _np.uint8).ctypes.data)
 
 
 class _NextFit(Extents):
