@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -95,6 +96,12 @@ class WorkerSide:
         log.info("ucm: %d layers, %d blocks of %d bytes, namespace %s, rank %d/%d",
                  len(self.layout.by_layer), self.layout.num_blocks, self.layout.block_bytes,
                  self.settings.namespace, self.settings.tp_rank, self.settings.tp_size)
+        if (self.layout.scatters and "GOMP_SPINCOUNT" not in os.environ
+                and "OMP_WAIT_POLICY" not in os.environ):
+            log.info("ucm: the KV cache is in CPU memory and OpenMP threads spin after each "
+                     "parallel region (300,000 rounds in libgomp), which slows loads that start "
+                     "just after one; GOMP_SPINCOUNT=3000 in the engine's environment avoids it "
+                     "(see ucm.vllm_run.OPENMP_SPIN)")
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
