@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="prompts per length")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
+                    help="ucm setups in the layerwise mode (each layer of a block stored on "
+                         "its own, loaded while earlier layers compute)")
     ap.add_argument("--setups", default="null,example,ucm-posix,ucm-shm",
                     help="connector setups (recompute always runs)")
     args = ap.parse_args(argv)
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     log = os.path.join(work, "engines.log")
     _say(f"model: {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.kv_heads} KV heads, "
          f"{SPEC.dtype}, block {args.block_size}; prompts {lengths}; repeat {args.repeat}; "
-         f"{os.cpu_count()} CPUs; logs {log}")
+         f"{os.cpu_count()} CPUs; ucm {'layerwise' if args.layerwise else 'whole blocks'}; "
+         f"logs {log}")
     model = str(build_model(os.path.join(work, "model"), SPEC))
     max_len = max(lengths) + 256
     base = {"model": model, "dtype": SPEC.dtype, "block_size": args.block_size,
@@ -137,12 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     def walls(result: dict, name: str, n: int) -> list[float]:
         return [_median_ms(result, f"{name}{n}.{i}") for i in range(args.repeat)]
 
+    ucm_extra = {"layerwise": True} if args.layerwise else {}
     ucm_posix = {"tiers": [{"driver": "posix", "path": os.path.join(work, "ucm-store")}]}
     ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm}]}
     connectors = [("example", {"connector": "example", "extra": {
                       "shared_storage_path": os.path.join(work, "example-store")}}),
-                  ("ucm-posix", {"connector": "ucm", "ucm": ucm_posix}),
-                  ("ucm-shm", {"connector": "ucm", "ucm": ucm_shm})]
+                  ("ucm-posix", {"connector": "ucm", "ucm": ucm_posix, "extra": ucm_extra}),
+                  ("ucm-shm", {"connector": "ucm", "ucm": ucm_shm, "extra": ucm_extra})]
     rows: dict[str, dict[int, Row]] = {}
     miss_ms: dict[str, dict[int, float]] = {}
     loaded_bytes: dict[int, int] = {}

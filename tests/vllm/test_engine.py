@@ -194,3 +194,44 @@ def test_bf16_with_block_size_128(tiny_bf16_model, tmp_path):
     assert cold["phases"][0]["tokens"] == base["phases"][0]["tokens"]
     assert warm["phases"][0]["tokens"] == base["phases"][0]["tokens"]
     assert warm["phases"][0]["num_cached_tokens"] == [640, 640]  # 5 of 6 blocks each
+
+
+def test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer(scenario):
+    """Layerwise: each layer of each block is stored as a block of its own; a second engine
+    loads them layer by layer (vLLM waits for each on entry to that attention layer) with
+    output identical to the baseline, and a corrupt layer makes its blocks recompute."""
+    store = str(scenario["root"] / "layerwise")
+    phases = [Phase([SINGLE], max_tokens=8, name="single"),
+              Phase(SHARED, max_tokens=8, name="shared")]
+    spec = _spec(scenario["model"], connector="ucm", ucm=_ucm(store),
+                 extra={"layerwise": True}, max_model_len=4096)
+    cold = run_in_subprocess(spec, phases, log_path=scenario["log"])
+    warm = run_in_subprocess(spec, phases, log_path=scenario["log"])
+    for name in ("single", "shared"):
+        assert _phase(cold, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
+        assert _phase(warm, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
+    assert _phase(warm, "single")["num_cached_tokens"] == [288]
+    files = _block_files(store)
+    by_block: dict[str, set[str]] = {}
+    for path in files:  # <digest hex><"/L" + layer, 2 bytes LE, hex>.blk
+        name = os.path.basename(path)[:-len(".blk")]
+        assert name[-8:-4] == b"/L".hex(), name
+        by_block.setdefault(name[:-8], set()).add(name[-4:])
+    layers = {len(s) for s in by_block.values()}
+    assert len(layers) == 1 and layers.pop() >= 2  # every block: one file per layer
+    loaded = warm["stats"]["worker"]
+    assert loaded["loaded_blocks"] >= 9 and not loaded.get("load_error_blocks")
+
+    layer1 = [p for p in files if os.path.basename(p).endswith(b"/L\x01\x00".hex() + ".blk")]
+    assert len(layer1) == len(by_block)
+    for path in layer1:  # layer 1 of every block corrupt: every block is recomputed
+        with open(path, "r+b") as f:
+            f.seek(5000)
+            byte = f.read(1)
+            f.seek(5000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    bad = run_in_subprocess(spec, [Phase([SINGLE], max_tokens=8, name="single")],
+                            log_path=scenario["log"])
+    assert _phase(bad, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
+    worker = bad["stats"]["worker"]
+    assert worker["load_error_blocks"] == 9 and worker["load_corrupt"] >= 1, worker

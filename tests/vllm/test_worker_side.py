@@ -10,6 +10,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 from ucm.config import load_config  # noqa: E402
+from ucm.kernel import Delete, Lookup  # noqa: E402
+from ucm.vllm_hook.keys import layer_key  # noqa: E402
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata  # noqa: E402
 from ucm.vllm_hook.settings import HookSettings, wait_running  # noqa: E402
 from ucm.vllm_hook.worker import WorkerSide  # noqa: E402
@@ -105,3 +107,36 @@ def test_snapshot_buffers_of_several_sizes_pick_the_smallest_that_fits():
         assert not worker._spare
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_layerwise_loads_each_layer_on_its_own_and_in_order(direct):
+    """Layerwise: each layer of a block is a block of its own. A layer is in the cache once
+    its wait returns (the later ones may still be loading), and a block missing one layer is
+    recomputed with every block after it in its request."""
+    worker, caches = _worker(f"ws-layerwise-{direct}", layerwise=True, direct_loads=direct)
+    try:
+        digests = [bytes([i]) * 16 for i in range(3)]
+        _save(worker, caches, BlockTransfer("a", [1, 2, 3], digests))
+        assert worker.stats["saved_blocks"] == 3
+        pieces = [layer_key(d, j) for d in digests for j in range(len(caches))]
+        assert all(worker.kernel.submit(Lookup(pieces)).result(10).hits)  # one per layer
+        assert not any(worker.kernel.submit(Lookup(digests)).result(10).hits)
+        original = {k: v.clone() for k, v in caches.items()}
+        for v in caches.values():
+            v.zero_()
+        # drop block 1's last layer: block 8 (and block 9 after it) must be recomputed
+        last = len(caches) - 1
+        worker.kernel.submit(Delete([layer_key(digests[1], last)])).result(10)
+        worker.start_load_kv(UCMConnectorMetadata(loads=[
+            BlockTransfer("b", [7, 8, 9], digests)]))
+        for name, v in caches.items():
+            worker.wait_for_layer_load(name)
+            assert torch.equal(v[7], original[name][1])  # in place once its wait returns
+        assert worker.get_block_ids_with_load_errors() == {8, 9}
+        assert worker.stats["loaded_blocks"] == 1 and worker.stats["load_error_blocks"] == 2
+        for v in caches.values():  # nothing outside the step's blocks was written
+            assert not v[[0, 1, 2, 3, 4, 5, 6, 10, 11]].any()
+    finally:
+        worker.shutdown()
+

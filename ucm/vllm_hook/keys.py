@@ -92,6 +92,12 @@ def rank_key(digest: bytes, rank: int, size: int) -> bytes:
                   person=b"ucm-rank")
 
 
+def layer_key(key: bytes, layer: int) -> bytes:
+    """The storage key of one layer of a block (the layerwise mode stores each layer of each
+    block as a block of its own, so a layer is verified, and can be used, on its own)."""
+    return key + b"/L" + layer.to_bytes(2, "little")
+
+
 class RequestChain:
     """A request's digests, extended as its tokens grow (prompt, then generated tokens)."""
 

@@ -72,6 +72,7 @@ class BlockLayout:
             raise ValueError("no KV cache tensors to register")
         self.segments: list[Segment] = []
         self.by_layer: dict[str, list[Segment]] = {}
+        self._first_segment: dict[str, int] = {}  # layer -> index of its first segment
         seen: set[tuple[int, int]] = set()
         offset = 0
         first = next(iter(kv_caches.values()))
@@ -83,6 +84,7 @@ class BlockLayout:
                 continue
             seen.add(ident)
             segs = []
+            self._first_segment[name] = len(self.segments)
             for part in _block_major_parts(tensor, self.num_blocks):
                 view = _byte_rows(part, name)
                 segs.append(Segment(name, view, offset, view.shape[1]))
@@ -104,6 +106,19 @@ class BlockLayout:
         if rows is None:
             rows = self._rows = [seg.view.numpy() for seg in self.segments]
         return Scatter([r[block_id] for r in rows])
+
+    def layer_span(self, layer: str) -> tuple[int, int]:
+        """(offset, bytes) of one layer's part of a ucm block (its segments are adjacent)."""
+        segs = self.by_layer[layer]
+        return segs[0].offset, sum(s.nbytes for s in segs)
+
+    def scatter_layer(self, block_id: int, layer: str) -> Scatter:
+        """One layer's pieces of block `block_id` in the cache (see `scatter`)."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = [seg.view.numpy() for seg in self.segments]
+        first = self._first_segment[layer]
+        return Scatter([rows[first + i][block_id] for i in range(len(self.by_layer[layer]))])
 
     def new_staging(self, n_blocks: int) -> torch.Tensor:
         pin = self.device.type == "cuda"

@@ -20,7 +20,7 @@ from typing import Any
 
 from ucm.errors import UCMError
 from ucm.kernel import Lookup
-from ucm.vllm_hook.keys import RequestChain, chain_seed, rank_key
+from ucm.vllm_hook.keys import RequestChain, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
     HookSettings,
@@ -114,6 +114,8 @@ class SchedulerSide:
             digests = st.chain.upto(tokens, n_full)
             size = self.settings.tp_size
             keys = [rank_key(d, r, size) for r in range(size) for d in digests]
+            if self.settings.layerwise:  # a block's first layer stands for the block
+                keys = [layer_key(k, 0) for k in keys]
             try:
                 st.lookup = kernel.submit(
                     Lookup(keys, prefix=size == 1, request_id=st.request.request_id))

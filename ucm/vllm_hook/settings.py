@@ -6,7 +6,8 @@ here (no vLLM import), so the option parsing is testable without an engine.
     kv_connector_extra_config = {
         "ucm": {...} | "ucm_config_file": "ucm.yaml",   # else the embedded default config
         "model_id": None,          # overrides the config fingerprint in the namespace
-        "layerwise": False,        # copy each layer into the cache just before it runs
+        "layerwise": False,        # each layer of a block stored on its own; a step's loads
+                                   # go layer by layer, later ones while earlier ones compute
         "direct_loads": True,      # host-memory caches: read blocks straight into the cache
         "lookup_wait": 0.002,      # s the scheduler waits inline before "ask again later"
         "lookup_timeout": 5.0,     # s after which an unanswered lookup counts as a miss

@@ -4,8 +4,10 @@ Loads: `start_load_kv` posts one Load event for every block the step needs. With
 host memory (vLLM on CPU) each block's target is a `Scatter` of its pieces in the cache, so the
 storage reads land straight in the KV cache: no staging buffer, no copy (`direct_loads`).
 Otherwise the load goes into a reused staging buffer, and the verified blocks are copied into
-the cache: all layers before the forward pass, or (layerwise) each layer just before it runs,
-in `wait_for_layer_load`. A block that does not load (missing, corrupt, I/O error,
+the cache before the forward pass. In the layerwise mode each layer of each block is stored as
+a ucm block of its own, and the step's loads go layer by layer (`_LayerwiseLoad`): vLLM waits
+for a layer in `wait_for_layer_load`, on entry to that attention layer, while the later layers
+are still loading. A block that does not load (missing, corrupt, I/O error,
 KernelBusy, deadline, `load_timeout`) is reported through `get_block_ids_with_load_errors`, and
 vLLM recomputes it and everything after it: its cache blocks may hold anything until then.
 A direct load that times out is cancelled and waited for until it has stopped, so nothing
@@ -26,6 +28,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,7 +36,7 @@ import torch
 from ucm.drivers import LoadState
 from ucm.errors import KernelClosed, UCMError
 from ucm.kernel import Load, Store
-from ucm.vllm_hook.keys import rank_key
+from ucm.vllm_hook.keys import layer_key, rank_key
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
@@ -60,6 +63,130 @@ class _PendingLoad:
         self.copied_layers: set[str] = set()
 
 
+class _LayerwiseLoad:
+    """One step's loads in the layerwise mode, where each layer of each block is a ucm block
+    of its own (`layer_key`): checked on its own, so a layer can be used as soon as it is in.
+
+    Layers load in forward order, two Load events in flight at a time (a finished one submits
+    the next from its done callback): the first layer arrives as fast as one layer can, and
+    the rest load while the layers before them compute. `wait_layer` (vLLM's
+    wait_for_layer_load, on entry to each attention layer) waits for one layer; `finish`
+    waits for every layer and says which blocks did not load whole."""
+
+    WINDOW = 2
+
+    def __init__(self, worker: WorkerSide, transfers: list[BlockTransfer],
+                 keys: list[bytes]) -> None:
+        self.worker, self.transfers, self.keys = worker, transfers, keys
+        layout = worker.layout
+        self.layers = list(layout.by_layer)
+        self.index = {name: i for i, name in enumerate(self.layers)}
+        self.block_ids = [b for t in transfers for b in t.block_ids]
+        self.direct = worker.settings.direct_loads and layout.scatters
+        self.staging: torch.Tensor | None = None
+        if not self.direct:
+            staging = worker._load_staging
+            if staging is None or staging.shape[0] < len(keys):
+                staging = worker._load_staging = layout.new_staging(len(keys))
+            self.staging = staging
+        self._lock = threading.Lock()
+        self._next = 0
+        self._closed = False  # no more submissions (a layer gave up waiting to be submitted)
+        self._submitted = [threading.Event() for _ in self.layers]
+        self.completions: list[concurrent.futures.Future | None] = [None] * len(self.layers)
+        self.states: list[tuple[LoadState, ...] | None] = [None] * len(self.layers)
+        self._waited: set[int] = set()
+        for _ in range(min(self.WINDOW, len(self.layers))):
+            self._submit_next()
+
+    def _submit_next(self) -> None:
+        with self._lock:
+            i = self._next
+            if i >= len(self.layers) or self._closed:
+                return
+            self._next += 1
+        name, layout = self.layers[i], self.worker.layout
+        completion = None
+        try:
+            keys = [layer_key(k, i) for k in self.keys]
+            if self.staging is None:
+                buffers = [layout.scatter_layer(b, name) for b in self.block_ids]
+            else:
+                off, nbytes = layout.layer_span(name)
+                buffers = [self.staging[r, off:off + nbytes].numpy()
+                           for r in range(len(self.keys))]
+            completion = self.worker.kernel.submit(
+                Load(keys, buffers=buffers, request_id=self.transfers[0].req_id))
+        except UCMError as exc:
+            log.warning("ucm: load of layer %s not submitted (%s); recomputing", name, exc)
+        except Exception:  # it may run on the kernel's thread: never raise there
+            log.exception("ucm: load of layer %s not submitted", name)
+        self.completions[i] = completion
+        self._submitted[i].set()
+        if completion is not None:
+            completion.add_done_callback(self._done)
+
+    def _done(self, _: concurrent.futures.Future) -> None:
+        try:  # on the kernel's trio thread: must not raise
+            self._submit_next()
+        except Exception:  # pragma: no cover
+            log.exception("ucm: layerwise load could not go on")
+
+    def wait_layer(self, name: str) -> None:
+        i = self.index.get(name)
+        if i is not None and i not in self._waited:
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        worker = self.worker
+        timeout = worker.settings.load_timeout
+        t0 = time.perf_counter()
+        if not self._submitted[i].wait(timeout):
+            with self._lock:
+                self._closed = True  # what is not submitted by now never will be
+        states = None
+        completion = self.completions[i] if self._submitted[i].is_set() else None
+        if completion is not None:
+            try:
+                states = completion.result(timeout=timeout).states
+            except concurrent.futures.TimeoutError:
+                completion.cancel()
+                worker.stats["load_timeouts"] += 1
+                if self.staging is None:
+                    worker._wait_stopped(completion)
+                else:
+                    worker._load_staging = None  # a driver may still write into it
+            except (UCMError, concurrent.futures.CancelledError) as exc:
+                worker.stats["load_failed_events"] += 1
+                log.warning("ucm: load of layer %s failed (%s); recomputing", self.layers[i],
+                            exc)
+        self.states[i] = states
+        self._waited.add(i)
+        worker.stats["load_wait_ns"] += int((time.perf_counter() - t0) * 1e9)
+        if self.staging is not None and states is not None:
+            row = 0
+            for t in self.transfers:
+                n = len(t.block_ids)
+                good = next((j for j in range(n) if states[row + j] is not LoadState.OK), n)
+                if good:
+                    worker.layout.copy_in(t.block_ids[:good], self.staging,
+                                          layer=self.layers[i], first_row=row)
+                row += n
+
+    def finish(self) -> None:
+        """Waits for every layer, then counts the step's loads and marks the blocks that did
+        not load whole (every layer) for recompute."""
+        for i in range(len(self.layers)):
+            if i not in self._waited:
+                self._wait(i)
+        rows: list[LoadState | None] = []
+        for r in range(len(self.keys)):
+            bad = next((s[r] if s is not None else None for s in self.states
+                        if s is None or s[r] is not LoadState.OK), LoadState.OK)
+            rows.append(bad)
+        self.worker._account(self.transfers, rows)
+
+
 class WorkerSide:
     def __init__(self, settings: HookSettings) -> None:
         self.settings = settings
@@ -68,6 +195,7 @@ class WorkerSide:
         self._kernel: Any = None
         self._load_staging: torch.Tensor | None = None
         self._load: _PendingLoad | None = None
+        self._layerwise: _LayerwiseLoad | None = None
         self._load_errors: set[int] = set()
         self._save_staging: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # snapshot buffers whose stores have ended
@@ -76,7 +204,7 @@ class WorkerSide:
         self._save_layers_done: set[str] = set()
         self._lock = threading.Lock()
         self._store_bytes = 0  # snapshots not yet written
-        self._stores: dict[int, tuple[concurrent.futures.Future, torch.Tensor]] = {}
+        self._stores: dict[int, tuple[concurrent.futures.Future, torch.Tensor, int]] = {}
         self._stores_idle = threading.Event()
         self._stores_idle.set()
 
@@ -105,10 +233,17 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
+        if self._layerwise is not None:  # a step whose load errors nobody asked for
+            self._layerwise.finish()
+            self._layerwise = None
         if not meta.loads or self.layout is None:
             return
         n = sum(len(t.block_ids) for t in meta.loads)
         keys = [self._key(d) for t in meta.loads for d in t.digests]
+        if self.settings.layerwise:
+            self._layerwise = _LayerwiseLoad(self, meta.loads, keys)
+            self.stats["load_blocks"] += n
+            return
         if self.settings.direct_loads and self.layout.scatters:
             staging = None
             buffers = [self.layout.scatter(b) for t in meta.loads for b in t.block_ids]
@@ -152,16 +287,23 @@ class WorkerSide:
                 self.stats["load_failed_events"] += 1
                 log.warning("ucm: load failed (%s); recomputing", exc)
         self.stats["load_wait_ns"] += int((time.perf_counter() - t0) * 1e9)
+        pending.ok_rows = self._account(pending.transfers, states)
+
+    def _account(self, transfers: list[BlockTransfer],
+                 states: Sequence[LoadState | None] | None) -> list[tuple[BlockTransfer, int, int]]:
+        """Counts a step's loads (states by row, None: the whole load failed) and marks each
+        request's blocks from its first failed one on for recompute (prefix semantics).
+        Returns (transfer, first row, rows loaded) per request."""
         ok_rows = []
         row = 0
-        for t in pending.transfers:
+        for t in transfers:
             n = len(t.block_ids)
             good = 0
             if states is not None:
                 while good < n and states[row + good] is LoadState.OK:
                     good += 1
                 for s in states[row + good:row + n]:
-                    self.stats[f"load_{s.name.lower()}"] += 1
+                    self.stats[f"load_{(s or LoadState.FAILED).name.lower()}"] += 1
             else:
                 self.stats["load_failed"] += n
             if good < n:
@@ -171,7 +313,7 @@ class WorkerSide:
             self.stats["loaded_bytes"] += good * self.layout.block_bytes
             ok_rows.append((t, row, good))
             row += n
-        pending.ok_rows = ok_rows
+        return ok_rows
 
     def _wait_stopped(self, completion: concurrent.futures.Future) -> None:
         """Waits until a cancelled direct load has stopped writing into the cache. Drivers
@@ -193,6 +335,9 @@ class WorkerSide:
                                     first_row=first_row)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._layerwise is not None:
+            self._layerwise.wait_layer(layer_name)
+            return
         pending = self._load
         if pending is None or layer_name in pending.copied_layers:
             return
@@ -201,6 +346,9 @@ class WorkerSide:
         pending.copied_layers.add(layer_name)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._layerwise is not None:  # every layer waited for: nothing writes any more
+            self._layerwise.finish()
+            self._layerwise = None
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -240,6 +388,12 @@ class WorkerSide:
         self.layout.synchronize()
         keys = [self._key(d) for t, _ in rows for d in t.digests]
         buffers = [staging[i].numpy() for i in range(len(keys))]
+        per_block = 1
+        if self.settings.layerwise:  # each layer of each block: a block of its own
+            spans = [self.layout.layer_span(name) for name in self.layout.by_layer]
+            per_block = len(spans)
+            keys = [layer_key(k, j) for k in keys for j in range(per_block)]
+            buffers = [b[off:off + nbytes] for b in buffers for off, nbytes in spans]
         try:
             if not self._kernel.running:
                 raise KernelClosed("the kernel has not started")
@@ -250,10 +404,10 @@ class WorkerSide:
             self._release(staging)
             return
         with self._lock:
-            self._stores[id(completion)] = (completion, staging)
+            self._stores[id(completion)] = (completion, staging, per_block)
             self._stores_idle.clear()
         completion.add_done_callback(self._store_done)
-        self.stats["save_blocks"] += len(keys)
+        self.stats["save_blocks"] += len(keys) // per_block
 
     def _store_done(self, completion: concurrent.futures.Future) -> None:
         # Runs on the kernel's trio thread (or here if already done): must not raise.
@@ -264,14 +418,15 @@ class WorkerSide:
                     self._stores_idle.set()
             if entry is None:
                 return
-            staging = entry[1]
+            _, staging, per_block = entry
             self._release(staging)
             if completion.cancelled() or completion.exception() is not None:
                 self.stats["save_failed_events"] += 1
             else:
-                result = completion.result()
-                self.stats["saved_blocks"] += sum(result.stored)
-                self.stats["save_failed_blocks"] += result.stored.count(False)
+                stored = completion.result().stored
+                whole = [all(stored[i:i + per_block]) for i in range(0, len(stored), per_block)]
+                self.stats["saved_blocks"] += sum(whole)
+                self.stats["save_failed_blocks"] += whole.count(False)
         except Exception:  # pragma: no cover - never let the trio thread see an error
             log.exception("ucm: store callback failed")
 
