@@ -12,6 +12,7 @@ Modules and the process each runs in:
     scheduler.py   the scheduler process (EngineCore): lookups, hit accounting, plans
     layout.py      the worker process: block byte ranges and staging copies (torch)
     worker.py      the worker process: loads, saves, load-error reporting
+    hugepages.py   the worker process: a host-memory KV cache collapsed into huge pages
     sparse.py      the worker process: sparse decode attention (kv_connector_extra_config
                    "sparse"); wraps vLLM 0.32.0's CPUAttentionBackendImpl.forward
     connector.py   both: the KVConnectorBase_V1 facade that builds one side by role

@@ -9,6 +9,8 @@ here (no vLLM import), so the option parsing is testable without an engine.
         "layerwise": False,        # each layer of a block stored on its own; a step's loads
                                    # go layer by layer, later ones while earlier ones compute
         "direct_loads": True,      # host-memory caches: read blocks straight into the cache
+        "hugepages": True,         # host-memory caches: collapse (up to 4 GiB of) them into
+                                   # huge pages at start: loads copy faster (hugepages.py)
         "lookup_wait": 0.002,      # s the scheduler waits inline before "ask again later"
         "lookup_timeout": 5.0,     # s after which an unanswered lookup counts as a miss
         "start_timeout": 30.0,     # s lookups wait for the kernel to open its tiers (it lists
@@ -38,7 +40,8 @@ from ucm.vllm_hook.keys import make_namespace, model_identity
 
 log = logging.getLogger("ucm.vllm_hook")
 
-_OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "lookup_wait",
+_OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "hugepages",
+                "lookup_wait",
                 "lookup_timeout", "start_timeout", "load_timeout", "max_store_bytes",
                 "save_generated", "load_failure", "sparse"}
 
@@ -52,6 +55,7 @@ class HookSettings:
     tp_size: int = 1
     layerwise: bool = False
     direct_loads: bool = True
+    hugepages: bool = True
     lookup_wait: float = 0.002
     lookup_timeout: float = 5.0
     start_timeout: float = 30.0
@@ -98,6 +102,7 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         tp_size=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
         layerwise=bool(extra.get("layerwise", False)),
         direct_loads=bool(extra.get("direct_loads", True)),
+        hugepages=bool(extra.get("hugepages", True)),
         lookup_wait=float(extra.get("lookup_wait", 0.002)),
         lookup_timeout=float(extra.get("lookup_timeout", base.deadline or 5.0)),
         start_timeout=float(extra.get("start_timeout", 30.0)),

@@ -36,6 +36,7 @@ import torch
 from ucm.drivers import LoadState
 from ucm.errors import KernelClosed, UCMError
 from ucm.kernel import Load, Store
+from ucm.vllm_hook.hugepages import collapse_cache
 from ucm.vllm_hook.keys import layer_key, rank_key
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
@@ -221,6 +222,10 @@ class WorkerSide:
                            num_blocks: int | None = None) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
         self._kernel = acquire_kernel(self.settings.ucm_config, register=True)
+        if self.layout.scatters and self.settings.hugepages:
+            regions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                       for t in kv_caches.values()}
+            collapse_cache(regions)
         log.info("ucm: %d layers, %d blocks of %d bytes, namespace %s, rank %d/%d",
                  len(self.layout.by_layer), self.layout.num_blocks, self.layout.block_bytes,
                  self.settings.namespace, self.settings.tp_rank, self.settings.tp_size)
