@@ -9,8 +9,8 @@ here (no vLLM import), so the option parsing is testable without an engine.
         "layerwise": False,        # each layer of a block stored on its own; a step's loads
                                    # go layer by layer, later ones while earlier ones compute
         "direct_loads": True,      # host-memory caches: read blocks straight into the cache
-        "hugepages": True,         # host-memory caches: collapse (up to 4 GiB of) them into
-                                   # huge pages at start: loads copy faster (hugepages.py)
+        "hugepages": False,        # host-memory caches: collapse (up to 4 GiB of) them into
+                                   # huge pages at start (hugepages.py says when it pays)
         "lookup_wait": 0.002,      # s the scheduler waits inline before "ask again later"
         "lookup_timeout": 5.0,     # s after which an unanswered lookup counts as a miss
         "start_timeout": 30.0,     # s lookups wait for the kernel to open its tiers (it lists
@@ -55,7 +55,7 @@ class HookSettings:
     tp_size: int = 1
     layerwise: bool = False
     direct_loads: bool = True
-    hugepages: bool = True
+    hugepages: bool = False
     lookup_wait: float = 0.002
     lookup_timeout: float = 5.0
     start_timeout: float = 30.0
@@ -102,7 +102,7 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         tp_size=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
         layerwise=bool(extra.get("layerwise", False)),
         direct_loads=bool(extra.get("direct_loads", True)),
-        hugepages=bool(extra.get("hugepages", True)),
+        hugepages=bool(extra.get("hugepages", False)),
         lookup_wait=float(extra.get("lookup_wait", 0.002)),
         lookup_timeout=float(extra.get("lookup_timeout", base.deadline or 5.0)),
         start_timeout=float(extra.get("start_timeout", 30.0)),
