@@ -102,10 +102,13 @@ class BlockLayout:
     def scatter(self, block_id: int) -> Scatter:
         """Block `block_id`'s pieces in the cache, in ucm block order: a load target that
         skips the staging buffer. Host memory only."""
-        rows = self._rows
-        if rows is None:
-            rows = self._rows = [seg.view.numpy() for seg in self.segments]
-        return Scatter([r[block_id] for r in rows])
+        return Scatter([r[block_id] for r in self._segment_rows()])
+
+    def _segment_rows(self) -> list:
+        """numpy views of the segments (block id -> bytes), made on first use."""
+        if self._rows is None:
+            self._rows = [seg.view.numpy() for seg in self.segments]
+        return self._rows
 
     def layer_span(self, layer: str) -> tuple[int, int]:
         """(offset, bytes) of one layer's part of a ucm block (its segments are adjacent)."""
@@ -114,9 +117,7 @@ class BlockLayout:
 
     def scatter_layer(self, block_id: int, layer: str) -> Scatter:
         """One layer's pieces of block `block_id` in the cache (see `scatter`)."""
-        rows = self._rows
-        if rows is None:
-            rows = self._rows = [seg.view.numpy() for seg in self.segments]
+        rows = self._segment_rows()
         first = self._first_segment[layer]
         return Scatter([rows[first + i][block_id] for i in range(len(self.by_layer[layer]))])
 

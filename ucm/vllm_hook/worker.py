@@ -140,30 +140,14 @@ class _LayerwiseLoad:
 
     def _wait(self, i: int) -> None:
         worker = self.worker
-        timeout = worker.settings.load_timeout
-        t0 = time.perf_counter()
-        if not self._submitted[i].wait(timeout):
+        if not self._submitted[i].wait(worker.settings.load_timeout):
             with self._lock:
                 self._closed = True  # what is not submitted by now never will be
-        states = None
         completion = self.completions[i] if self._submitted[i].is_set() else None
-        if completion is not None:
-            try:
-                states = completion.result(timeout=timeout).states
-            except concurrent.futures.TimeoutError:
-                completion.cancel()
-                worker.stats["load_timeouts"] += 1
-                if self.staging is None:
-                    worker._wait_stopped(completion)
-                else:
-                    worker._load_staging = None  # a driver may still write into it
-            except (UCMError, concurrent.futures.CancelledError) as exc:
-                worker.stats["load_failed_events"] += 1
-                log.warning("ucm: load of layer %s failed (%s); recomputing", self.layers[i],
-                            exc)
+        states = worker._await_load(completion, direct=self.staging is None,
+                                    what=f"load of layer {self.layers[i]}")
         self.states[i] = states
         self._waited.add(i)
-        worker.stats["load_wait_ns"] += int((time.perf_counter() - t0) * 1e9)
         if self.staging is not None and states is not None:
             row = 0
             for t in self.transfers:
@@ -276,23 +260,31 @@ class WorkerSide:
         """Waits for the Load and decides, per request, how many leading blocks loaded."""
         if pending.ok_rows is not None:
             return
+        states = self._await_load(pending.completion, direct=pending.staging is None)
+        pending.ok_rows = self._account(pending.transfers, states)
+
+    def _await_load(self, completion: concurrent.futures.Future | None, *, direct: bool,
+                    what: str = "load") -> tuple[LoadState, ...] | None:
+        """Waits up to `load_timeout` for a Load; its states, or None when it failed. A load
+        that times out is cancelled; a direct one is waited for until it has stopped writing
+        into the cache, a staged one gives up its staging buffer."""
         t0 = time.perf_counter()
-        states: tuple[LoadState, ...] | None = None
-        if pending.completion is not None:
+        states = None
+        if completion is not None:
             try:
-                states = pending.completion.result(timeout=self.settings.load_timeout).states
+                states = completion.result(timeout=self.settings.load_timeout).states
             except concurrent.futures.TimeoutError:
-                pending.completion.cancel()
+                completion.cancel()
                 self.stats["load_timeouts"] += 1
-                if pending.staging is None:
-                    self._wait_stopped(pending.completion)
+                if direct:
+                    self._wait_stopped(completion)
                 else:
                     self._load_staging = None  # a driver may still write into it
             except (UCMError, concurrent.futures.CancelledError) as exc:
                 self.stats["load_failed_events"] += 1
-                log.warning("ucm: load failed (%s); recomputing", exc)
+                log.warning("ucm: %s failed (%s); recomputing", what, exc)
         self.stats["load_wait_ns"] += int((time.perf_counter() - t0) * 1e9)
-        pending.ok_rows = self._account(pending.transfers, states)
+        return states
 
     def _account(self, transfers: list[BlockTransfer],
                  states: Sequence[LoadState | None] | None) -> list[tuple[BlockTransfer, int, int]]:
