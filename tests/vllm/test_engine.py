@@ -235,3 +235,17 @@ def test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer(scenario)
     assert _phase(bad, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
     worker = bad["stats"]["worker"]
     assert worker["load_error_blocks"] == 9 and worker["load_corrupt"] >= 1, worker
+
+    # The last layer of every block gone: the scheduler looks up every layer, so it claims
+    # nothing (before, layer 0 stood for the block: 9 blocks claimed, then 9 failed loads).
+    last = max(int.from_bytes(bytes.fromhex(os.path.basename(p)[-8:-4]), "little")
+               for p in _block_files(store))
+    for path in _block_files(store):
+        if os.path.basename(path).endswith(b"/L".hex() + last.to_bytes(2, "little").hex()
+                                           + ".blk"):
+            os.unlink(path)
+    gone = run_in_subprocess(spec, [Phase([SINGLE], max_tokens=8, name="single")],
+                             log_path=scenario["log"])
+    assert _phase(gone, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
+    assert _phase(gone, "single")["num_cached_tokens"] == [0]
+    assert not gone["stats"]["worker"].get("load_error_blocks"), gone["stats"]["worker"]

@@ -11,10 +11,15 @@ import pytest
 pytest.importorskip("vllm")
 
 from ucm.config import load_config
-from ucm.kernel import Kernel, Store
-from ucm.vllm_hook.keys import chain_digests, chain_seed, rank_key
+from ucm.kernel import Delete, Kernel, Store
+from ucm.vllm_hook.keys import chain_digests, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.scheduler import SchedulerSide
-from ucm.vllm_hook.settings import HookSettings, acquire_kernel, release_kernel
+from ucm.vllm_hook.settings import (
+    HookSettings,
+    acquire_kernel,
+    kv_layer_count,
+    release_kernel,
+)
 
 BS = 4
 
@@ -78,6 +83,40 @@ def test_tp_hit_needs_every_rank():
     finally:
         release_kernel(kernel)
         kernel.close()
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_layerwise_hit_needs_every_layer_of_a_block(tp_size):
+    """Layerwise, each layer of a block is a key of its own: a block whose later layer was
+    evicted is not claimed (it would only fail to load and be recomputed)."""
+    settings = _settings({"tiers": [{"driver": "memory"}]}, layerwise=True, tp_size=tp_size)
+    kernel = _wait_running(acquire_kernel(settings.ucm_config, register=True))
+    try:
+        tokens = list(range(21))  # 5 full blocks
+        digests = chain_digests(chain_seed("test-ns"), tokens, BS, 5)
+        keys = [layer_key(rank_key(d, r, tp_size), i)
+                for r in range(tp_size) for d in digests for i in range(3)]
+        kernel.submit(Store(keys, buffers=[b"x" * 64] * len(keys))).result(10)
+        side = SchedulerSide(settings, layers=3)
+        assert _answer(side, _request("a", tokens)) == (20, False)
+        last_layer_of_block_2 = layer_key(rank_key(digests[2], tp_size - 1, tp_size), 2)
+        kernel.submit(Delete([last_layer_of_block_2])).result(10)
+        assert _answer(side, _request("b", tokens)) == (8, False)  # blocks 0 and 1
+        # Without the layer count only the first layer is looked up (and a warning says so).
+        assert _answer(SchedulerSide(settings), _request("c", tokens)) == (20, False)
+    finally:
+        release_kernel(kernel)
+        kernel.close()
+
+
+def test_layer_count_comes_from_the_kv_cache_groups():
+    def group(*names):
+        return SimpleNamespace(layer_names=list(names))
+
+    config = SimpleNamespace(kv_cache_groups=[group("l.0", "l.1"), group("l.2", "l.1")])
+    assert kv_layer_count(config) == 3
+    assert kv_layer_count(SimpleNamespace(kv_cache_groups=[])) is None
+    assert kv_layer_count(None) is None
 
 
 def test_hanging_storage_answers_later_then_misses(tmp_path):

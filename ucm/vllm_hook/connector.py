@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
-from ucm.vllm_hook.settings import settings_from_vllm
+from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
 from ucm.vllm_hook.sparse import SparseAttention, sparse_config
 
 if TYPE_CHECKING:
@@ -43,7 +43,8 @@ class UCMConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from ucm.vllm_hook.scheduler import SchedulerSide
 
-            self.scheduler = SchedulerSide(self.settings)
+            self.scheduler = SchedulerSide(self.settings,
+                                           layers=kv_layer_count(kv_cache_config))
             # A block that does not load is a miss: vLLM recomputes it (unless the user asked
             # for "fail"). The scheduler reads this right after building its connector.
             kvt = vllm_config.kv_transfer_config
@@ -54,6 +55,7 @@ class UCMConnector(KVConnectorBase_V1):
 
             self.worker = WorkerSide(self.settings)
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
+            self._layers = kv_layer_count(kv_cache_config)
             config = sparse_config(self.settings.extra, self.settings.block_size)
             if config is not None:  # wraps vLLM's CPU attention (ucm.vllm_hook.sparse)
                 self.sparse = SparseAttention(config, self.worker)
@@ -84,6 +86,10 @@ class UCMConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches, self._num_blocks)
+        if self.settings.layerwise and self._layers not in (None, len(kv_caches)):
+            # The scheduler looks up this many layers per block; stores write len(kv_caches).
+            log.warning("ucm: vLLM's KV cache config names %d layers but %d caches were "
+                        "registered; layerwise lookups will miss", self._layers, len(kv_caches))
         if self.sparse is not None:
             self.sparse.register(list(kv_caches))
 

@@ -48,9 +48,17 @@ class _RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, settings: HookSettings) -> None:
+    def __init__(self, settings: HookSettings, *, layers: int | None = None) -> None:
+        """`layers`: the KV cache layers of the model (vLLM's KVCacheConfig). The layerwise
+        mode stores each layer of a block on its own, so a block is a hit only when every
+        layer is stored; without the count only the first layer is looked up."""
         self.settings = settings
         self.block_size = settings.block_size
+        self.layers = (layers or 1) if settings.layerwise else 1
+        if settings.layerwise and not layers:
+            log.warning("ucm: layerwise lookups check each block's first layer only (vLLM "
+                        "passed no KV cache config): a block missing a later layer is "
+                        "claimed, then recomputed")
         self.stats: Counter[str] = Counter()
         self._reqs: dict[str, _RequestState] = {}
         self._kernel: Any = None
@@ -114,8 +122,8 @@ class SchedulerSide:
             digests = st.chain.upto(tokens, n_full)
             size = self.settings.tp_size
             keys = [rank_key(d, r, size) for r in range(size) for d in digests]
-            if self.settings.layerwise:  # a block's first layer stands for the block
-                keys = [layer_key(k, 0) for k in keys]
+            if self.settings.layerwise:  # each block's layers, in order, block after block
+                keys = [layer_key(k, i) for k in keys for i in range(self.layers)]
             try:
                 st.lookup = kernel.submit(
                     Lookup(keys, prefix=size == 1, request_id=st.request.request_id))
@@ -136,10 +144,11 @@ class SchedulerSide:
         except (UCMError, concurrent.futures.CancelledError) as exc:
             return self._lookup_failed(st, exc)
         st.lookup = None
-        # With TP, a block is a hit only when every rank's shard is stored.
-        hits, n = result.hits, n_full
+        # With TP, a block is a hit only when every rank's shard is stored; layerwise, only
+        # when every layer is.
+        hits, n = result.hits, n_full * self.layers
         per_rank = [hits[r * n:(r + 1) * n] for r in range(self.settings.tp_size)]
-        return min(_leading(h) for h in per_rank)
+        return min(_leading(h) for h in per_rank) // self.layers
 
     def _lookup_failed(self, st: _RequestState, exc: BaseException) -> int:
         st.lookup = None

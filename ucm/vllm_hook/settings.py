@@ -115,6 +115,16 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
     )
 
 
+def kv_layer_count(kv_cache_config: Any) -> int | None:
+    """The number of KV cache layers vLLM gives the connector (`KVCacheConfig`'s groups), the
+    same on the scheduler and the workers; None when vLLM passed no config."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return None
+    names = {name for group in groups for name in getattr(group, "layer_names", ())}
+    return len(names) or None
+
+
 def _tp_rank() -> int:
     """This worker's TP rank (0 in the scheduler process and when TP is not set up)."""
     try:
