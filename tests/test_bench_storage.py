@@ -69,3 +69,25 @@ def test_each_block_has_memory_of_its_own(tmp_path):
         assert all(b - a >= 64 * KiB for a, b in itertools.pairwise(starts))  # no overlap
     assert len({bytes(v) for v in sources}) == 1  # one random block's bytes, copied
     assert all(v.readonly is False for v in outs)
+
+
+@pytest.mark.parametrize(("batch_bytes", "per_event"), [(256 * KiB, 4), (MiB, 16), (64 * MiB, 16)])
+def test_batch_sets_the_blocks_per_event(batch_bytes, per_event):
+    """`--batch`: each submitter's blocks go in events of that many bytes (1 to 64 blocks)."""
+    tier = TierConfig.model_validate({"driver": "memory", "name": "mem"})
+    bench = TierBench(tier, total_bytes=2 * MiB, repeat=1, batch_bytes=batch_bytes)
+    sizes: dict[str, list[int]] = {"Store": [], "Load": []}
+    submit = bench.kernel.submit
+
+    def counting(event):
+        sizes.setdefault(type(event).__name__, []).append(len(event.keys))
+        return submit(event)
+
+    bench.kernel.submit = counting
+    try:
+        bench.run_size(64 * KiB, 2)  # 32 blocks, 16 per submitter
+    finally:
+        bench.kernel.submit = submit
+        bench.close()
+    for op in ("Store", "Load"):  # each of 2 submitters sends its 16 blocks
+        assert sizes[op] == [per_event] * (2 * 16 // per_event), op

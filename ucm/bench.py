@@ -60,8 +60,12 @@ class Record:
         return None
 
 
-def _batch_for(size: int) -> int:
-    return max(1, min(64, (16 * MiB) // size))
+DEFAULT_BATCH_BYTES = 16 * MiB
+
+
+def _batch_for(size: int, batch_bytes: int = DEFAULT_BATCH_BYTES) -> int:
+    """Blocks per event: `batch_bytes` worth, 1 to 64."""
+    return max(1, min(64, batch_bytes // size))
 
 
 def _split(items: list, parts: int) -> list[list]:
@@ -147,11 +151,13 @@ def _raw_baseline(tier: TierConfig, namespace: str) -> Any:
 class TierBench:
     """Benchmarks one tier: a one-tier kernel and its baseline over the same blocks."""
 
-    def __init__(self, tier: TierConfig, *, total_bytes: int, repeat: int) -> None:
+    def __init__(self, tier: TierConfig, *, total_bytes: int, repeat: int,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
         self.tier = tier
         self.name = tier.name or tier.driver
         self.total_bytes = total_bytes
         self.repeat = repeat
+        self.batch_bytes = batch_bytes
         self.namespace = f"ucm-bench-{os.getpid()}"
         single = {"driver": tier.driver, "name": self.name, "codec": tier.codec,
                   "concurrency": max(tier.concurrency, 8),
@@ -293,7 +299,7 @@ class TierBench:
         return best_k, best_b
 
     def run_size(self, size: int, concurrency: int) -> list[Record]:
-        batch = _batch_for(size)
+        batch = _batch_for(size, self.batch_bytes)
         keys, bufs = self._blocks(size, "b")
         nbytes = len(keys) * size
         # (keys, sources, load buffers) of each submitter; every side uses the same memory.
@@ -431,7 +437,8 @@ def print_table(records: list[Record]) -> None:
 
 def run_storage_bench(config: UCMConfig, *, sizes: tuple[int, ...],
                       concurrency: tuple[int, ...], total_bytes: int, repeat: int,
-                      drivers: list[str] | None) -> list[Record]:
+                      drivers: list[str] | None,
+                      batch_bytes: int = DEFAULT_BATCH_BYTES) -> list[Record]:
     from rich.progress import Progress
 
     tiers = [t for t in config.tiers if drivers is None or (t.name or t.driver) in drivers]
@@ -440,7 +447,8 @@ def run_storage_bench(config: UCMConfig, *, sizes: tuple[int, ...],
     with Progress(transient=True) as progress:
         task = progress.add_task("benchmarking", total=steps)
         for tier in tiers:
-            bench = TierBench(tier, total_bytes=total_bytes, repeat=repeat)
+            bench = TierBench(tier, total_bytes=total_bytes, repeat=repeat,
+                              batch_bytes=batch_bytes)
             try:
                 for size in sizes:
                     for conc in concurrency:
@@ -476,6 +484,9 @@ def run_bench(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     parser.add_argument("--total", default="256MiB", help="bytes moved per cell")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--batch", default="16MiB",
+                        help="bytes per Load/Store event (1 to 64 blocks; a vLLM step loads "
+                             "all of a request's hit blocks in one event)")
     parser.add_argument("--driver", action="append", help="only these tiers (by name)")
     args = parser.parse_args(argv)
     if args.what == "policy":
@@ -488,10 +499,11 @@ def run_bench(argv: list[str] | None = None) -> int:
     print(f"ucm bench: {len(config.tiers)} tier(s) "
           f"[{', '.join(t.name or t.driver for t in config.tiers)}], sizes "
           f"{', '.join(_format_size(s) for s in sizes)}, concurrency {concurrency}, "
-          f"{args.total} per cell, best of {args.repeat}, {os.cpu_count()} CPUs")
+          f"{args.total} per cell, {args.batch} per event, best of {args.repeat}, "
+          f"{os.cpu_count()} CPUs")
     records = run_storage_bench(config, sizes=sizes, concurrency=concurrency,
                                 total_bytes=_parse_size(args.total), repeat=args.repeat,
-                                drivers=args.driver)
+                                drivers=args.driver, batch_bytes=_parse_size(args.batch))
     print_table(records)
     if args.json:
         with open(args.json, "w") as fh:
