@@ -8,8 +8,35 @@ if [ ! -x .venv/bin/python ]; then
     echo "[setup] creating .venv"
     python3 -m venv .venv
 fi
+# ucm._hostcopy (setup.py, native/hostcopy.c) needs a C compiler, Python's headers and
+# xxhash.h. Without them ucm still installs and runs; its verified copies are then slower.
+build_deps=()
+command -v gcc >/dev/null || build_deps+=(gcc)
+[ -f /usr/include/xxhash.h ] || build_deps+=(libxxhash-dev)
+.venv/bin/python -c 'import os, sysconfig, sys
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
+    build_deps+=(python3-dev)
+if [ ${#build_deps[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        echo "[setup] installing ${build_deps[*]} (apt) for ucm's native copy helper"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
+            "${build_deps[@]}" >/dev/null 2>&1 || {
+            apt-get -o DPkg::Lock::Timeout=300 update -qq
+            apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
+                "${build_deps[@]}" >/dev/null
+        }
+    else
+        echo "[setup] missing ${build_deps[*]} (not root): ucm builds without its native" \
+             "copy helper" >&2
+    fi
+fi
 stamp=".venv/.ucm-installed-${extras//,/-}"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+native_missing() {  # buildable here, yet not built (a checkout from before it existed)
+    [ -f /usr/include/xxhash.h ] && ! compgen -G "ucm/_hostcopy*.so" >/dev/null
+}
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] ||
+        [ native/hostcopy.c -nt "$stamp" ] || native_missing; then
     echo "[setup] installing ucm[$extras] into .venv"
     .venv/bin/pip install --quiet --upgrade pip
     .venv/bin/pip install --quiet -e ".[$extras]"

@@ -18,10 +18,13 @@ from ucm.block import (
     check_key,
     checksum,
     copy_bytes,
+    copy_hashed,
+    copy_verified,
     decode_header,
     decode_payload_into,
     encode_header,
     encode_payload,
+    native_copy_available,
     verify_payload,
 )
 from ucm.errors import BlockCorrupt, InvalidRequest
@@ -216,7 +219,63 @@ def test_large_checksums_and_copies_leave_the_gil_to_other_threads():
         assert ran_meanwhile(lambda: checksum(pieces)) > 0
         assert ran_meanwhile(lambda: copy_bytes(out, big)) > 0
         assert ran_meanwhile(lambda: copy_bytes(pieces, big)) > 0
+        assert ran_meanwhile(lambda: copy_hashed(out, big)) > 0
     finally:
         stop.set()
         sys.setswitchinterval(interval)
         thread.join()
+
+
+# -- one pass: copy and checksum (ucm._hostcopy, native/hostcopy.c) ---------------------------
+
+
+def test_the_native_copy_helper_is_built():
+    """scripts/setup.sh installs gcc and xxhash.h and builds ucm._hostcopy; without it every
+    verified load reads its block twice (see native/hostcopy.c for the figures)."""
+    assert native_copy_available(), "ucm._hostcopy is missing: rerun scripts/setup.sh"
+
+
+@pytest.mark.parametrize("size", [NATIVE_MIN, NATIVE_MIN + 1, 64 * 1024 * 3 + 17, 2 << 20])
+@pytest.mark.parametrize("shift", [0, 1, 8, 15])
+def test_hash_copy_lands_every_byte_and_gives_xxh3(size, shift):
+    """Any alignment of either side (the streamed stores need 16-byte alignment: the head
+    and the tail go another way), any length around the 64 KiB chunks."""
+    from ucm._hostcopy import hash_copy
+
+    data = os.urandom(size + 16)
+    src = memoryview(data)[shift:shift + size]
+    dst = bytearray(size + 32)
+    out = memoryview(dst)[15 - shift:15 - shift + size]
+    assert hash_copy(out, src) == xxhash.xxh3_64_intdigest(src)
+    assert bytes(out) == bytes(src)
+    assert dst[:15 - shift] == bytes(15 - shift) and not any(dst[15 - shift + size:])
+    with pytest.raises(ValueError, match="destination is"):
+        hash_copy(memoryview(dst)[:size - 1], src)
+    with pytest.raises((BufferError, TypeError)):
+        hash_copy(bytes(size), src)  # read-only destination
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("size", [100, NATIVE_MIN, 2 << 20])
+def test_copy_verified_copies_good_blocks_and_rejects_bad_ones(monkeypatch, native, size):
+    import ucm.block as block
+
+    if not native:  # the fallback: check the source, then copy
+        monkeypatch.setattr(block, "_hash_copy", None)
+    payload = os.urandom(size)
+    header = decode_header(encode_header(KEY, NS, Codec.NONE, payload, size))
+    out = memoryview(bytearray(size))
+    copy_verified(header, out, payload)
+    assert bytes(out) == payload
+    assert copy_hashed(memoryview(bytearray(size)), payload) == header.checksum
+    bad = bytearray(payload)
+    bad[size // 2] ^= 1
+    with pytest.raises(BlockCorrupt, match="checksum"):
+        copy_verified(header, memoryview(bytearray(size)), bad)
+    with pytest.raises(BlockCorrupt, match="bytes, header says"):
+        copy_verified(header, memoryview(bytearray(size)), payload[:-1])
+    with pytest.raises(InvalidRequest, match="buffer is"):
+        copy_verified(header, memoryview(bytearray(size + 1)), payload)
+    pieces = Scatter([bytearray(size // 2), bytearray(size - size // 2)])
+    copy_verified(header, pieces, payload)  # a Scatter: checked first, then copied
+    assert bytes(pieces.gather()) == payload

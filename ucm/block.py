@@ -101,6 +101,11 @@ def check_key(key: object) -> bytes:
 
 NATIVE_MIN = 64 * 1024  # smaller copies: a ctypes call costs more than the GIL it frees
 
+try:  # native/hostcopy.c: copy + xxh3 in one pass over the source (setup.py builds it)
+    from ucm._hostcopy import hash_copy as _hash_copy
+except ImportError:  # pragma: no cover - a host without a C compiler or xxhash.h
+    _hash_copy = None
+
 _np = None
 
 
@@ -127,16 +132,18 @@ def checksum(data: Buffer | Scatter) -> int:
 
 
 def encode_header(
-    key: bytes, namespace: str, codec: Codec, payload: Buffer, raw_len: int
+    key: bytes, namespace: str, codec: Codec, payload: Buffer, raw_len: int, *,
+    digest: int | None = None,
 ) -> bytes:
-    """Builds the 4 KiB header for `payload` (the bytes as stored, after the codec)."""
+    """Builds the 4 KiB header for `payload` (the bytes as stored, after the codec);
+    `digest`: its xxh3-64 when the caller has it already (`copy_hashed`)."""
     ns = namespace.encode()
     if len(ns) > MAX_NAMESPACE_BYTES:
         raise InvalidRequest(f"namespace is {len(ns)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
     payload_len = memoryview(payload).nbytes
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, int(codec), 0, len(key), len(ns), PAYLOAD_OFFSET,
-        payload_len, raw_len, checksum(payload),
+        payload_len, raw_len, checksum(payload) if digest is None else digest,
     )
     crc = xxhash.xxh32_intdigest(fixed + key + ns)
     head = fixed + _HEADER_CRC.pack(crc) + key + ns
@@ -211,6 +218,45 @@ def verify_payload(header: BlockHeader, stored: Buffer | Scatter) -> None:
         raise BlockCorrupt("payload checksum mismatch")
 
 
+def native_copy_available() -> bool:
+    """Whether `copy_verified` copies and checks in one pass (ucm._hostcopy is built)."""
+    return _hash_copy is not None
+
+
+def copy_hashed(dst: memoryview, src: Buffer) -> int:
+    """dst[:] = src for contiguous views of one size; returns the xxh3-64 of src, taken in
+    the same pass over it when ucm._hostcopy is built. Nothing may write `src` meanwhile."""
+    if _hash_copy is not None and dst.nbytes >= NATIVE_MIN:
+        return _hash_copy(dst, src)
+    digest = checksum(src)
+    copy_bytes(dst, src)
+    return digest
+
+
+def copy_verified(header: BlockHeader, out: memoryview | Scatter, stored: Buffer) -> None:
+    """out[:] = stored (a codec-NONE payload); raises BlockCorrupt unless `stored` has the
+    length and checksum `header` names. Nothing may write `stored` meanwhile.
+
+    Large contiguous blocks are hashed and copied in one pass over `stored` (ucm._hostcopy):
+    the checksum is taken as the bytes go by, so on BlockCorrupt `out` holds the bad bytes
+    and the caller must treat it as unloaded (as after a read straight into it). Otherwise
+    `stored` is checked first and `out` is written only when it is good."""
+    if out.nbytes != header.raw_len:
+        raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
+    if (_hash_copy is not None and type(out) is not Scatter and out.nbytes >= NATIVE_MIN
+            and header.payload_len == out.nbytes):
+        try:
+            digest = _hash_copy(out, stored)
+        except ValueError:  # the sizes differ
+            raise BlockCorrupt(f"payload is {memoryview(stored).nbytes} bytes, header says "
+                               f"{header.payload_len}") from None
+        if digest != header.checksum:
+            raise BlockCorrupt("payload checksum mismatch")
+        return
+    verify_payload(header, stored)
+    copy_bytes(out, stored)
+
+
 def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | Scatter,
                         ) -> None:
     """Verifies `stored` against `header` and writes the raw bytes into `out`.
@@ -220,10 +266,10 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
     """
     if out.nbytes != header.raw_len:
         raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
-    verify_payload(header, stored)
     if header.codec is Codec.NONE:
-        copy_bytes(out, stored)
+        copy_verified(header, out, stored)
         return
+    verify_payload(header, stored)
     try:
         raw = _decompressor().decompress(stored, max_output_size=header.raw_len)
     except Exception as exc:  # zstd raises its own ZstdError for malformed frames

@@ -26,10 +26,10 @@ from ucm.block import (
     BlockHeader,
     Codec,
     checksum,
-    copy_bytes,
+    copy_hashed,
+    copy_verified,
     decode_payload_into,
     encode_payload,
-    verify_payload,
 )
 from ucm.drivers._files import (
     Backend,
@@ -77,8 +77,7 @@ class LocalBlocks(Backend):
                 raise size_mismatch(out, header)
             try:
                 if header.codec is Codec.NONE:
-                    copy_bytes(out, record.payload)
-                    verify_payload(header, out)  # checks the bytes the caller got
+                    copy_verified(header, out, record.payload)
                 else:
                     decode_payload_into(header, record.payload, out)
             except BlockCorrupt:
@@ -90,9 +89,14 @@ class LocalBlocks(Backend):
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
         sizes = []
         for key, view in zip(keys, views, strict=True):
-            payload = bytearray(encode_payload(self.codec, view))
+            if self.codec is Codec.NONE:  # copied and hashed in one pass
+                payload = bytearray(view.nbytes)
+                digest = copy_hashed(memoryview(payload), view)
+            else:
+                payload = bytearray(encode_payload(self.codec, view))
+                digest = checksum(payload)
             header = BlockHeader(key, self.namespace, self.codec, len(payload), view.nbytes,
-                                 checksum(payload))
+                                 digest)
             self.records[key] = _Record(header, payload)
             sizes.append(max(len(payload), 1))  # 0 would mean "not stored"
         return sizes

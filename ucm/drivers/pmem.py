@@ -59,11 +59,12 @@ from ucm.block import (
     Codec,
     as_byte_view,
     buffer_address,
+    copy_hashed,
+    copy_verified,
     decode_header,
     decode_payload_into,
     encode_header,
     encode_payload,
-    verify_payload,
 )
 from ucm.drivers._extents import Extents
 from ucm.drivers._files import (
@@ -408,14 +409,10 @@ class PmemPool(Backend):
             raise BlockCorrupt("header and index disagree on the block's length")
         payload = start + PAYLOAD_OFFSET
         if header.codec is Codec.NONE:
-            # Checked where it lies, then copied: the extent cannot change in between (it
-            # stays allocated while this load holds it, and a store never writes into an
-            # allocated extent), so the bytes copied are the bytes checked. Checking first
-            # reads the block from memory once and the copy reads it from the CPU cache;
-            # checking the copy read it twice. A corrupt block never reaches `out`.
-            verify_payload(header, self.view[payload:payload + header.payload_len])
-            if out.nbytes:
-                ctypes.memmove(buffer_address(out), self.addr + payload, out.nbytes)
+            # Checked and copied in one pass (copy_verified): the extent cannot change
+            # meanwhile (it stays allocated while this load holds it, and a store never
+            # writes into an allocated extent), so the bytes copied are the bytes checked.
+            copy_verified(header, out, self.view[payload:payload + header.payload_len])
         else:
             decode_payload_into(header, self.view[payload:payload + header.payload_len], out)
         return LoadState.OK
@@ -434,7 +431,10 @@ class PmemPool(Backend):
         """Copies one block (header and payload) into a free extent, not yet durable nor
         named by any entry; None when the pool has no room. `publish` or `unplace` it."""
         payload = as_byte_view(encode_payload(self.codec, view))
-        header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+        # On pmem libpmem copies and flushes; elsewhere the payload goes in first, hashed
+        # on the way (copy_hashed), and the header with its checksum after it.
+        header = (encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+                  if self.is_pmem else None)
         length = PAYLOAD_OFFSET + payload.nbytes
         extent = _round_up(length)
         with self._lock:
@@ -450,11 +450,16 @@ class PmemPool(Backend):
         if self.is_pmem:  # copied and flushed: publish needs only one drain for the batch
             copy = self.lib.pmem_memcpy_nodrain
             copy(dst, header, PAYLOAD_OFFSET)
-        else:
-            copy = ctypes.memmove
-            self.view[offset:offset + PAYLOAD_OFFSET] = header
-        if payload.nbytes:
-            copy(dst + PAYLOAD_OFFSET, buffer_address(payload), payload.nbytes)
+            if payload.nbytes:
+                copy(dst + PAYLOAD_OFFSET, buffer_address(payload), payload.nbytes)
+            return entry
+        try:
+            digest = copy_hashed(self.view[offset + PAYLOAD_OFFSET:offset + length], payload)
+            self.view[offset:offset + PAYLOAD_OFFSET] = encode_header(
+                key, self.namespace, self.codec, payload, view.nbytes, digest=digest)
+        except BaseException:
+            self.unplace([entry])
+            raise
         return entry
 
     def unplace(self, placed: list[_Entry | None]) -> None:
