@@ -129,4 +129,6 @@ def test_two_hosts_over_veth_share_one_export(networked_ganesha, tmp_path):
     assert deleter.wait(60) == 0
     report = json.loads(watcher.stdout.readline())
     assert watcher.wait(60) == 0
-    assert report["mixed"] == 0 and set(report["states"]) <= {"OK", "MISSING"}, report
+    # A load racing the delete may also fail as a whole (a miss to the caller, as on
+    # Mooncake); what must never happen is a corrupt or mixed block.
+    assert report["mixed"] == 0 and set(report["states"]) <= {"OK", "MISSING", "FAILED"}, report

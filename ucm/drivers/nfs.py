@@ -33,6 +33,7 @@ the server is paused, and loads reach the caller's buffer only after their check
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from typing import Any, Literal, Self
@@ -149,6 +150,10 @@ class NfsBlocks(Backend):
 
             if not isinstance(exc, NfsError):
                 raise
+            if getattr(exc, "errno", None) == errno.ESTALE:
+                # The file went away under an open handle (another host deleted or replaced
+                # it): an answer like ENOENT, not a broken connection.
+                raise FileNotFoundError(errno.ENOENT, f"stale handle: {exc}") from exc
             self.conn.broken(client)
             raise ConnectionError(f"NFS server {self.conn.url}: {exc}") from exc
 
