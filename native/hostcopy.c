@@ -55,14 +55,25 @@ static void copy_chunk(char *d, const char *s, size_t n)
 #endif
 }
 
-static uint64_t hash_copy_impl(char *dst, const char *src, size_t n)
+typedef struct {
+    char *buf;
+    size_t len;
+} piece_t;
+
+/* The pieces in order take src's bytes; each chunk of src is hashed, then copied. */
+static uint64_t hash_copy_impl(const piece_t *pieces, Py_ssize_t count, const char *src)
 {
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
-    for (size_t off = 0; off < n; off += CHUNK) {
-        size_t len = n - off < CHUNK ? n - off : CHUNK;
-        XXH3_64bits_update(&state, src + off, len);
-        copy_chunk(dst + off, src + off, len);
+    for (Py_ssize_t p = 0; p < count; p++) {
+        char *dst = pieces[p].buf;
+        size_t n = pieces[p].len;
+        for (size_t off = 0; off < n; off += CHUNK) {
+            size_t len = n - off < CHUNK ? n - off : CHUNK;
+            XXH3_64bits_update(&state, src, len);
+            copy_chunk(dst + off, src, len);
+            src += len;
+        }
     }
 #if defined(__SSE2__)
     _mm_sfence(); /* the streamed stores are visible before the caller is told */
@@ -70,38 +81,67 @@ static uint64_t hash_copy_impl(char *dst, const char *src, size_t n)
     return XXH3_64bits_digest(&state);
 }
 
+#define MAX_PIECES 4096
+
 static PyObject *hash_copy(PyObject *self, PyObject *args)
 {
     PyObject *dst_obj, *src_obj;
     if (!PyArg_ParseTuple(args, "OO:hash_copy", &dst_obj, &src_obj))
         return NULL;
-    Py_buffer dst, src;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
+    /* dst: one buffer, or a list or tuple of buffers (a ucm.block.Scatter's pieces) */
+    int many = PyList_Check(dst_obj) || PyTuple_Check(dst_obj);
+    Py_ssize_t count = many ? PySequence_Fast_GET_SIZE(dst_obj) : 1;
+    if (count < 1 || count > MAX_PIECES) {
+        PyErr_Format(PyExc_ValueError, "hash_copy: 1 to %d destination pieces, not %zd",
+                     MAX_PIECES, count);
         return NULL;
     }
+    Py_buffer *views = PyMem_Calloc((size_t)count, sizeof(Py_buffer));
+    piece_t *pieces = PyMem_Calloc((size_t)count, sizeof(piece_t));
+    Py_ssize_t held = 0, total = 0;
     PyObject *result = NULL;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "hash_copy: destination is %zd bytes, source %zd",
-                     dst.len, src.len);
-    } else {
-        uint64_t digest;
-        Py_BEGIN_ALLOW_THREADS
-        digest = hash_copy_impl((char *)dst.buf, (const char *)src.buf, (size_t)src.len);
-        Py_END_ALLOW_THREADS
-        result = PyLong_FromUnsignedLongLong(digest);
+    Py_buffer src;
+    int have_src = 0;
+    if (views == NULL || pieces == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
+    for (; held < count; held++) {
+        PyObject *item = many ? PySequence_Fast_GET_ITEM(dst_obj, held) : dst_obj;
+        if (PyObject_GetBuffer(item, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        pieces[held].buf = views[held].buf;
+        pieces[held].len = (size_t)views[held].len;
+        total += views[held].len;
+    }
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_src = 1;
+    if (total != src.len) {
+        PyErr_Format(PyExc_ValueError, "hash_copy: destination is %zd bytes, source %zd",
+                     total, src.len);
+        goto done;
+    }
+    uint64_t digest;
+    Py_BEGIN_ALLOW_THREADS
+    digest = hash_copy_impl(pieces, count, (const char *)src.buf);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromUnsignedLongLong(digest);
+done:
+    if (have_src)
+        PyBuffer_Release(&src);
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    PyMem_Free(pieces);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"hash_copy", hash_copy, METH_VARARGS,
-     "hash_copy(dst, src) -> int: dst[:] = src; returns the xxh3-64 of src. Both are "
-     "C-contiguous buffers of one size, dst writable. Runs outside the GIL."},
+     "hash_copy(dst, src) -> int: copies src into dst (one writable buffer, or a list or "
+     "tuple of them filled in order) and returns the xxh3-64 of src. Sizes must add up; "
+     "every buffer C-contiguous. Runs outside the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -251,6 +251,11 @@ def test_hash_copy_lands_every_byte_and_gives_xxh3(size, shift):
     assert dst[:15 - shift] == bytes(15 - shift) and not any(dst[15 - shift + size:])
     with pytest.raises(ValueError, match="destination is"):
         hash_copy(memoryview(dst)[:size - 1], src)
+    pieces = [bytearray(shift + 1), bytearray(size - 2 * shift - 2), bytearray(shift + 1)]
+    assert hash_copy(pieces, src) == xxhash.xxh3_64_intdigest(src)  # a list of pieces
+    assert b"".join(pieces) == bytes(src)
+    with pytest.raises(ValueError, match="destination pieces"):
+        hash_copy([], src)
     with pytest.raises((BufferError, TypeError)):
         hash_copy(bytes(size), src)  # read-only destination
 
@@ -276,6 +281,10 @@ def test_copy_verified_copies_good_blocks_and_rejects_bad_ones(monkeypatch, nati
         copy_verified(header, memoryview(bytearray(size)), payload[:-1])
     with pytest.raises(InvalidRequest, match="buffer is"):
         copy_verified(header, memoryview(bytearray(size + 1)), payload)
-    pieces = Scatter([bytearray(size // 2), bytearray(size - size // 2)])
-    copy_verified(header, pieces, payload)  # a Scatter: checked first, then copied
-    assert bytes(pieces.gather()) == payload
+    for cuts in ([size // 2], [1, size // 3, size - 7]):  # a Scatter's pieces, any sizes
+        bounds = [0, *cuts, size]
+        pieces = Scatter([bytearray(b - a) for a, b in itertools.pairwise(bounds)])
+        copy_verified(header, pieces, payload)
+        assert bytes(pieces.gather()) == payload
+        with pytest.raises(BlockCorrupt, match="checksum"):
+            copy_verified(header, pieces, bad)

@@ -6,6 +6,8 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
     example     vLLM's built-in ExampleConnector (safetensors files), full hit
     ucm-posix   ucm, posix tier only (page cache warm: the files were just written)
     ucm-shm     ucm, memory tier shared through /dev/shm
+    ucm-pmem    ucm, pmem tier with its pool file in /dev/shm (one mapping, loads copied and
+                checked in one pass: memory speed, where the others read files)
     null        a connector that does nothing (ucm.vllm_hook.null): vLLM's connector path alone
     all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
                 pass); against recompute, and against the null connector
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
                     help="ucm setups in the layerwise mode (each layer of a block stored on "
                          "its own, loaded while earlier layers compute)")
-    ap.add_argument("--setups", default="null,example,ucm-posix,ucm-shm",
+    ap.add_argument("--setups", default="null,example,ucm-posix,ucm-shm,ucm-pmem",
                     help="connector setups (recompute always runs)")
     args = ap.parse_args(argv)
 
@@ -144,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     ucm_extra = {"layerwise": True} if args.layerwise else {}
     ucm_posix = {"tiers": [{"driver": "posix", "path": os.path.join(work, "ucm-store")}]}
     ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm}]}
+    ucm_pmem = {"tiers": [{"driver": "pmem", "path": os.path.join(shm, "pmem"),
+                           "size": "4GiB"}]}  # sparse: only what is stored takes memory
     connectors = [("example", {"connector": "example", "extra": {
                       "shared_storage_path": os.path.join(work, "example-store")}}),
                   ("ucm-posix", {"connector": "ucm", "ucm": ucm_posix, "extra": ucm_extra}),
-                  ("ucm-shm", {"connector": "ucm", "ucm": ucm_shm, "extra": ucm_extra})]
+                  ("ucm-shm", {"connector": "ucm", "ucm": ucm_shm, "extra": ucm_extra}),
+                  ("ucm-pmem", {"connector": "ucm", "ucm": ucm_pmem, "extra": ucm_extra})]
     rows: dict[str, dict[int, Row]] = {}
     miss_ms: dict[str, dict[int, float]] = {}
     loaded_bytes: dict[int, int] = {}
@@ -219,7 +224,7 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
     for n in lengths:
         parts = []
         example = rows.get("example", {}).get(n)
-        for name in ("ucm-posix", "ucm-shm"):
+        for name in ("ucm-posix", "ucm-shm", "ucm-pmem"):
             row = rows.get(name, {}).get(n)
             if row is None:
                 continue

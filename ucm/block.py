@@ -237,16 +237,16 @@ def copy_verified(header: BlockHeader, out: memoryview | Scatter, stored: Buffer
     """out[:] = stored (a codec-NONE payload); raises BlockCorrupt unless `stored` has the
     length and checksum `header` names. Nothing may write `stored` meanwhile.
 
-    Large contiguous blocks are hashed and copied in one pass over `stored` (ucm._hostcopy):
+    Large blocks (into one buffer or a Scatter's pieces) are hashed and copied in one pass
+    over `stored` (ucm._hostcopy):
     the checksum is taken as the bytes go by, so on BlockCorrupt `out` holds the bad bytes
     and the caller must treat it as unloaded (as after a read straight into it). Otherwise
     `stored` is checked first and `out` is written only when it is good."""
     if out.nbytes != header.raw_len:
         raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
-    if (_hash_copy is not None and type(out) is not Scatter and out.nbytes >= NATIVE_MIN
-            and header.payload_len == out.nbytes):
+    if _hash_copy is not None and out.nbytes >= NATIVE_MIN and header.payload_len == out.nbytes:
         try:
-            digest = _hash_copy(out, stored)
+            digest = _hash_copy(out.parts if type(out) is Scatter else out, stored)
         except ValueError:  # the sizes differ
             raise BlockCorrupt(f"payload is {memoryview(stored).nbytes} bytes, header says "
                                f"{header.payload_len}") from None

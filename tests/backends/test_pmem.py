@@ -292,3 +292,38 @@ def test_next_fit_moves_round_the_pool():
     free.release(10, 20)
     assert free.allocate(20) == 10
     assert free.free_bytes == 0
+
+
+def _mapped_bytes(path: str) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, current = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            if line[:1].isdigit() or line[:1] in "abcdef":  # a mapping's header line
+                current = line.rstrip().endswith(path)
+            elif current and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("populate", [True, False])
+async def test_reopened_pool_maps_its_blocks_at_open(tmp_path, populate):
+    """After a restart the stored blocks are in this process's page tables before the first
+    load (populate: true), not faulted in a few pages at a time during it."""
+    options = {"path": str(tmp_path), "size": "64MiB", "populate": populate}
+    drv = await PmemDriver.open(options, namespace="populate")
+    data = memoryview(os.urandom(2 * MiB))
+    assert all(await drv.store([b"k%d" % i for i in range(8)], [data] * 8))
+    pool_path = drv.pool.path
+    await drv.aclose()
+    drv = await PmemDriver.open(options, namespace="populate")
+    try:
+        mapped = _mapped_bytes(pool_path)
+        if populate:
+            assert mapped >= 16 * MiB, mapped
+        else:
+            assert mapped < 4 * MiB, mapped  # headers read by recovery, little else
+        out = memoryview(bytearray(2 * MiB))
+        assert await drv.load([b"k3"], [out]) == [LoadState.OK] and out == data
+    finally:
+        await drv.aclose()

@@ -4,6 +4,7 @@
       path: /mnt/pmem0/ucm      # a directory; the pool is <path>/<namespace>.pmem
       size: 8GiB                # the pool file's size when it is created (= the capacity)
       max_blocks: null          # index entries; default one per 64 KiB of the pool
+      populate: true            # map the stored blocks into this process at open
 
 libpmem (Debian libpmem1) is loaded through ctypes and maps the file with `pmem_map_file`.
 On real persistent memory (`pmem_is_pmem` says so: DAX) a range is made durable with
@@ -46,7 +47,7 @@ import struct
 import threading
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -90,6 +91,20 @@ _ENTRY_MAGIC = 0x45504355  # "UCPE"
 _CRC = struct.Struct("<I")
 _MSYNC_GAP = 1 << 20  # extents closer than this share one msync
 PMEM_FILE_CREATE = 1
+
+
+_MADV_POPULATE_READ = 22
+_libc_handle: Any = None
+
+
+def _libc() -> Any:
+    global _libc_handle
+    if _libc_handle is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.madvise.restype = ctypes.c_int
+        _libc_handle = lib
+    return _libc_handle
 
 
 def _digest(key: bytes) -> bytes:
@@ -196,7 +211,7 @@ class PmemPool(Backend):
 
     @classmethod
     def open(cls, path: str, *, size: int, max_blocks: int | None, namespace: str,
-             codec: Codec) -> PmemPool:
+             codec: Codec, populate: bool = True) -> PmemPool:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -207,6 +222,8 @@ class PmemPool(Backend):
         pool = cls(path, namespace=namespace, codec=codec, lock_fd=lock_fd)
         try:
             pool._map(size, max_blocks)
+            if populate:
+                pool._map_blocks(pool.index.values())
         except BaseException:
             pool.close()
             raise
@@ -275,6 +292,22 @@ class PmemPool(Backend):
         self.index = found
         self._free = _NextFit.gaps([(e.offset, e.extent) for e in found.values()],
                                   self.data_offset, self.size)
+
+    def _map_blocks(self, entries: Iterable[_Entry]) -> None:
+        """Fills this process's page tables for the blocks the pool holds (MADV_POPULATE_READ,
+        Linux 5.14+), so the first load of each after a restart copies at memory speed
+        instead of taking a page fault every few pages (62 MiB loaded into a fresh vLLM
+        process: 6.8 ms before). A kernel without it keeps the lazy faults."""
+        ranges: list[list[int]] = []
+        for start, length in sorted((e.offset, e.extent) for e in entries):
+            if ranges and start <= ranges[-1][1]:
+                ranges[-1][1] = max(ranges[-1][1], start + length)
+            else:
+                ranges.append([start, start + length])
+        libc = _libc()
+        for start, end in ranges:
+            if libc.madvise(self.addr + start, end - start, _MADV_POPULATE_READ) != 0:
+                return  # EINVAL: an older kernel; the faults stay lazy
 
     def _read_entry(self, slot: int) -> tuple[bytes, _Entry] | None:
         at = self.index_offset + slot * _ENTRY_SIZE
@@ -662,11 +695,15 @@ class PmemDriver(ThreadedDriver):
     """Blocks in a libpmem-mapped pool file; see the module docstring for the layout."""
 
     persistent = True
+    scatter = True  # loads copy straight into a Scatter's pieces (copy_verified)
 
     class Options(DriverOptions):
         path: str = Field(min_length=1)
         size: ByteSize = Field(default=ByteSize(2**30), ge=2**20)
         max_blocks: int | None = Field(default=None, ge=1)
+        # Map every stored block into this process at open (about 0.1 s and 2 MiB of page
+        # tables per GiB), so first loads after a restart copy at memory speed.
+        populate: bool = True
 
     def __init__(self, pool: PmemPool, *, name: str) -> None:
         super().__init__(pool, name=name)
@@ -743,7 +780,8 @@ class PmemDriver(ThreadedDriver):
             pool = await trio.to_thread.run_sync(
                 lambda: PmemPool.open(path, size=int(options.size),
                                       max_blocks=options.max_blocks, namespace=namespace,
-                                      codec=codec_value))
+                                      codec=codec_value,
+                                      populate=options.populate))
         except OSError as exc:
             raise os_error(exc, name) from exc
         except StorageUnavailable as exc:
