@@ -121,6 +121,21 @@ def buffer_address(view: memoryview) -> int:
     return int(_np.frombuffer(view, _np.uint8).ctypes.data)
 
 
+_libc = None
+
+
+def madvise(addr: int, length: int, advice: int) -> int:
+    """madvise(2) on an address range: 0, or the errno."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    if _libc.madvise(addr, length, advice) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
 def checksum(data: Buffer | Scatter) -> int:
     """xxh3-64 of the bytes (a Scatter's pieces in order)."""
     if type(data) is Scatter:
@@ -238,10 +253,10 @@ def copy_verified(header: BlockHeader, out: memoryview | Scatter, stored: Buffer
     length and checksum `header` names. Nothing may write `stored` meanwhile.
 
     Large blocks (into one buffer or a Scatter's pieces) are hashed and copied in one pass
-    over `stored` (ucm._hostcopy):
-    the checksum is taken as the bytes go by, so on BlockCorrupt `out` holds the bad bytes
-    and the caller must treat it as unloaded (as after a read straight into it). Otherwise
-    `stored` is checked first and `out` is written only when it is good."""
+    over `stored` (ucm._hostcopy): the checksum is taken as the bytes go by, so on
+    BlockCorrupt `out` holds the bad bytes and the caller must treat it as unloaded (as after
+    a read straight into it). Otherwise `stored` is checked first and `out` is written only
+    when it is good."""
     if out.nbytes != header.raw_len:
         raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
     if _hash_copy is not None and out.nbytes >= NATIVE_MIN and header.payload_len == out.nbytes:

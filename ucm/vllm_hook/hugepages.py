@@ -24,10 +24,11 @@ storage tier lives in the page cache may lose more than the copies gain.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections.abc import Iterable
+
+from ucm.block import madvise
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -35,21 +36,6 @@ HUGE = 2 << 20
 STEP = 32 << 20  # bytes collapsed per call
 COLLAPSE_LIMIT = 4 << 30  # collapsed at registration: about 10 s; the rest is left to khugepaged
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
-
-_libc = None
-
-
-def _madvise(addr: int, length: int, advice: int) -> int:
-    """0, or the errno of madvise(2)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    if _libc.madvise(addr, length, advice) == 0:
-        return 0
-    return ctypes.get_errno()
-
 
 def huge_ranges(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """The whole 2 MiB pages inside each (address, bytes) region, overlapping ones merged."""
@@ -69,14 +55,14 @@ def collapse(ranges: list[tuple[int, int]], limit: int = COLLAPSE_LIMIT) -> int:
     """Asks for huge pages over `ranges` and collapses up to `limit` bytes of them, in order;
     returns the bytes collapsed. Stops when the kernel refuses (EINVAL: no such call)."""
     for addr, length in ranges:
-        _madvise(addr, length, MADV_HUGEPAGE)
+        madvise(addr, length, MADV_HUGEPAGE)
     done = 0
     for addr, length in ranges:
         for at in range(addr, addr + length, STEP):
             n = min(STEP, addr + length - at, limit - done)
             if n <= 0:
                 return done
-            err = _madvise(at, n, MADV_COLLAPSE)
+            err = madvise(at, n, MADV_COLLAPSE)
             if err == 0:
                 done += n
             elif err == 22:  # EINVAL: this kernel cannot collapse
