@@ -7,9 +7,9 @@ returns at once, the worker thread finishes in the background, and other tiers' 
 not starved by this driver's stuck ones.
 
 An abandoned thread must not write into the caller's buffer afterwards. Backends read into
-memory they own, verify it there, and copy into the caller's buffer through `deliver`, which
-holds the call's `Gate`: once the trio side was cancelled the gate is shut and the copy is
-skipped (`Abandoned` is raised in the worker, where nobody waits for it).
+memory they own and check and copy it into the caller's buffer under the call's `Gate`
+(`verify_into`): once the trio side was cancelled the gate is shut and the copy is skipped
+(`Abandoned` is raised in the worker, where nobody waits for it).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from ucm.block import PAYLOAD_OFFSET, Codec, decode_header, decode_payload_into, verify_payload
+from ucm.block import PAYLOAD_OFFSET, decode_header, decode_payload_into
 from ucm.drivers._files import Backend, ThreadedDriver, os_error, size_mismatch
 from ucm.drivers._protocol import LoadState
 from ucm.errors import BlockCorrupt, StorageUnavailable
@@ -53,15 +53,6 @@ class Gate:
 _current = threading.local()
 
 
-def deliver(out: memoryview, data: Any) -> None:
-    """Copies verified bytes into the caller's buffer, unless the call was abandoned."""
-
-    def copy() -> None:
-        out[:] = data
-
-    gate(copy)
-
-
 def gate(fn: Callable[[], Any]) -> Any:
     """Runs `fn` (which writes into caller memory) under the current call's gate."""
     current: Gate | None = getattr(_current, "gate", None)
@@ -78,11 +69,8 @@ def verify_into(key: bytes, stored: memoryview, out: memoryview) -> LoadState:
         if header.raw_len != out.nbytes:
             raise size_mismatch(out, header)
         payload = stored[PAYLOAD_OFFSET:]
-        if header.codec is Codec.NONE:
-            verify_payload(header, payload)
-            deliver(out, payload)
-        else:
-            gate(lambda: decode_payload_into(header, payload, out))
+        # Checked and copied in one pass (ucm.block.copy_verified), outside the GIL.
+        gate(lambda: decode_payload_into(header, payload, out))
     except BlockCorrupt:
         return LoadState.CORRUPT
     return LoadState.OK
