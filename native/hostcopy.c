@@ -81,7 +81,7 @@ static uint64_t hash_copy_impl(const piece_t *pieces, Py_ssize_t count, const ch
     return XXH3_64bits_digest(&state);
 }
 
-#define MAX_PIECES 4096
+#define MAX_PIECES 4096 /* ucm.block.HASH_COPY_MAX_PIECES mirrors it */
 
 static PyObject *hash_copy(PyObject *self, PyObject *args)
 {

@@ -233,6 +233,15 @@ def test_the_native_copy_helper_is_built():
     """scripts/setup.sh installs gcc and xxhash.h and builds ucm._hostcopy; without it every
     verified load reads its block twice (see native/hostcopy.c for the figures)."""
     assert native_copy_available(), "ucm._hostcopy is missing: rerun scripts/setup.sh"
+    from ucm._hostcopy import hash_copy
+
+    from ucm.block import HASH_COPY_MAX_PIECES as most  # the C side's limit, mirrored
+
+    data = bytes(range(256)) * 17
+    pieces = [bytearray(1) for _ in range(most - 1)] + [bytearray(len(data) - most + 1)]
+    assert hash_copy(pieces, data) == xxhash.xxh3_64_intdigest(data)
+    with pytest.raises(ValueError, match="destination pieces"):
+        hash_copy([bytearray(1) for _ in range(most + 1)], bytes(most + 1))
 
 
 @pytest.mark.parametrize("size", [NATIVE_MIN, NATIVE_MIN + 1, 64 * 1024 * 3 + 17, 2 << 20])
@@ -288,3 +297,7 @@ def test_copy_verified_copies_good_blocks_and_rejects_bad_ones(monkeypatch, nati
         assert bytes(pieces.gather()) == payload
         with pytest.raises(BlockCorrupt, match="checksum"):
             copy_verified(header, pieces, bad)
+    if size >= 8192:  # more pieces than the native copy takes: the other path, same result
+        many = Scatter([bytearray(2) for _ in range(4097)] + [bytearray(size - 8194)])
+        copy_verified(header, many, payload)
+        assert bytes(many.gather()) == payload

@@ -101,6 +101,8 @@ def check_key(key: object) -> bytes:
 
 NATIVE_MIN = 64 * 1024  # smaller copies: a ctypes call costs more than the GIL it frees
 
+HASH_COPY_MAX_PIECES = 4096  # MAX_PIECES in native/hostcopy.c
+
 try:  # native/hostcopy.c: copy + xxh3 in one pass over the source (setup.py builds it)
     from ucm._hostcopy import hash_copy as _hash_copy
 except ImportError:  # pragma: no cover - a host without a C compiler or xxhash.h
@@ -259,9 +261,12 @@ def copy_verified(header: BlockHeader, out: memoryview | Scatter, stored: Buffer
     when it is good."""
     if out.nbytes != header.raw_len:
         raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
-    if _hash_copy is not None and out.nbytes >= NATIVE_MIN and header.payload_len == out.nbytes:
+    pieces = out.parts if type(out) is Scatter else out
+    if (_hash_copy is not None and out.nbytes >= NATIVE_MIN
+            and header.payload_len == out.nbytes
+            and (pieces is out or len(pieces) <= HASH_COPY_MAX_PIECES)):
         try:
-            digest = _hash_copy(out.parts if type(out) is Scatter else out, stored)
+            digest = _hash_copy(pieces, stored)
         except ValueError:  # the sizes differ
             raise BlockCorrupt(f"payload is {memoryview(stored).nbytes} bytes, header says "
                                f"{header.payload_len}") from None
