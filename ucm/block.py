@@ -284,11 +284,11 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
     A driver that read a codec-NONE payload straight into the caller's buffer calls
     `verify_payload(header, out)` instead: no copy.
     """
+    if header.codec is Codec.NONE:
+        copy_verified(header, out, stored)  # checks the buffer's size itself
+        return
     if out.nbytes != header.raw_len:
         raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
-    if header.codec is Codec.NONE:
-        copy_verified(header, out, stored)
-        return
     verify_payload(header, stored)
     try:
         raw = _decompressor().decompress(stored, max_output_size=header.raw_len)
