@@ -120,6 +120,60 @@ async def test_throttling_and_5xx_are_retried_then_given_up(s3_options):
         await drv.aclose()
 
 
+async def test_throttled_loads_are_retried_then_given_up(s3_options):
+    """Loads go through their own connections (worker threads): the first `throttled` of
+    them reach a server that answers 503 SlowDown and closes the connection."""
+    import http.client
+    import socket
+    import threading
+
+    fault = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = fault.accept()
+            except OSError:
+                return
+            with conn:
+                while b"\r\n\r\n" not in conn.recv(65536):
+                    pass
+                body = b"<Error><Code>SlowDown</Code></Error>"
+                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (len(body), body))
+
+    threading.Thread(target=serve, daemon=True).start()
+    drv = await S3Driver.open({**s3_options, "max_attempts": 3, "backoff_base": 0.001},
+                              namespace="retry-get")
+    pool = drv.client.gets
+    real_take = pool._take
+    throttled = [0]
+
+    def take() -> tuple[http.client.HTTPConnection, bool]:
+        if throttled[0]:
+            throttled[0] -= 1
+            return http.client.HTTPConnection("127.0.0.1", fault.getsockname()[1]), False
+        return real_take()
+
+    pool._take = take
+    try:
+        data = os.urandom(3 * MiB)
+        await drv.store([b"k"], [memoryview(data)])
+        out = memoryview(bytearray(len(data)))
+        throttled[0] = 2
+        assert await drv.load([b"k"], [out]) == [LoadState.OK] and out == data
+        assert drv.statistics()["retries"] == 2
+        throttled[0] = 3
+        with pytest.raises(StorageUnavailable,
+                           match=r"all 1 reads failed: GET failed after 3 attempts: "
+                                 r"GET -> HTTP 503 SlowDown"):
+            await drv.load([b"k"], [out])
+        assert not throttled[0]
+    finally:
+        fault.close()
+        await drv.aclose()
+
+
 # --- faults under a running kernel ---------------------------------------------------------
 
 
