@@ -88,6 +88,28 @@ def get_into(call: Call, out: memoryview) -> int:
     return call.read_into(response, out)
 
 
+async def cancelled_read(pool: ConnectionPool, out: memoryview, *,
+                         busy: float = 0.0) -> threading.Event:
+    """A GET into `out` cancelled after 0.3 s; checks the caller got back within 2 s (the
+    read timeout is 30 s) and returns an event the reading thread sets when it ends. With
+    `busy`, the thread takes that long to stop once its read fails (as a thread in the middle
+    of a large copy would)."""
+    ended = threading.Event()
+
+    def reader(call: Call) -> int:
+        try:
+            return get_into(call, out)
+        finally:
+            time.sleep(busy)
+            ended.set()
+
+    started = time.monotonic()
+    with trio.move_on_after(0.3) as scope:
+        await pool.run(reader)
+    assert scope.cancelled_caught and time.monotonic() - started < 2.0
+    return ended
+
+
 async def test_body_lands_in_the_buffer_and_the_connection_is_reused(server_of):
     body = bytes(range(256)) * 8192  # 2 MiB
 
@@ -146,19 +168,7 @@ async def test_cancel_while_the_body_is_read_waits_for_the_thread(server_of):
     server = server_of(serve)
     pool = server.pool()
     out = memoryview(bytearray(size))
-    thread_done = threading.Event()
-
-    def reader(call: Call) -> int:
-        try:
-            return get_into(call, out)
-        finally:
-            thread_done.set()
-
-    started = time.monotonic()
-    with trio.move_on_after(0.3) as scope:
-        await pool.run(reader)
-    assert scope.cancelled_caught
-    assert time.monotonic() - started < 2.0  # read_timeout is 30 s
+    thread_done = await cancelled_read(pool, out, busy=0.3)
     assert thread_done.is_set()  # nothing writes into `out` after the caller moved on
     assert out[:65536] == b"a" * 65536 and out[65536:65537] == b"\0"
     pool.close()
@@ -175,18 +185,7 @@ async def test_cancel_before_any_write_abandons_the_thread_at_once(server_of):
     server = server_of(serve)
     pool = server.pool()
     out = memoryview(bytearray(16))
-    ended = threading.Event()
-
-    def reader(call: Call) -> int:
-        try:
-            return get_into(call, out)
-        finally:
-            ended.set()
-
-    started = time.monotonic()
-    with trio.move_on_after(0.3) as scope:
-        await pool.run(reader)
-    assert scope.cancelled_caught and time.monotonic() - started < 2.0
+    ended = await cancelled_read(pool, out)
     assert await trio.to_thread.run_sync(ended.wait, 5)
     assert out == bytes(16)
     pool.close()

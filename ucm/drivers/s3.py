@@ -12,12 +12,14 @@
 Requests are signed with botocore's SigV4 signer. Lookups, stores, listing and deletes run
 natively on trio (httpx, one pooled client per driver), so a kernel deadline cancels them at
 once. Loads are GETs whose bodies worker threads read straight into the block buffers
-(`_threaded_http`: http.client, a keep-alive pool), which moves 2 MiB blocks about 1.3x faster
-than httpx on the event loop; a cancelled load shuts its socket down and never leaves a thread
-writing into a buffer its caller gave up. Each object is one block in the `ucm.block` format;
-a PUT replaces an object atomically, so readers see the old or the new block, never a mix.
-Blocks above `multipart_threshold` go up in parallel parts and come back in parallel ranged
-GETs pinned to one ETag (If-Match), so a concurrent overwrite is a retry, never a mixed block.
+(`_threaded_http`: http.client, a keep-alive pool): 2 MiB blocks load 1.6-1.9x as fast as
+they did through httpx on the event loop. A cancelled load shuts its socket down and never
+leaves a thread writing into a buffer its caller gave up.
+
+Each object is one block in the `ucm.block` format; a PUT replaces an object atomically, so
+readers see the old or the new block, never a mix. Blocks above `multipart_threshold` go up
+in parallel parts and come back in parallel ranged GETs pinned to one ETag (If-Match), so a
+concurrent overwrite is a retry, never a mixed block.
 
 Failures: throttling (503 SlowDown, 429), other 5xx, timeouts and dropped connections are
 retried `max_attempts` times with exponential backoff and full jitter; nothing retries
