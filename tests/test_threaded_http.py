@@ -189,3 +189,57 @@ async def test_cancel_before_any_write_abandons_the_thread_at_once(server_of):
     assert await trio.to_thread.run_sync(ended.wait, 5)
     assert out == bytes(16)
     pool.close()
+
+
+async def test_a_body_in_pieces_is_sent_whole(server_of):
+    received: list[bytes] = []
+
+    def serve(conn: socket.socket) -> None:
+        data = read_request(conn)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += conn.recv(1 << 20)
+        received.append(body)
+        conn.sendall(answer(b""))
+
+    server = server_of(serve)
+    pool = server.pool()
+    header, payload = b"h" * 4096, memoryview(bytes(range(256)) * 4096)
+
+    def put(call: Call) -> int:
+        response = call.send("PUT", "/block", {}, (header, payload))
+        return response.status
+
+    assert await pool.run(put) == 200
+    assert received == [header + bytes(payload)]
+    pool.close()
+
+
+async def test_cancel_while_a_body_is_sent_waits_for_the_thread(server_of):
+    """A server that stops reading: the send blocks once the socket buffers are full; the
+    cancelled caller returns at once and only after the thread stopped reading its body."""
+
+    def serve(conn: socket.socket) -> None:
+        read_request(conn)
+        server.release.wait(30)
+
+    server = server_of(serve)
+    pool = server.pool()
+    body = memoryview(bytearray(64 << 20))
+    ended = threading.Event()
+
+    def put(call: Call) -> None:
+        try:
+            call.send("PUT", "/block", {}, (body,))
+        finally:
+            time.sleep(0.3)  # slow to stop, as a thread in the middle of a copy would be
+            ended.set()
+
+    started = time.monotonic()
+    with trio.move_on_after(0.3) as scope:
+        await pool.run(put)
+    assert scope.cancelled_caught and time.monotonic() - started < 2.0
+    assert ended.is_set()
+    pool.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,7 +92,8 @@ async def test_large_block_goes_multipart_and_loads_by_ranges(s3_options):
         await drv.aclose()
 
 
-async def test_throttling_and_5xx_are_retried_then_given_up(s3_options):
+async def test_throttled_requests_on_the_event_loop_are_retried_then_given_up(s3_options):
+    """Lookups, listing, deletes and multipart uploads go through httpx on the event loop."""
     import httpx
 
     drv = await S3Driver.open({**s3_options, "max_attempts": 3, "backoff_base": 0.001},
@@ -106,23 +108,25 @@ async def test_throttling_and_5xx_are_retried_then_given_up(s3_options):
         return await real.send(request)
 
     try:
-        drv.client.client = httpx.AsyncClient(transport=httpx.MockTransport(flaky))
         assert await drv.store([b"k"], [memoryview(b"v" * 10)]) == [4106]
+        drv.client.client = httpx.AsyncClient(transport=httpx.MockTransport(flaky))
+        assert await drv.lookup([b"k"]) == [True]
         assert drv.statistics()["retries"] == 2
         answers[:] = [503] * 3
         with pytest.raises(StorageUnavailable,
-                           match=r"all 1 writes failed: PUT failed after 3 attempts: "
-                                 r"PUT -> HTTP 503 SlowDown"):
-            await drv.store([b"k"], [memoryview(b"v" * 10)])
+                           match=r"lookup failed: HEAD failed after 3 attempts: "
+                                 r"HEAD -> HTTP 503 SlowDown"):
+            await drv.lookup([b"k"])
     finally:
         await drv.client.client.aclose()
         drv.client.client = real
         await drv.aclose()
 
 
-async def test_throttled_loads_are_retried_then_given_up(s3_options):
-    """Loads go through their own connections (worker threads): the first `throttled` of
-    them reach a server that answers 503 SlowDown and closes the connection."""
+async def test_throttled_stores_and_loads_are_retried_then_given_up(s3_options):
+    """Block PUTs and GETs go through connections of their own (worker threads): the first
+    `throttled` of them reach a server that reads the request, answers 503 SlowDown and
+    closes the connection."""
     import http.client
     import socket
     import threading
@@ -136,16 +140,22 @@ async def test_throttled_loads_are_retried_then_given_up(s3_options):
             except OSError:
                 return
             with conn:
-                while b"\r\n\r\n" not in conn.recv(65536):
-                    pass
-                body = b"<Error><Code>SlowDown</Code></Error>"
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length: *(\d+)", head)
+                need = int(length.group(1)) if length else 0
+                while len(body) < need:
+                    body += conn.recv(1 << 20)
+                answer = b"<Error><Code>SlowDown</Code></Error>"
                 conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Length: %d\r\n"
-                             b"Connection: close\r\n\r\n%s" % (len(body), body))
+                             b"Connection: close\r\n\r\n%s" % (len(answer), answer))
 
     threading.Thread(target=serve, daemon=True).start()
     drv = await S3Driver.open({**s3_options, "max_attempts": 3, "backoff_base": 0.001},
-                              namespace="retry-get")
-    pool = drv.client.gets
+                              namespace="retry-threads")
+    pool = drv.client.pool
     real_take = pool._take
     throttled = [0]
 
@@ -158,11 +168,17 @@ async def test_throttled_loads_are_retried_then_given_up(s3_options):
     pool._take = take
     try:
         data = os.urandom(3 * MiB)
-        await drv.store([b"k"], [memoryview(data)])
+        throttled[0] = 2
+        assert await drv.store([b"k"], [memoryview(data)]) == [4096 + len(data)]
         out = memoryview(bytearray(len(data)))
         throttled[0] = 2
         assert await drv.load([b"k"], [out]) == [LoadState.OK] and out == data
-        assert drv.statistics()["retries"] == 2
+        assert drv.statistics()["retries"] == 4
+        throttled[0] = 3
+        with pytest.raises(StorageUnavailable,
+                           match=r"all 1 writes failed: PUT failed after 3 attempts: "
+                                 r"PUT -> HTTP 503 SlowDown"):
+            await drv.store([b"k"], [memoryview(data)])
         throttled[0] = 3
         with pytest.raises(StorageUnavailable,
                            match=r"all 1 reads failed: GET failed after 3 attempts: "

@@ -1,22 +1,27 @@
-"""HTTP requests whose answers worker threads read straight into the caller's memory.
+"""HTTP requests whose bodies worker threads move straight between a socket and the caller's
+memory.
 
-The s3 driver loads through this. Under trio, httpx reads a body in `bytes` chunks that pass
-through h11, httpcore and httpx on the event loop's one thread and are then copied into the
-block buffer: measured on a 2-CPU host against SeaweedFS, ucm's loads stayed at 0.55-0.69 GB/s
-at any concurrency, 0.70-0.79 of boto3 in threads. Here a worker thread sends the request with
-`http.client` and `readinto`s the body where it belongs: one `recv_into` per socket read, with
-the GIL released, and no Python per chunk. Connections are kept alive in a small pool.
+The s3 driver's block GETs and PUTs go through this. Under trio, httpx reads a body in
+`bytes` chunks that pass through h11, httpcore and httpx on the event loop's one thread and are
+then copied into the block buffer: measured on a 2-CPU host against SeaweedFS, ucm's loads
+stayed at 0.55-0.69 GB/s at any concurrency, 0.70-0.79 of boto3 in threads. Here a worker
+thread sends the request with `http.client` and `readinto`s the answer's body where it belongs
+(one `recv_into` per socket read, the GIL released, no Python per chunk), or sends a body
+made of pieces (a block's header and payload) as they are. Connections are kept alive in a
+small pool.
 
-A worker thread cannot be cancelled, and it must never write into memory its caller has given
-up. So when the trio side of a call is cancelled:
+A worker thread cannot be cancelled, and it must never use memory its caller has given up
+(write an answer into it, or send a body from it). So when the trio side of a call is
+cancelled:
 
-- it marks the call abandoned and shuts its socket down, which wakes a blocked `recv` at once;
-- if the thread had not started writing into the caller's memory, the caller returns at once;
-  the thread sees the mark before its first write (`Call.writing`) and stops there;
+- it marks the call abandoned and shuts its socket down, which wakes a blocked `recv` or
+  `send` at once;
+- if the thread had not started using the caller's memory, the caller returns at once; the
+  thread sees the mark before it does (`Call.writing`) and stops there;
 - if it had, the caller waits for it (shielded): after the shutdown it returns within one
   system call.
 
-A stalled server thus costs a deadline, never a thread writing into a reused buffer later.
+A stalled server thus costs a deadline, never a thread touching a reused buffer later.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ import ssl
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import trio
+
+if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12
+    from collections.abc import Buffer
 
 T = TypeVar("T")
 
@@ -146,8 +154,11 @@ class Call:
 
     # -- the worker thread's side -----------------------------------------------------------
 
-    def send(self, method: str, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
-        """Sends a request (target: path and query) and returns the answer, body unread."""
+    def send(self, method: str, target: str, headers: dict[str, str],
+             body: tuple[Buffer, ...] = ()) -> http.client.HTTPResponse:
+        """Sends a request (target: path and query) whose body is the `body` pieces in order
+        (sent as they are, not joined), and returns the answer, its body unread. Sending a
+        body counts as using the caller's memory (`writing`)."""
         if self._conn is not None:
             raise RuntimeError("one request per call")
         while True:
@@ -158,7 +169,18 @@ class Call:
                     conn.connect()
                     conn.sock.settimeout(self._pool.read_timeout)
                 self._watch(conn.sock)
-                conn.request(method, target, headers=headers)
+                conn.putrequest(method, target, skip_accept_encoding=True)
+                for name, value in headers.items():
+                    conn.putheader(name, value)
+                if (body or method in ("PUT", "POST")) and not any(
+                        name.lower() == "content-length" for name in headers):
+                    conn.putheader("Content-Length",
+                                   str(sum(memoryview(b).nbytes for b in body)))
+                conn.endheaders()
+                if body:
+                    self.writing()
+                for piece in body:
+                    conn.sock.sendall(piece)
                 self._response = conn.getresponse()
                 return self._response
             except _STALE:
@@ -167,8 +189,9 @@ class Call:
                     raise
 
     def writing(self) -> None:
-        """Called before the thread first writes into the caller's memory: from here on a
-        cancelled caller waits for the thread instead of leaving it behind."""
+        """Called before the thread first touches the caller's memory (writes an answer into
+        it, or sends a body from it): from here on a cancelled caller waits for the thread
+        instead of leaving it behind."""
         with self._lock:
             if self._abandoned:
                 raise Abandoned
