@@ -40,7 +40,8 @@ def until_ok(kernel: Kernel, key: bytes, block: bytes, *, within: float = 20) ->
             return
         assert error is None or isinstance(error, DeadlineExceeded), \
             f"a store raised while the driver recovered: {error!r}"
-        assert time.monotonic() < deadline, f"the driver did not recover: {error or future}"
+        why = error or future.result()  # a StoreResult names each tier's error
+        assert time.monotonic() < deadline, f"the driver did not recover: {why!r}"
         time.sleep(0.2)
 
 
