@@ -64,11 +64,10 @@ class ConnectionPool:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) origin: {origin!r}")
         self.netloc = parts.netloc
-        self.https = parts.scheme == "https"
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self._tls: ssl.SSLContext | None = None
-        if self.https:
+        if parts.scheme == "https":
             self._tls = ssl.create_default_context()
             if not verify_tls:
                 self._tls.check_hostname = False
@@ -172,8 +171,7 @@ class Call:
                 conn.putrequest(method, target, skip_accept_encoding=True)
                 for name, value in headers.items():
                     conn.putheader(name, value)
-                if (body or method in ("PUT", "POST")) and not any(
-                        name.lower() == "content-length" for name in headers):
+                if body or method in ("PUT", "POST"):
                     conn.putheader("Content-Length",
                                    str(sum(memoryview(b).nbytes for b in body)))
                 conn.endheaders()

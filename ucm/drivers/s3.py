@@ -103,8 +103,7 @@ class _Target:
     def url(self, object_key: str = "", query: str = "") -> str:
         path = quote(object_key, safe="/-_.~")
         if self.virtual:
-            scheme, netloc = self.endpoint.split("://", 1)
-            url = f"{scheme}://{self.bucket}.{netloc}/{path}"
+            url = f"{self.origin}/{path}"
         else:
             url = f"{self.endpoint}/{self.bucket}" + (f"/{path}" if object_key else "")
         return f"{url}?{query}" if query else url
@@ -168,21 +167,30 @@ class S3Client:
                       expect: tuple[int, ...] = (200,)) -> Any:
         """Sends a request with retries; returns the (read) response for statuses in expect."""
         url = self.target.url(object_key, query)
-        last = "no attempt"
-        for attempt in range(self.max_attempts):
+
+        async def attempt() -> Any:
             signed = self._signed_headers(method, url, headers or {})
             try:
                 async with self._slots:
                     response = await self.client.request(method, url, headers=signed,
                                                          content=content)
             except self._httpx.TransportError as exc:
-                last = _transport_text(exc)
-            else:
-                if response.status_code in expect:
-                    return response
-                if response.status_code not in _RETRY_STATUS:
-                    raise _status_error(method, response)
-                last = _status_error(method, response).args[0]
+                raise _Retryable(_transport_text(exc)) from None
+            if response.status_code in expect:
+                return response
+            error = _status_error(method, response)
+            raise _Retryable(error.args[0]) if response.status_code in _RETRY_STATUS else error
+
+        return await self.retried(method, attempt)
+
+    async def retried(self, method: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args), again after a backoff while it raises _Retryable, max_attempts in all."""
+        last = "no attempt"
+        for attempt in range(self.max_attempts):
+            try:
+                return await fn(*args)
+            except _Retryable as exc:
+                last = str(exc)
             if attempt + 1 < self.max_attempts:
                 await self._backoff(attempt)
         raise S3Error(f"{method} failed after {self.max_attempts} attempts: {last}")
@@ -453,15 +461,14 @@ class S3Driver:
             await self._multipart_put(name, memoryview(header + payload))
             self._stats["multipart_puts"] += 1
         else:
-            await self._retried("PUT", self.client.pool.run, self._put, name, header, payload)
+            await self.client.retried("PUT", self.client.pool.run, self._put, name, header,
+                                      payload)
         return size
 
     def _put(self, call: Call, name: str, header: bytes, payload: memoryview) -> None:
         """Worker thread: one PUT of a block, its header and payload sent from where they
         are (no joined copy)."""
-        response = self._send(call, "PUT", name,
-                              {"content-length": str(len(header) + payload.nbytes)},
-                              (header, payload))
+        response = self._send(call, "PUT", name, {}, (header, payload))
         if response.status != 200:
             raise _answer_error(call, "PUT", response.status)
 
@@ -504,19 +511,7 @@ class S3Driver:
     async def _load_one(self, key: bytes, out: memoryview) -> LoadState:
         """GET the block (its first part by range, the rest in parallel ranged GETs pinned to
         the first answer's ETag) and verify it. A block replaced meanwhile restarts the load."""
-        return await self._retried("GET", self._get_once, key, out)
-
-    async def _retried(self, method: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args), again after a backoff while it raises _Retryable, max_attempts in all."""
-        last = ""
-        for attempt in range(self.client.max_attempts):
-            try:
-                return await fn(*args)
-            except _Retryable as exc:
-                last = str(exc)
-            if attempt + 1 < self.client.max_attempts:
-                await self.client._backoff(attempt)
-        raise S3Error(f"{method} failed after {self.client.max_attempts} attempts: {last}")
+        return await self.client.retried("GET", self._get_once, key, out)
 
     async def _get_once(self, key: bytes, out: memoryview) -> LoadState:
         name = self.object_key(key)
