@@ -69,13 +69,10 @@ class DataMovement:
             results[tier.name] = await self._store_into(tier, keys, buffers, indices, errors,
                                                         Priority.STORE, event_id)
 
-        if len(required) == 1:  # the common case: no nursery, no extra task per event
-            await store_one(required[0])
-        else:
-            with unwrap_single():
-                async with trio.open_nursery() as nursery:
-                    for tier in required:
-                        nursery.start_soon(store_one, tier)
+        with unwrap_single():
+            async with trio.open_nursery() as nursery:
+                for tier in required:
+                    nursery.start_soon(store_one, tier)
         stored = tuple(all(results[t.name][i] for t in required) for i in indices)
         self.stats["store_keys"] += len(keys)
         self.stats["store_failed"] += stored.count(False)
