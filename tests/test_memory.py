@@ -11,6 +11,7 @@ import trio
 
 from ucm.drivers import Listing, LoadState
 from ucm.drivers.memory import SHM_ROOT, MemoryDriver
+from ucm.errors import ConfigError
 
 
 @pytest.fixture
@@ -64,26 +65,33 @@ async def test_shared_instances_see_each_other(shm_dir: str):
     await a.store([b"k"], [memoryview(b"hello")])
     out = memoryview(bytearray(5))
     assert await b.load([b"k"], [out]) == [LoadState.OK] and out == b"hello"
-    assert a.block_path(b"k").startswith(shm_dir)
+    assert a.arena.path == f"{shm_dir}/ns.arena"
     assert a.persistent is False and a.shared
     await b.delete([b"k"])
     assert await a.lookup([b"k"]) == [False]
+    await a.aclose()
+    await b.aclose()
 
 
-async def test_shared_default_dir_is_per_namespace():
+async def test_shared_default_arena_is_per_namespace():
     namespace = f"ucm-test-{uuid.uuid4().hex[:12]}"
     drv = await MemoryDriver.open({"shared": True}, name="m", namespace=namespace)
     try:
-        assert drv.block_path(b"\xab").startswith(f"{SHM_ROOT}/{namespace}/ab/")
+        assert drv.arena.path == f"{SHM_ROOT}/{namespace}.arena"
+        assert drv.statistics()["arena_bytes"] > (1 << 30) - (8 << 20)  # the default 1 GiB
     finally:
         await drv.aclose()
-        shutil.rmtree(Path(SHM_ROOT) / namespace, ignore_errors=True)
+        for suffix in ("", ".lock"):
+            (Path(SHM_ROOT) / f"{namespace}.arena{suffix}").unlink()
 
 
-async def test_block_path_only_in_shared_mode():
+async def test_arena_only_in_shared_mode():
     drv = await MemoryDriver.open({}, name="m", namespace="ns")
     with pytest.raises(TypeError, match="shared mode only"):
-        drv.block_path(b"k")
+        drv.arena  # noqa: B018
+    for options in ({"size": "1GiB"}, {"shm_dir": "/dev/shm/x"}):
+        with pytest.raises(ConfigError, match="applies to shared mode only"):
+            await MemoryDriver.open(options, name="m", namespace="ns")
 
 
 async def test_small_local_ops_stay_on_the_trio_thread(monkeypatch):

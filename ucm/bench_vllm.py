@@ -5,9 +5,10 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
     recompute   no connector, no prefix cache
     example     vLLM's built-in ExampleConnector (safetensors files), full hit
     ucm-posix   ucm, posix tier only (page cache warm: the files were just written)
-    ucm-shm     ucm, memory tier shared through /dev/shm
-    ucm-pmem    ucm, pmem tier with its pool file in /dev/shm (one mapping, loads copied and
-                checked in one pass: memory speed, where the others read files)
+    ucm-shm     ucm, memory tier shared through /dev/shm (one arena file that every process
+                maps: loads copied and checked in one pass)
+    ucm-pmem    ucm, pmem tier with its pool file in /dev/shm (one mapping and one owner
+                process; loads as ucm-shm's)
     null        a connector that does nothing (ucm.vllm_hook.null): vLLM's connector path alone
     all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
                 pass); against recompute, and against the null connector
@@ -145,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ucm_extra = {"layerwise": True} if args.layerwise else {}
     ucm_posix = {"tiers": [{"driver": "posix", "path": os.path.join(work, "ucm-store")}]}
-    ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm}]}
+    ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm,
+                          "size": "4GiB"}]}  # sparse, as the pool below
     ucm_pmem = {"tiers": [{"driver": "pmem", "path": os.path.join(shm, "pmem"),
                            "size": "4GiB"}]}  # sparse: only what is stored takes memory
     connectors = [("example", {"connector": "example", "extra": {

@@ -68,6 +68,13 @@ def truncate_file(driver: Any, key: bytes) -> None:
     os.truncate(path, 4096 + (os.path.getsize(path) - 4096) // 2)
 
 
+def flip_arena_byte(driver: Any, key: bytes) -> None:
+    """Flips the middle payload byte of a block in the shared memory driver's arena."""
+    arena = _unwrap(driver).arena
+    offset, length = arena.block_region(key)
+    arena.view[offset + 4096 + (length - 4096) // 2] ^= 0x40
+
+
 def flip_record_byte(driver: Any, key: bytes) -> None:
     """Flips a byte of the process-local memory driver's private copy."""
     payload = _unwrap(driver).backend.records[key].payload
@@ -93,8 +100,12 @@ class DriverSpec:
 SPECS: list[DriverSpec] = [
     DriverSpec("memory", "memory", lambda s: {}, flip_record_byte),
     DriverSpec("memory-zstd", "memory", lambda s: {}, flip_record_byte, codec="zstd"),
-    DriverSpec("memory-shared", "memory", lambda s: {"shared": True, "shm_dir": str(s.shm)},
-               flip_file_byte, cross_process=True, truncate=truncate_file),
+    DriverSpec("memory-shared", "memory",
+               lambda s: {"shared": True, "shm_dir": str(s.shm), "size": "1GiB"},
+               flip_arena_byte, cross_process=True),
+    DriverSpec("memory-shared-zstd", "memory",
+               lambda s: {"shared": True, "shm_dir": str(s.shm), "size": "1GiB"},
+               flip_arena_byte, codec="zstd", cross_process=True),
     DriverSpec("posix", "posix", lambda s: {"path": str(s.disk / "root")}, flip_file_byte,
                cross_process=True, persistent=True, truncate=truncate_file),
     DriverSpec("posix-zstd", "posix", lambda s: {"path": str(s.disk / "root")}, flip_file_byte,

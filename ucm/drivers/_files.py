@@ -1,5 +1,6 @@
 """Shared machinery of the built-in drivers: batch validation, the async plumbing that moves
-blocking work to worker threads, and the block-file store used by `posix` and shared `memory`.
+blocking work to worker threads, and the block-file store used by `posix` and by `nfs` in
+mount mode.
 
 `ThreadedDriver` is the async face: it validates every call, hands the batch to a synchronous
 backend in `trio.to_thread.run_sync` and keeps the counters on the trio thread (no locks
@@ -118,7 +119,8 @@ def os_error(exc: OSError, driver: str) -> DriverError:
     """Translates an OSError that failed a whole batch into the ucm tree."""
     where = f" ({exc.filename})" if exc.filename else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return NoCapacity(f"no space left{where}", driver=driver)
+        why = f": {exc.strerror}" if exc.strerror != os.strerror(exc.errno) else ""
+        return NoCapacity(f"no space left{why}{where}", driver=driver)
     return StorageUnavailable(f"{exc.strerror or exc}{where}", driver=driver)
 
 

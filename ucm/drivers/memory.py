@@ -2,16 +2,20 @@
 
     - driver: memory
       capacity: 2GiB          # enforced by the kernel, not here
-      shared: false           # true: blocks are files in /dev/shm, seen by every process
-      shm_dir: null           # shared mode's directory; default /dev/shm/ucm/<namespace>
+      shared: false           # true: blocks in one arena file in /dev/shm, every process's
+      shm_dir: null           # shared mode's directory; default /dev/shm/ucm
+      size: 1GiB              # shared mode: the arena's size (sparse: stored blocks use memory)
 
 Process-local mode keeps a dict of records (a private copy of the stored bytes plus the
 block header); a store copies the caller's bytes and a load copies them back and verifies the
 checksum of what it copied, so a flipped bit in memory is a corrupt miss, never data.
 
-Shared mode keeps blocks as files on tmpfs in the ucm block format, published by temp file +
-rename (see `_files.BlockFiles`): processes on one host see each other's blocks, and a writer
-killed mid-block leaves nothing half-visible. Neither mode outlives a reboot: not persistent.
+Shared mode keeps blocks in the ucm block format in one arena file on tmpfs,
+`<shm_dir>/<namespace>.arena`, that every process on the host maps (see `_shm_arena`): any of
+them stores, loads and deletes, a load is a checked copy out of the mapping, a writer killed
+mid-block leaves nothing half-visible, and a full arena evicts its oldest blocks. The kernel's
+`capacity` for the tier should not exceed `size`. Neither mode outlives a reboot: not
+persistent.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Self
 
 import trio
+from pydantic import ByteSize, Field
 
 from ucm.block import (
     BlockHeader,
@@ -33,8 +38,6 @@ from ucm.block import (
 )
 from ucm.drivers._files import (
     Backend,
-    BlockFiles,
-    FileLayout,
     ThreadedDriver,
     os_error,
     parse_codec,
@@ -42,9 +45,11 @@ from ucm.drivers._files import (
     size_mismatch,
 )
 from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.errors import BlockCorrupt
+from ucm.drivers._shm_arena import ShmArena
+from ucm.errors import BlockCorrupt, ConfigError
 
 SHM_ROOT = "/dev/shm/ucm"
+DEFAULT_ARENA_BYTES = 2**30
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +129,16 @@ class MemoryDriver(ThreadedDriver):
     class Options(DriverOptions):
         shared: bool = False
         shm_dir: str | None = None
+        size: ByteSize | None = Field(default=None, ge=2**20)  # shared mode's arena
 
-    def __init__(self, backend: LocalBlocks | BlockFiles, *, name: str) -> None:
+    def __init__(self, backend: LocalBlocks | ShmArena, *, name: str) -> None:
         super().__init__(backend, name=name)
         self.backend = backend
-        self.shared = isinstance(backend, BlockFiles)
+        self.shared = isinstance(backend, ShmArena)
+        # Dict operations, arena index probes and KiB copies cost less than a thread hop.
+        self.inline_meta = True
         if not self.shared:
-            # Dict operations and KiB copies cost less than a thread hop.
             self.inline_bytes = 64 * 1024
-            self.inline_meta = True
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "memory", namespace: str,
@@ -141,20 +147,30 @@ class MemoryDriver(ThreadedDriver):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
         if not options.shared:
+            for key in ("shm_dir", "size"):
+                if getattr(options, key) is not None:
+                    raise ConfigError(f"{key}: applies to shared mode only (shared: true)")
             await trio.lowlevel.checkpoint()
             return cls(LocalBlocks(namespace=namespace, codec=codec_value), name=name)
-        root = options.shm_dir or os.path.join(SHM_ROOT, safe_dir_name(namespace))
-        layout = FileLayout((os.path.abspath(root),), shard_depth=1)
+        root = os.path.abspath(options.shm_dir or SHM_ROOT)
+        path = os.path.join(root, safe_dir_name(namespace) + ".arena")
+        size = int(options.size or DEFAULT_ARENA_BYTES)
         try:
-            files = await trio.to_thread.run_sync(
-                lambda: BlockFiles.open(layout, namespace=namespace, codec=codec_value,
-                                        fsync=False, direct=False))
+            arena = await trio.to_thread.run_sync(
+                lambda: ShmArena.open(path, size=size, namespace=namespace, codec=codec_value))
         except OSError as exc:
             raise os_error(exc, name) from exc
-        return cls(files, name=name)
+        return cls(arena, name=name)
 
-    def block_path(self, key: bytes) -> str:
-        """Shared mode: where `key`'s block file lives."""
-        if not isinstance(self.backend, BlockFiles):
-            raise TypeError("block_path exists in shared mode only")
-        return self.backend.path_for(key)
+    @property
+    def arena(self) -> ShmArena:
+        """Shared mode's arena."""
+        if not isinstance(self.backend, ShmArena):
+            raise TypeError("the arena exists in shared mode only")
+        return self.backend
+
+    def statistics(self) -> dict[str, int | float]:
+        stats = super().statistics()
+        if isinstance(self.backend, ShmArena):
+            stats.update(self.backend.statistics())
+        return stats
