@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ucm.config import load_config
-from ucm.drivers import LoadState, _files
+from ucm.drivers import LoadState, _files, _mapped
 from ucm.drivers.posix import PosixDriver
 from ucm.errors import ConfigError, NoCapacity, StorageUnavailable
 
@@ -177,3 +177,114 @@ async def test_fsync_option_syncs_file_and_directory(tmp_path: Path, monkeypatch
     assert len(synced) == 2
     await drv.aclose()
     await plain.aclose()
+
+
+# --- blocks kept mapped (ucm/drivers/_mapped.py) ------------------------------------------
+
+
+async def _restarted(path: str, datas: list[bytes], **options) -> tuple[PosixDriver, list]:
+    """Stores the blocks, then opens a second driver that lists them (as a kernel does at
+    start), which maps those in the page cache."""
+    keys = [f"key{i}".encode() for i in range(len(datas))]
+    first = await open_posix(path)
+    await first.store(keys, [memoryview(d) for d in datas])
+    await first.aclose()
+    drv = await open_posix(path, **options)
+    assert {k async for k, _ in drv.list_blocks()} == set(keys)
+    return drv, keys
+
+
+def _no_reads(monkeypatch) -> None:
+    """A load that reads a file instead of copying from its mapping fails the test."""
+    def fail(*args):
+        raise AssertionError("read the file instead of the mapping")
+
+    monkeypatch.setattr(_files.BlockFiles, "_load_fd", fail)
+
+
+async def test_listed_blocks_in_the_page_cache_load_from_their_mappings(tmp_path: Path,
+                                                                         monkeypatch):
+    datas = [os.urandom(2 * 2**20), os.urandom(70_000), os.urandom(5)]
+    drv, keys = await _restarted(str(tmp_path), datas)
+    try:
+        assert len(drv.files.maps) == 3
+        _no_reads(monkeypatch)
+        outs = [memoryview(bytearray(len(d))) for d in datas]
+        assert await drv.load(keys, outs) == [LoadState.OK] * 3
+        assert [bytes(o) for o in outs] == datas
+        # A byte flipped in the file shows through the shared mapping. The write changed the
+        # file's times, which drops the mapping; with them as they were, the copy out of the
+        # mapping finds the block corrupt.
+        path = drv.block_path(keys[0])
+        with open(path, "r+b") as f:
+            f.seek(4096 + 1000)
+            byte = f.read(1)
+            f.seek(4096 + 1000)
+            f.write(bytes([byte[0] ^ 1]))
+        drv.files.maps._maps[keys[0]].identity = _mapped.identity(os.stat(path))
+        assert await drv.load(keys[:1], outs[:1]) == [LoadState.CORRUPT]
+        monkeypatch.undo()
+        drv.files.maps.drop(keys[0])
+        assert await drv.load(keys[:1], outs[:1]) == [LoadState.CORRUPT]  # read: corrupt too
+    finally:
+        await drv.aclose()
+
+
+async def test_a_replaced_deleted_or_truncated_file_is_not_read_from_its_old_mapping(
+        tmp_path: Path):
+    datas = [os.urandom(100_000) for _ in range(3)]
+    drv, keys = await _restarted(str(tmp_path), datas)
+    other = await open_posix(str(tmp_path))  # another process's driver
+    try:
+        assert len(drv.files.maps) == 3
+        new = os.urandom(100_000)
+        await other.store(keys[:1], [memoryview(new)])
+        await other.delete(keys[1:2])
+        path = drv.block_path(keys[2])
+        os.truncate(path, os.path.getsize(path) - 10)
+        outs = [memoryview(bytearray(100_000)) for _ in keys]
+        assert await drv.load(keys, outs) == [LoadState.OK, LoadState.MISSING,
+                                              LoadState.CORRUPT]
+        assert bytes(outs[0]) == new
+        assert len(drv.files.maps) == 0
+    finally:
+        await drv.aclose()
+        await other.aclose()
+
+
+async def test_mapping_stays_within_its_budget_and_off_when_asked(tmp_path: Path):
+    datas = [os.urandom(1 << 20) for _ in range(4)]
+    drv, _ = await _restarted(str(tmp_path), datas, map_bytes=2 * (1 << 20) + 2 * 4096)
+    assert len(drv.files.maps) == 2 and drv.files.maps.mapped_bytes <= drv.files.maps.limit_bytes
+    await drv.aclose()
+    for options in ({"map_bytes": 0}, {"direct": True}):
+        drv = await open_posix(str(tmp_path), **options)
+        assert len([k async for k, _ in drv.list_blocks()]) == 4
+        assert drv.files.maps is None
+        await drv.aclose()
+
+
+async def test_blocks_not_in_the_page_cache_are_not_mapped(tmp_path: Path):
+    datas = [os.urandom(1 << 20) for _ in range(2)]
+    keys = [b"cold", b"warm"]
+    first = await open_posix(str(tmp_path))
+    await first.store(keys, [memoryview(d) for d in datas])
+    cold = first.block_path(b"cold")
+    fd = os.open(cold, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    drv = await open_posix(str(tmp_path))
+    try:
+        assert len([k async for k, _ in drv.list_blocks()]) == 2
+        maps = drv.files.maps
+        if maps.get(b"warm", drv.block_path(b"warm")) is None:
+            pytest.skip("this filesystem keeps no page cache to test against")
+        assert maps.get(b"cold", cold) is None
+        out = memoryview(bytearray(1 << 20))
+        assert await drv.load([b"cold"], [out]) == [LoadState.OK] and out == datas[0]
+    finally:
+        await drv.aclose()
+        await first.aclose()

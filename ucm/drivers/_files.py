@@ -45,12 +45,14 @@ from ucm.block import (
     Scatter,
     as_byte_view,
     check_key,
+    copy_verified,
     decode_header,
     decode_payload_into,
     encode_header,
     encode_payload,
     verify_payload,
 )
+from ucm.drivers._mapped import MapCache
 from ucm.drivers._protocol import LoadState
 from ucm.errors import (
     BlockCorrupt,
@@ -442,8 +444,11 @@ class BlockFiles(Backend):
     """Blocks as files in the ucm block format. See the module docstring for the layout."""
 
     def __init__(self, layout: FileLayout, *, namespace: str, codec: Codec, fsync: bool,
-                 direct: bool) -> None:
+                 direct: bool, map_bytes: int = 0) -> None:
         self.layout = layout
+        # Blocks found in the page cache by a listing stay mapped (see _mapped): not with
+        # O_DIRECT, whose point is to keep blocks out of the page cache.
+        self.maps = MapCache(map_bytes) if map_bytes > 0 and not direct else None
         self.namespace = namespace
         self.codec = codec
         self.fsync = fsync
@@ -482,6 +487,8 @@ class BlockFiles(Backend):
 
     def delete(self, keys: list[bytes]) -> None:
         for key in keys:
+            if self.maps is not None:
+                self.maps.drop(key)
             try:
                 os.unlink(self.layout.path_for(key))
             except FileNotFoundError:
@@ -491,9 +498,18 @@ class BlockFiles(Backend):
 
     def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
         states = []
+        maps = self.maps
         for key, view in zip(keys, views, strict=True):
+            path = self.layout.path_for(key)
+            mapped = None if maps is None else maps.get(key, path)
+            if mapped is not None:
+                try:
+                    states.append(self._load_mapped(mapped.view, key, view))
+                except BlockCorrupt:
+                    states.append(LoadState.CORRUPT)
+                continue
             try:
-                fd = os.open(self.layout.path_for(key), self._read_flags)
+                fd = os.open(path, self._read_flags)
             except (FileNotFoundError, NotADirectoryError):
                 states.append(LoadState.MISSING)
                 continue
@@ -509,6 +525,21 @@ class BlockFiles(Backend):
             finally:
                 os.close(fd)
         return states
+
+    @staticmethod
+    def _load_mapped(block: memoryview, key: bytes, out: memoryview | Scatter) -> LoadState:
+        """A mapped block file: header checked, payload checked and copied in one pass."""
+        header = decode_header(block[:PAYLOAD_OFFSET], expect_key=key)
+        if header.raw_len != out.nbytes:
+            raise size_mismatch(out, header)
+        if PAYLOAD_OFFSET + header.payload_len != block.nbytes:
+            raise BlockCorrupt("the file's length differs from its header's")
+        payload = block[PAYLOAD_OFFSET:]
+        if header.codec is Codec.NONE:
+            copy_verified(header, out, payload)
+        else:
+            decode_payload_into(header, payload, out)
+        return LoadState.OK
 
     def _load_fd(self, fd: int, key: bytes, out: memoryview | Scatter) -> LoadState:
         head = _scratch.head
@@ -577,6 +608,8 @@ class BlockFiles(Backend):
             except OSError:
                 pass
             raise
+        if self.maps is not None:
+            self.maps.drop(key)  # the old file's mapping, if any: a stat would drop it too
         if self.fsync:
             _fsync_dir(os.path.dirname(final))
         return PAYLOAD_OFFSET + payload.nbytes
@@ -626,9 +659,15 @@ class BlockFiles(Backend):
                     else:
                         continue
                     found.append((key, os.stat(path).st_size))
+                    if self.maps is not None and not self.maps.full():
+                        self.maps.adopt(key, path)
                 except (ValueError, BlockCorrupt, FileNotFoundError):
                     continue  # not a block name, a bad header, or deleted while listing
         return found
+
+    def close(self) -> None:
+        if self.maps is not None:
+            self.maps.clear()
 
     def _key_from_header(self, path: str) -> bytes:
         with open(path, "rb") as f:

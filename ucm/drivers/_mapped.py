@@ -1,0 +1,138 @@
+"""Block files kept mapped, so that a load copies out of memory instead of reading the file.
+
+A load through `preadv` pays the kernel's page-cache copy and then a second pass to check the
+checksum: here, 62 MiB of 2 MiB blocks on ext4 took 11.9 ms inside a vLLM engine. A block file
+that is already mapped is checked and copied in one pass (`copy_verified`) at memory speed,
+after one `stat` to see that the file is still the one mapped. Mapping a file at load time
+costs more than it saves (page tables for every page), so files are mapped ahead: the posix
+driver maps the blocks its listing finds in the page cache when a kernel starts, up to a byte
+budget, which is what makes a restarted engine's first loads fast.
+
+Published block files are never written in place (a store writes a temp file and renames it
+over the old one; a delete unlinks), so a mapping holds one whole block for as long as it
+lives. The `stat` before each load compares device, inode, size, mtime and ctime: a file replaced,
+deleted or truncated is dropped from the cache and read the usual way. (A file truncated by
+something other than ucm in the instant between that stat and the copy would fault the
+process, as with any mapped file.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from collections import OrderedDict
+
+from ucm.block import PAYLOAD_OFFSET, buffer_address, madvise
+
+_MADV_POPULATE_READ = 22
+PAGE = mmap.PAGESIZE
+_libc: ctypes.CDLL | None = None
+
+
+def _resident(addr: int, length: int) -> bool:
+    """Whether every page of a mapping is in the page cache (mincore): mapping a file that is
+    not would turn the populate into disk reads at start-up."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    pages = -(-length // PAGE)
+    vec = ctypes.create_string_buffer(pages)
+    if _libc.mincore(addr, length, vec) != 0:
+        return False
+    return 0 not in vec.raw[:pages]
+
+
+def identity(st: os.stat_result) -> tuple[int, ...]:
+    """What must not change for a mapping to stay the file's (any write changes the times)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+class MappedBlock:
+    __slots__ = ("identity", "view")
+
+    def __init__(self, view: memoryview, identity: tuple[int, ...]) -> None:
+        self.view = view  # read-only; keeps the mapping alive while a load copies from it
+        self.identity = identity
+
+
+class MapCache:
+    """Mapped block files by key, up to `limit_bytes` and `limit_maps` mappings (each one is
+    a VMA: the kernel's default vm.max_map_count is 65530). Thread-safe. Mappings are never
+    closed explicitly: a dropped one is unmapped when the last load using it lets go."""
+
+    def __init__(self, limit_bytes: int, limit_maps: int = 16384) -> None:
+        self.limit_bytes = limit_bytes
+        self.limit_maps = limit_maps
+        self._maps: OrderedDict[bytes, MappedBlock] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self._bytes
+
+    def full(self) -> bool:
+        return self._bytes >= self.limit_bytes or len(self._maps) >= self.limit_maps
+
+    def adopt(self, key: bytes, path: str) -> bool:
+        """Maps the block file at `path` if all of it is in the page cache and the budget
+        allows; fills this process's page tables for it. False if it was not mapped."""
+        if self.full():
+            return False
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if st.st_size <= PAYLOAD_OFFSET or self._bytes + st.st_size > self.limit_bytes:
+                return False
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        view = memoryview(mm)
+        addr = buffer_address(view)
+        if not _resident(addr, st.st_size):
+            return False  # the view and the mapping go with these references
+        madvise(addr, st.st_size, _MADV_POPULATE_READ)  # older kernels: lazy faults instead
+        with self._lock:
+            old = self._maps.pop(key, None)
+            if old is not None:
+                self._bytes -= old.view.nbytes
+            self._maps[key] = MappedBlock(view, identity(st))
+            self._bytes += st.st_size
+        return True
+
+    def get(self, key: bytes, path: str) -> MappedBlock | None:
+        """The mapping of `key`'s block if `path` is still the file mapped, else None (and a
+        mapping that went stale is dropped)."""
+        block = self._maps.get(key)
+        if block is None:
+            return None
+        try:
+            now = identity(os.stat(path))
+        except OSError:
+            now = None
+        if now != block.identity:
+            self.drop(key)
+            return None
+        return block
+
+    def drop(self, key: bytes) -> None:
+        with self._lock:
+            block = self._maps.pop(key, None)
+            if block is not None:
+                self._bytes -= block.view.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._maps.clear()
+            self._bytes = 0
