@@ -249,3 +249,25 @@ def test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer(scenario)
     assert _phase(gone, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
     assert _phase(gone, "single")["num_cached_tokens"] == [0]
     assert not gone["stats"]["worker"].get("load_error_blocks"), gone["stats"]["worker"]
+
+
+def test_shared_memory_tier_serves_a_second_engine(scenario):
+    """The memory tier shared through /dev/shm (one arena every process maps): a second
+    engine process hits what the first stored, with output identical to the baseline."""
+    shm = f"/dev/shm/ucm-test-{os.getpid()}-engine"
+    ucm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm, "size": "256MiB"}]}
+    phases = [Phase([SINGLE], max_tokens=8, name="single"),
+              Phase(SHARED, max_tokens=8, name="shared")]
+    spec = _spec(scenario["model"], connector="ucm", ucm=ucm, max_model_len=4096)
+    try:
+        cold = run_in_subprocess(spec, phases, log_path=scenario["log"])
+        warm = run_in_subprocess(spec, phases, log_path=scenario["log"])
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    for name in ("single", "shared"):
+        assert _phase(cold, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
+        assert _phase(warm, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
+    assert _phase(warm, "single")["num_cached_tokens"] == [288]
+    assert all(n >= 256 for n in _phase(warm, "shared")["num_cached_tokens"])
+    worker = warm["stats"]["worker"]
+    assert worker["loaded_blocks"] >= 9 and not worker.get("load_error_blocks"), worker

@@ -5,15 +5,15 @@
       fsync: false                    # fsync each block and its directory before it counts
       direct: false                   # O_DIRECT (page-aligned I/O; not on old-kernel tmpfs)
       shard_depth: 2                  # <root>/<namespace>/<aa>/<bb>/<hex key>.blk
-      map_bytes: 1GiB                 # blocks in the page cache at start kept mapped; 0: off
+      map_bytes: 1GiB                 # blocks listed at start kept mapped; 0: off
 
 Blocks are published by temp file + rename, so they survive restarts (`persistent`) and a
 writer killed mid-block leaves nothing visible. The work happens in `_files.BlockFiles`.
 
-When a kernel starts, the listing of stored blocks also maps those whose pages are all in the
-page cache, up to `map_bytes` (see `_mapped`): a restarted engine then loads them at memory
-speed, each checked and copied in one pass, instead of through read() and a checksum pass.
-Blocks stored later are read with preadv. Not with `direct: true`.
+When a kernel starts, the listing of stored blocks also maps them, up to `map_bytes`, and
+reads in what the page cache lacks (see `_mapped`): a restarted engine then loads them at
+memory speed, each checked and copied in one pass, instead of through read() and a checksum
+pass. Blocks stored later are read with preadv. Not with `direct: true`.
 """
 
 from __future__ import annotations
