@@ -503,6 +503,7 @@ class BlockFiles(Backend):
             path = self.layout.path_for(key)
             mapped = None if maps is None else maps.get(key, path)
             if mapped is not None:
+                maps.loads += 1
                 try:
                     states.append(self._load_mapped(mapped.view, key, view))
                 except BlockCorrupt:

@@ -55,6 +55,7 @@ class MapCache:
         self._maps: OrderedDict[bytes, MappedBlock] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self.loads = 0  # blocks loaded from a mapping (counted by the caller; racy is fine)
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -195,11 +195,8 @@ class ShmArena(Backend):
         rebuilds the owners from the valid ones, which frees a dead writer's pages."""
         owners = self.owners
         owners[:] = 0
-        for slot in range(self.buckets * WAYS):
-            raw = self._entry_bytes(slot)
-            if not any(raw):
-                continue
-            entry = self._parse(raw)
+        for slot in np.flatnonzero(self._table_words().any(axis=1)).tolist():
+            entry = self._parse(self._entry_bytes(slot))
             if entry is None or not self._block_matches(entry):
                 self._clear(slot)
                 self.recovered_dropped += 1
@@ -233,6 +230,11 @@ class ShmArena(Backend):
                 return  # an older kernel: the faults stay lazy
 
     # -- entries ----------------------------------------------------------------------------
+
+    def _table_words(self) -> np.ndarray:
+        """The table as one row of 16 u32 words per entry (word 0: the magic)."""
+        return np.frombuffer(self._mm, dtype=np.uint32, count=self.buckets * WAYS * 16,
+                             offset=self.table_offset).reshape(-1, 16)
 
     def _locked(self) -> _ArenaLock:
         return _ArenaLock(self._thread_lock, self._lock_fd)
@@ -441,7 +443,7 @@ class ShmArena(Backend):
 
     def list_units(self) -> list[list[tuple[bytes, int]]]:
         blocks = []
-        for slot in range(self.buckets * WAYS):
+        for slot in np.flatnonzero(self._table_words()[:, 0] == _ENTRY_MAGIC).tolist():
             entry = self._parse(self._entry_bytes(slot))
             if entry is None:
                 continue

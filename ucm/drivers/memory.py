@@ -21,6 +21,7 @@ persistent.
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Self
 
@@ -161,6 +162,16 @@ class MemoryDriver(ThreadedDriver):
         except OSError as exc:
             raise os_error(exc, name) from exc
         return cls(arena, name=name)
+
+    async def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
+        if not self.shared:
+            async for item in super().list_blocks():
+                yield item
+            return
+        # A scan of the arena's whole table: off the trio thread, unlike lookups.
+        for unit in await self._run(self.backend.list_units):
+            for item in unit:
+                yield item
 
     @property
     def arena(self) -> ShmArena:

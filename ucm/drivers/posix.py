@@ -84,6 +84,14 @@ class PosixDriver(ThreadedDriver):
             raise os_error(exc, name) from exc
         return cls(files, name=name)
 
+    def statistics(self) -> dict[str, int | float]:
+        stats = super().statistics()
+        maps = self.files.maps
+        if maps is not None:
+            stats.update(mapped_blocks=len(maps), mapped_bytes=maps.mapped_bytes,
+                         mapped_loads=maps.loads)
+        return stats
+
     def block_path(self, key: bytes) -> str:
         """Where `key`'s block lives (tests and tools; the file may not exist)."""
         return self.files.path_for(key)
