@@ -5,6 +5,7 @@ tests/contract."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -238,3 +239,63 @@ async def test_a_block_larger_than_the_arena_is_refused_with_a_reason(shm_dir: P
         assert drv.statistics()["store_failed"] == 0
     finally:
         await drv.aclose()
+
+
+async def test_a_full_tmpfs_fails_the_store_instead_of_killing_the_process(shm_dir: Path,
+                                                                          monkeypatch):
+    """Pages are allocated with MADV_POPULATE_WRITE before the copy touches them: on a full
+    tmpfs that returns an error (here injected) where a write fault would raise SIGBUS."""
+    drv = await MemoryDriver.open({"shared": True, "shm_dir": str(shm_dir), "size": "8MiB"},
+                                  name="m", namespace="ns")
+    try:
+        real = arena_module.madvise
+        monkeypatch.setattr(arena_module, "madvise", lambda addr, length, advice: (
+            errno.EFAULT if advice == arena_module._MADV_POPULATE_WRITE
+            else real(addr, length, advice)))
+        with pytest.raises(NoCapacity, match=r"cannot allocate .* is its tmpfs full"):
+            await drv.store([b"k"], [memoryview(bytes(MiB))])
+        assert not drv.arena.owners.any()  # the pages it took are given back
+        monkeypatch.undo()
+        assert await drv.store([b"k"], [memoryview(bytes(MiB))]) == [MiB + PAGE]
+    finally:
+        await drv.aclose()
+
+
+def test_an_existing_arena_keeps_its_size(shm_dir: Path, caplog):
+    open_arena(shm_dir, size=8 * MiB).close()
+    arena = open_arena(shm_dir, size=16 * MiB)
+    try:
+        assert arena.size == 8 * MiB
+        assert "not the 16777216 configured" in caplog.text
+    finally:
+        arena.close()
+
+
+def test_a_real_full_tmpfs_fails_the_store_cleanly(tmp_path: Path):
+    """On a 3 MiB tmpfs mounted for the test, an arena of 64 MiB (sparse) takes a 1 MiB block,
+    then refuses a 2 MiB one with an error: the process is not killed by SIGBUS."""
+    mnt = tmp_path / "small-tmpfs"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        script = (
+            "from ucm.drivers._shm_arena import ShmArena\n"
+            "from ucm.block import Codec\n"
+            f"a = ShmArena.open({str(mnt / 'ns.arena')!r}, size=64 << 20, namespace='ns',"
+            " codec=Codec.NONE)\n"
+            "assert a.store([b'a'], [memoryview(bytes(1 << 20))]) == [(1 << 20) + 4096]\n"
+            "try:\n"
+            "    a.store([b'b'], [memoryview(bytes(2 << 20))])\n"
+            "except OSError as exc:\n"
+            "    print('refused:', exc)\n"
+            "assert a.lookup([b'a', b'b']) == [True, False]\n"
+            "a.close()\n")
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 0, run.stderr  # -7 would be SIGBUS
+        assert "refused: [Errno 28] cannot allocate" in run.stdout
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import struct
@@ -67,6 +68,8 @@ from ucm.block import (
 from ucm.drivers._files import Backend, pid_alive, size_mismatch
 from ucm.drivers._protocol import LoadState
 from ucm.errors import BlockCorrupt, ConfigError
+
+log = logging.getLogger(__name__)
 
 PAGE = 4096
 WAYS = 8
@@ -138,11 +141,16 @@ class ShmArena(Backend):
         with self._locked():
             if os.fstat(self._fd).st_size == 0:
                 os.ftruncate(self._fd, size)  # sparse: only pages written take memory
+                # The header, table and owners are allocated now: ENOSPC here, not SIGBUS later.
+                os.posix_fallocate(self._fd, 0, geometry(size)[4])
                 self._map()
                 self._format()
             else:
                 self._map()
                 self._check_header()
+                if self.size != size:
+                    log.warning("%s exists with %d bytes, not the %d configured: using it as "
+                                "it is (remove the file to resize it)", self.path, self.size, size)
             # Every process holds a shared flock on the arena file while it has it open; the
             # one that finds no other holder rebuilds the owners (a crashed writer's pages).
             try:
@@ -423,8 +431,14 @@ class ShmArena(Backend):
             return None
         start = self.data_offset + first * PAGE
         try:
-            # Fresh tmpfs pages: one call allocates them all instead of a fault per page.
-            madvise(self.addr + start, npages * PAGE, _MADV_POPULATE_WRITE)
+            # Allocates the pages before anything touches them: a write fault on a tmpfs that
+            # is full would kill the process (SIGBUS), where this returns an error. One call
+            # for the block is also faster than a fault per page. (Before Linux 5.14: EINVAL,
+            # and the faults stay lazy.)
+            err = madvise(self.addr + start, npages * PAGE, _MADV_POPULATE_WRITE)
+            if err not in (0, errno.EINVAL):
+                raise OSError(errno.ENOSPC, f"cannot allocate {npages * PAGE} bytes of the "
+                              f"arena ({os.strerror(err)}): is its tmpfs full?", self.path)
             digest = copy_hashed(self.view[start + PAYLOAD_OFFSET:start + length], payload)
             self.view[start:start + PAYLOAD_OFFSET] = encode_header(
                 key, self.namespace, self.codec, payload, view.nbytes, digest=digest)
