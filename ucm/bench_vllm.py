@@ -234,10 +234,11 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
                 ratio = (row.overhead / example.overhead if example.overhead > 0
                          else float("nan"))
                 parts.append(f"{name} overhead / example overhead = {ratio:.2f}")
-            if loaded.get(n):
-                over_s = max(1e-6, row.overhead / 1e3)
+            if loaded.get(n) and row.overhead > 0:
                 parts.append(f"{name} effective load bandwidth "
-                             f"{loaded[n] / over_s / 2**30:.2f} GiB/s")
+                             f"{loaded[n] / (row.overhead / 1e3) / 2**30:.2f} GiB/s")
+            elif loaded.get(n):  # the floor moved more than the load cost: noise
+                parts.append(f"{name} effective load bandwidth n/a (overhead <= 0)")
             if row.load_wait and loaded.get(n):
                 parts.append(f"{name} load wait {row.load_wait:.1f} ms "
                              f"({loaded[n] / (row.load_wait / 1e3) / 2**30:.2f} GiB/s)")
