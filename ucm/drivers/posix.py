@@ -13,7 +13,9 @@ writer killed mid-block leaves nothing visible. The work happens in `_files.Bloc
 When a kernel starts, the listing of stored blocks also maps them, up to `map_bytes`, and
 reads in what the page cache lacks (see `_mapped`): a restarted engine then loads them at
 memory speed, each checked and copied in one pass, instead of through read() and a checksum
-pass. Blocks stored later are read with preadv. Not with `direct: true`.
+pass. Blocks stored later are read with preadv. Not with `direct: true`. Mapped blocks count
+in the process's RSS as shared file pages (the page cache's, not copies). The vLLM
+connector's scheduler side, which only looks blocks up, maps none.
 """
 
 from __future__ import annotations

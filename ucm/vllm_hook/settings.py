@@ -159,12 +159,20 @@ def kv_layout_tag(vllm_config: Any) -> str:
 
 
 def scheduler_config(config: UCMConfig) -> UCMConfig:
-    """The scheduler only looks blocks up: it never promotes, and drops process-local memory
+    """The scheduler only looks blocks up: it never promotes, drops process-local memory
     tiers (they can only hold what this process stored, and it stores nothing) unless nothing
-    else is left."""
+    else is left, and maps no posix blocks (mappings serve loads)."""
     shared = [t for t in config.tiers
               if not (t.driver == "memory" and not getattr(t.options, "shared", False))]
-    return config.model_copy(update={"promote": False, "tiers": shared or config.tiers})
+    tiers = [_lookup_only(t) for t in shared or config.tiers]
+    return config.model_copy(update={"promote": False, "tiers": tiers})
+
+
+def _lookup_only(tier: Any) -> Any:
+    if tier.driver == "posix" and tier.options.map_bytes:
+        options = tier.options.model_copy(update={"map_bytes": 0})
+        return tier.model_copy(update={"options": options})
+    return tier
 
 
 # -- kernels shared inside one process --------------------------------------------------------
