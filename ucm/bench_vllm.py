@@ -12,7 +12,8 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
     null        a connector that does nothing (ucm.vllm_hook.null): vLLM's connector path alone
     all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
                 pass); against recompute, and against the null connector
-TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request. Each
+TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request. After
+each store pass the files written are synced, so no writeback runs while hits are timed. Each
 connector's engine runs `--repeat` stored prompts, each twice in a row with vLLM's prefix cache
 on: first loaded by the connector, then vLLM's own hit in the same engine (the floor: nothing
 to load, the limit). The overhead is the median of the per-prompt differences. ucm's effective
@@ -175,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             if name not in setups:
                 continue
             cold = run(f"{name} store pass", store_pass(), **kw)
+            # Write the stored files back now: otherwise the kernel flushes them (1 GiB at
+            # --repeat 5) while the next engine's hits are timed, and on 2 CPUs that
+            # writeback doubled the posix tier's load waits (6 ms -> 12-16 ms for 62 MiB).
+            os.sync()
             if name == "ucm-posix":
                 miss_ms["ucm"] = {n: statistics.median(walls(cold, "store", n))
                                   for n in lengths}

@@ -54,6 +54,7 @@ from ucm.block import (
 )
 from ucm.drivers._mapped import MapCache
 from ucm.drivers._protocol import LoadState
+from ucm.drivers._pump import Pump, Spread, chunks, wide
 from ucm.errors import (
     BlockCorrupt,
     ConfigError,
@@ -218,11 +219,15 @@ class ThreadedDriver:
     # Both stay off for backends that make syscalls.
     inline_bytes = 0
     inline_meta = False
+    # Loads handed out block by block to the copy threads of a `_pump.Pump` (the backend has
+    # `load_one(key, view)`), instead of one fixed part per thread.
+    pump_loads = False
 
     def __init__(self, backend: Backend, *, name: str) -> None:
         self._backend = backend
         self.name = name
         self._closed = False
+        self._pump = Pump(PARALLEL)
         self._stats: dict[str, int] = dict.fromkeys(
             ("lookups", "hits", "loads", "loaded", "missing", "corrupt", "failed",
              "bytes_read", "stores", "stored", "bytes_written", "store_failed", "deletes"), 0)
@@ -258,6 +263,25 @@ class ThreadedDriver:
                 nursery.start_soon(run_part, i, part)
         return [r for rs in results for r in rs]
 
+    async def _pumped(self, fn: Callable[[bytes, Any], Any], keys: list[bytes],
+                      views: list[memoryview]) -> list[Any]:
+        """fn(key, view) for every block, on the pump's threads, in parts of at most
+        PARALLEL * CHUNK_BYTES (a cancel lands between parts, never while a thread writes
+        into a caller's buffer)."""
+        results: list[Any] = []
+        for part in chunks(views, PARALLEL * CHUNK_BYTES):
+            if self._closed:
+                raise StorageUnavailable("driver is closed", driver=self.name)
+            threads = PARALLEL if wide(views[part], SPLIT_BYTES) else 1
+            spread = await Spread(fn, keys[part], views[part]).run(self._pump, threads)
+            error = next((e for e in spread.errors if e is not None), None)
+            if isinstance(error, OSError):
+                raise os_error(error, self.name) from error
+            if error is not None:
+                raise error
+            results.extend(spread.results)
+        return results
+
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         keys = check_keys(keys)
         found = await self._run(self._backend.lookup, keys, inline=self.inline_meta)
@@ -267,7 +291,10 @@ class ThreadedDriver:
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[LoadState]:
         keys, views = check_batch(keys, buffers, writable=True)
-        states: list[LoadState] = await self._map(self._backend.load, keys, views)
+        if self.pump_loads and sum(v.nbytes for v in views) > self.inline_bytes:
+            states: list[LoadState] = await self._pumped(self._backend.load_one, keys, views)
+        else:
+            states = await self._map(self._backend.load, keys, views)
         count_loads(self._stats, states, views)
         if all(s is LoadState.FAILED for s in states):
             raise StorageUnavailable(f"all {len(keys)} reads failed", driver=self.name)
@@ -497,35 +524,32 @@ class BlockFiles(Backend):
     # load
 
     def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
-        states = []
+        return [self.load_one(key, view) for key, view in zip(keys, views, strict=True)]
+
+    def load_one(self, key: bytes, view: memoryview | Scatter) -> LoadState:
+        path = self.layout.path_for(key)
         maps = self.maps
-        for key, view in zip(keys, views, strict=True):
-            path = self.layout.path_for(key)
-            mapped = None if maps is None else maps.get(key, path)
-            if mapped is not None:
-                maps.loads += 1
-                try:
-                    states.append(self._load_mapped(mapped.view, key, view))
-                except BlockCorrupt:
-                    states.append(LoadState.CORRUPT)
-                continue
+        mapped = None if maps is None else maps.get(key, path)
+        if mapped is not None:
+            maps.loads += 1
             try:
-                fd = os.open(path, self._read_flags)
-            except (FileNotFoundError, NotADirectoryError):
-                states.append(LoadState.MISSING)
-                continue
-            except OSError:
-                states.append(LoadState.FAILED)
-                continue
-            try:
-                states.append(self._load_fd(fd, key, view))
+                return self._load_mapped(mapped.view, key, view)
             except BlockCorrupt:
-                states.append(LoadState.CORRUPT)
-            except OSError:
-                states.append(LoadState.FAILED)
-            finally:
-                os.close(fd)
-        return states
+                return LoadState.CORRUPT
+        try:
+            fd = os.open(path, self._read_flags)
+        except (FileNotFoundError, NotADirectoryError):
+            return LoadState.MISSING
+        except OSError:
+            return LoadState.FAILED
+        try:
+            return self._load_fd(fd, key, view)
+        except BlockCorrupt:
+            return LoadState.CORRUPT
+        except OSError:
+            return LoadState.FAILED
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _load_mapped(block: memoryview, key: bytes, out: memoryview | Scatter) -> LoadState:

@@ -364,9 +364,9 @@ class ShmArena(Backend):
         return [self._find(_digest(key)) is not None for key in keys]
 
     def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
-        return [self._load_one(key, out) for key, out in zip(keys, views, strict=True)]
+        return [self.load_one(key, out) for key, out in zip(keys, views, strict=True)]
 
-    def _load_one(self, key: bytes, out: memoryview) -> LoadState:
+    def load_one(self, key: bytes, out: memoryview) -> LoadState:
         found = self._find(_digest(key))
         if found is None:
             return LoadState.MISSING

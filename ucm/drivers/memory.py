@@ -140,6 +140,8 @@ class MemoryDriver(ThreadedDriver):
         self.inline_meta = True
         if not self.shared:
             self.inline_bytes = 64 * 1024
+        else:
+            self.pump_loads = True  # block by block over the copy threads (_pump)
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "memory", namespace: str,

@@ -42,6 +42,7 @@ class PosixDriver(ThreadedDriver):
 
     persistent = True
     scatter = True  # loads read straight into a Scatter's pieces
+    pump_loads = True  # block by block over the copy threads (_pump)
 
     class Options(DriverOptions):
         path: str | list[str]
