@@ -6,7 +6,6 @@ tests/contract."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import random
 import shutil
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import ucm.drivers._shm_arena as arena_module
-from ucm.block import Codec
+from ucm.block import MADV_POPULATE_WRITE, Codec, key_digest
 from ucm.drivers import LoadState
 from ucm.drivers._shm_arena import IN_FLIGHT, PAGE, WAYS, ShmArena
 from ucm.drivers.memory import MemoryDriver
@@ -70,8 +69,7 @@ def test_a_full_bucket_evicts_its_oldest_entry(shm_dir: Path):
     arena = open_arena(shm_dir)
     try:
         def bucket(key: bytes) -> int:
-            digest = hashlib.blake2b(key, digest_size=16).digest()
-            return int.from_bytes(digest[:8], "little") % arena.buckets
+            return int.from_bytes(key_digest(key)[:8], "little") % arena.buckets
 
         same = [k for k in (f"b{i}".encode() for i in range(100_000)) if bucket(k) == 0]
         keys = same[:WAYS + 1]
@@ -132,7 +130,7 @@ def test_a_flipped_byte_without_a_race_is_corrupt(shm_dir: Path):
 def test_a_torn_entry_reads_as_absent_and_is_cleared_at_recovery(shm_dir: Path):
     arena = open_arena(shm_dir)
     arena.store([b"a", b"b"], [memoryview(b"x" * 5000), memoryview(b"y" * 5000)])
-    slot, _ = arena._find(hashlib.blake2b(b"a", digest_size=16).digest())
+    slot, _ = arena._find(key_digest(b"a"))
     arena.view[arena._entry_at(slot) + 20] ^= 1  # the entry's `first page` field
     assert arena.lookup([b"a", b"b"]) == [False, True]
     assert load(arena, b"a", 5000)[0] is LoadState.MISSING
@@ -250,7 +248,7 @@ async def test_a_full_tmpfs_fails_the_store_instead_of_killing_the_process(shm_d
     try:
         real = arena_module.madvise
         monkeypatch.setattr(arena_module, "madvise", lambda addr, length, advice: (
-            errno.EFAULT if advice == arena_module._MADV_POPULATE_WRITE
+            errno.EFAULT if advice == MADV_POPULATE_WRITE
             else real(addr, length, advice)))
         with pytest.raises(NoCapacity, match=r"cannot allocate .* is its tmpfs full"):
             await drv.store([b"k"], [memoryview(bytes(MiB))])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import hashlib
 import struct
 import threading
 from collections.abc import Iterable
@@ -124,6 +125,13 @@ def buffer_address(view: memoryview) -> int:
 
 
 _libc = None
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; older kernels: EINVAL
+
+
+def key_digest(key: bytes) -> bytes:
+    """A key's 16-byte BLAKE2b digest: what fixed-size index entries (pmem pool, shared
+    arena) store in place of the key, which the block's own header then confirms."""
+    return hashlib.blake2b(key, digest_size=16).digest()
 
 
 def madvise(addr: int, length: int, advice: int) -> int:

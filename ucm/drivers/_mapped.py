@@ -26,9 +26,7 @@ import os
 import threading
 from collections import OrderedDict
 
-from ucm.block import PAYLOAD_OFFSET, buffer_address, madvise
-
-_MADV_POPULATE_READ = 22
+from ucm.block import MADV_POPULATE_READ, PAYLOAD_OFFSET, buffer_address, madvise
 
 
 def identity(st: os.stat_result) -> tuple[int, ...]:
@@ -87,7 +85,7 @@ class MapCache:
             os.close(fd)
         view = memoryview(mm)
         # Older kernels (before 5.14) have no MADV_POPULATE_READ: the faults stay lazy.
-        madvise(buffer_address(view), st.st_size, _MADV_POPULATE_READ)
+        madvise(buffer_address(view), st.st_size, MADV_POPULATE_READ)
         with self._lock:
             old = self._maps.pop(key, None)
             if old is not None:

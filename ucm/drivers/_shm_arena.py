@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import logging
 import mmap
 import os
@@ -53,6 +52,8 @@ import numpy as np
 import xxhash
 
 from ucm.block import (
+    MADV_POPULATE_READ,
+    MADV_POPULATE_WRITE,
     PAYLOAD_OFFSET,
     Codec,
     as_byte_view,
@@ -63,6 +64,7 @@ from ucm.block import (
     decode_payload_into,
     encode_header,
     encode_payload,
+    key_digest,
     madvise,
 )
 from ucm.drivers._files import Backend, pid_alive, size_mismatch
@@ -82,13 +84,6 @@ _ENTRY_MAGIC = 0x41534355  # "UCSA"
 _CRC = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 IN_FLIGHT = 0x8000_0000  # owners value: IN_FLIGHT | pid of the writer
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23
-
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=16).digest()
-
-
 def _pages(length: int) -> int:
     return -(-length // PAGE)
 
@@ -225,7 +220,7 @@ class ShmArena(Backend):
             header = decode_header(self.view[start:start + PAYLOAD_OFFSET])
         except BlockCorrupt:
             return False
-        return header.stored_len == length and _digest(header.key) == digest
+        return header.stored_len == length and key_digest(header.key) == digest
 
     def _populate(self) -> None:
         """Maps the stored blocks' pages into this process (MADV_POPULATE_READ), so the first
@@ -234,7 +229,7 @@ class ShmArena(Backend):
             ([0], (self.owners != 0).view(np.int8), [0]))))
         for start, end in zip(used[::2], used[1::2], strict=True):
             if madvise(self.addr + self.data_offset + int(start) * PAGE,
-                       int(end - start) * PAGE, _MADV_POPULATE_READ) != 0:
+                       int(end - start) * PAGE, MADV_POPULATE_READ) != 0:
                 return  # an older kernel: the faults stay lazy
 
     # -- entries ----------------------------------------------------------------------------
@@ -361,13 +356,13 @@ class ShmArena(Backend):
     # -- the Backend ------------------------------------------------------------------------
 
     def lookup(self, keys: list[bytes]) -> list[bool]:
-        return [self._find(_digest(key)) is not None for key in keys]
+        return [self._find(key_digest(key)) is not None for key in keys]
 
     def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
         return [self.load_one(key, out) for key, out in zip(keys, views, strict=True)]
 
     def load_one(self, key: bytes, out: memoryview) -> LoadState:
-        found = self._find(_digest(key))
+        found = self._find(key_digest(key))
         if found is None:
             return LoadState.MISSING
         slot, (_, _, seq, first, length) = found
@@ -435,7 +430,7 @@ class ShmArena(Backend):
             # is full would kill the process (SIGBUS), where this returns an error. One call
             # for the block is also faster than a fault per page. (Before Linux 5.14: EINVAL,
             # and the faults stay lazy.)
-            err = madvise(self.addr + start, npages * PAGE, _MADV_POPULATE_WRITE)
+            err = madvise(self.addr + start, npages * PAGE, MADV_POPULATE_WRITE)
             if err not in (0, errno.EINVAL):
                 raise OSError(errno.ENOSPC, f"cannot allocate {npages * PAGE} bytes of the "
                               f"arena ({os.strerror(err)}): is its tmpfs full?", self.path)
@@ -446,12 +441,12 @@ class ShmArena(Backend):
             with self._locked():
                 self._release(first, npages)
             raise
-        return _digest(key), first, npages, length
+        return key_digest(key), first, npages, length
 
     def delete(self, keys: list[bytes]) -> None:
         with self._locked():
             for key in keys:
-                found = self._find(_digest(key))
+                found = self._find(key_digest(key))
                 if found is not None:
                     self._drop(found[0])
 
@@ -466,7 +461,7 @@ class ShmArena(Backend):
                 header = decode_header(self.view[start:start + PAYLOAD_OFFSET])
             except BlockCorrupt:
                 continue  # replaced or evicted while listing
-            if _digest(header.key) == entry[0] and self._seq(slot) == entry[2]:
+            if key_digest(header.key) == entry[0] and self._seq(slot) == entry[2]:
                 blocks.append((header.key, entry[1] * PAGE))
         return [blocks]
 
@@ -475,7 +470,7 @@ class ShmArena(Backend):
 
     def block_region(self, key: bytes) -> tuple[int, int] | None:
         """(offset in the arena file, length) of `key`'s block: for tests and tools."""
-        found = self._find(_digest(key))
+        found = self._find(key_digest(key))
         if found is None:
             return None
         _, (_, _, _, first, length) = found

@@ -40,7 +40,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import hashlib
 import itertools
 import os
 import struct
@@ -55,6 +54,7 @@ import xxhash
 from pydantic import ByteSize, Field
 
 from ucm.block import (
+    MADV_POPULATE_READ,
     PAYLOAD_OFFSET,
     Codec,
     as_byte_view,
@@ -65,6 +65,7 @@ from ucm.block import (
     decode_payload_into,
     encode_header,
     encode_payload,
+    key_digest,
     madvise,
 )
 from ucm.drivers._extents import Extents
@@ -92,13 +93,6 @@ _ENTRY_MAGIC = 0x45504355  # "UCPE"
 _CRC = struct.Struct("<I")
 _MSYNC_GAP = 1 << 20  # extents closer than this share one msync
 PMEM_FILE_CREATE = 1
-
-
-_MADV_POPULATE_READ = 22
-
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=16).digest()
 
 
 def _round_up(n: int) -> int:
@@ -296,7 +290,7 @@ class PmemPool(Backend):
             else:
                 ranges.append([start, start + length])
         for start, end in ranges:
-            if madvise(self.addr + start, end - start, _MADV_POPULATE_READ) != 0:
+            if madvise(self.addr + start, end - start, MADV_POPULATE_READ) != 0:
                 return  # EINVAL: an older kernel; the faults stay lazy
 
     def _read_entry(self, slot: int) -> tuple[bytes, _Entry] | None:
@@ -318,7 +312,7 @@ class PmemPool(Backend):
         except BlockCorrupt:
             self.recovered_dropped += 1
             return None
-        if _digest(header.key) != digest or header.stored_len != length:
+        if key_digest(header.key) != digest or header.stored_len != length:
             self.recovered_dropped += 1
             return None
         return header.key, _Entry(slot, offset, length, extent, seq)
@@ -360,7 +354,7 @@ class PmemPool(Backend):
 
     def _put_entry(self, entry: _Entry, key: bytes) -> None:
         """Writes an index entry into the mapping; durable only after a persist."""
-        body = _ENTRY.pack(_ENTRY_MAGIC, 0, entry.seq, entry.offset, entry.length, _digest(key))
+        body = _ENTRY.pack(_ENTRY_MAGIC, 0, entry.seq, entry.offset, entry.length, key_digest(key))
         at = self._entry_at(entry.slot)
         self.view[at:at + _ENTRY.size + 4] = body + _CRC.pack(xxhash.xxh32_intdigest(body))
 
