@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ucm.bench_vllm import Row, _print_table, _raw_read_bandwidth
+import pytest
+
+from ucm.bench_vllm import Row, _print_table, _prompts, _raw_read_bandwidth, main
 
 
 def test_raw_read_reads_as_many_files_as_the_kv_needs(tmp_path):
@@ -29,3 +31,30 @@ def test_table_reports_overheads_ratios_and_load_bandwidth(capsys):
     assert "64 MiB of KV" in out
     assert "overhead +2.0% (target <= 5%)" in out
     assert "null connector) 4040 ms (+1.0%), ucm over it +1.0%" in out
+
+
+def test_prompts_are_whole_blocks_plus_the_tail_and_all_differ():
+    prompts = _prompts([256, 512], 2, 3, 10)
+    assert [len(p) for p in prompts[256]] == [258] * 3
+    assert [len(p) for p in prompts[512]] == [514] * 3
+    firsts = {tuple(p[:128]) for ps in prompts.values() for p in ps}
+    assert len(firsts) == 6  # no two prompts share a first block
+    assert _prompts([256], 2, 3, 10) == {256: prompts[256]}  # seeded: the same every run
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tail", "1"], "--tail 1 makes ExampleConnector miss"),
+    (["--tail", "-1"], "--tail must be 0 or more"),
+])
+def test_bad_tails_are_refused_before_any_engine_starts(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_table_labels_lengths_with_their_tail(capsys):
+    rows = {"ucm-shm": {4096: Row(37.0, 30.0, 7.0, 5.1)}}
+    _print_table([4096], {"recompute": {4096: 4000.0}}, rows, {4096: 64 * 2**20}, 0.0, 0,
+                 tail=2)
+    out = capsys.readouterr().out
+    assert "4096+2 tok" in out and "4096+2 tokens: " in out

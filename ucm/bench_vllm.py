@@ -12,6 +12,14 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
     null        a connector that does nothing (ucm.vllm_hook.null): vLLM's connector path alone
     all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
                 pass); against recompute, and against the null connector
+A prompt of length n is n KV tokens (`--lengths`, whole blocks) and then `--tail` more (2 by
+default), so every setup loads or finds the same n tokens and computes only the tail: the floor
+is a 2-token step, not a recomputed block (vLLM always computes a prompt's last token, so a
+block-aligned prompt recomputes its whole last block: 128 tokens, about 190 ms at 4K here, whose
+run-to-run noise was larger than the overheads measured). A tail of 1 would make
+ExampleConnector miss: it names a stored prompt by its first (P - 1) // bs blocks and looks it
+up by its first (P - 2) // bs.
+
 TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request. After
 each store pass the files written are synced, so no writeback runs while hits are timed. Each
 connector's engine runs `--repeat` stored prompts, each twice in a row with vLLM's prefix cache
@@ -44,6 +52,11 @@ SPEC = ModelSpec(layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816,
 def _prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, SPEC.vocab) for _ in range(n)]
+
+
+def _prompts(lengths: list[int], tail: int, repeat: int, seed: int) -> dict[int, list[list[int]]]:
+    """`repeat` prompts of n + tail tokens for each n, distinct across lengths and seeds."""
+    return {n: [_prompt(n + tail, seed * n + i) for i in range(repeat)] for n in lengths}
 
 
 def _say(msg: str) -> None:
@@ -93,7 +106,11 @@ def _raw_read_bandwidth(paths: list[str], nbytes: int) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="ucm bench vllm", description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="4096,8192", help="prompt lengths in tokens")
+    ap.add_argument("--lengths", default="4096,8192",
+                    help="KV tokens a full hit loads (whole blocks) per prompt")
+    ap.add_argument("--tail", type=int, default=2,
+                    help="prompt tokens after them, computed by every setup (0: block-aligned "
+                         "prompts, whose last block is recomputed)")
     ap.add_argument("--repeat", type=int, default=3, help="prompts per length")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--workdir", default=None)
@@ -108,20 +125,27 @@ def main(argv: list[str] | None = None) -> int:
 
     lengths = [int(x) for x in args.lengths.split(",")]
     setups = args.setups.split(",")
+    if args.tail < 0:
+        ap.error("--tail must be 0 or more")
+    if args.tail == 1 and "example" in setups:
+        ap.error("--tail 1 makes ExampleConnector miss every prompt (it stores a prompt of P "
+                 "tokens under its first (P - 1) // block size blocks and looks it up by its "
+                 "first (P - 2) // block size): use 0 or 2 and more")
     work = args.workdir or tempfile.mkdtemp(prefix="ucm-bench-vllm-")
     shm = tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm")
     log = os.path.join(work, "engines.log")
     _say(f"model: {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.kv_heads} KV heads, "
-         f"{SPEC.dtype}, block {args.block_size}; prompts {lengths}; repeat {args.repeat}; "
+         f"{SPEC.dtype}, block {args.block_size}; prompts of {lengths} tokens + {args.tail}; "
+         f"repeat {args.repeat}; "
          f"{os.cpu_count()} CPUs; ucm {'layerwise' if args.layerwise else 'whole blocks'}; "
          f"logs {log}")
     model = str(build_model(os.path.join(work, "model"), SPEC))
-    max_len = max(lengths) + 256
+    max_len = max(lengths) + args.tail + 256
     base = {"model": model, "dtype": SPEC.dtype, "block_size": args.block_size,
             "max_model_len": max_len, "kv_cache_bytes": 2 * 2**30, "max_num_seqs": 4}
-    warmup = Phase([_prompt(lengths[0], 1)], max_tokens=1, name="warmup")
-    hits = {n: [_prompt(n, 10 * n + i) for i in range(args.repeat)] for n in lengths}
-    misses = {n: [_prompt(n, 1000 * n + i) for i in range(args.repeat)] for n in lengths}
+    warmup = Phase([_prompt(lengths[0] + args.tail, 1)], max_tokens=1, name="warmup")
+    hits = _prompts(lengths, args.tail, args.repeat, 10)
+    misses = _prompts(lengths, args.tail, args.repeat, 1000)
 
     def store_pass() -> list[Phase]:
         # Timed too: on ucm-posix these are the all-miss runs (nothing stored yet, the stores
@@ -187,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = {}
             for n in lengths:
                 hit, again = walls(r, "hit", n), walls(r, "again", n)
-                _say(f"  {name}: {n} tokens, TTFT ms loaded / vLLM's own hit: "
+                _say(f"  {name}: {n}+{args.tail} tokens, TTFT ms loaded / vLLM's own hit: "
                      + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(hit, again, strict=True)))
                 deltas = [next(p for p in r["phases"] if p["name"] == f"hit{n}.{i}")
                           ["worker_delta"] for i in range(args.repeat)]
@@ -203,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_bw, raw_bytes = _raw_read_bandwidth(files, kv) if files and kv else (0.0, 0)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes)
+    _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes, tail=args.tail)
     return 0
 
 
@@ -218,10 +242,16 @@ class Row:
 
 
 def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Row]],
-                 loaded: dict[int, int], raw_bw: float, raw_bytes: int) -> None:
+                 loaded: dict[int, int], raw_bw: float, raw_bytes: int, *, tail: int = 0,
+                 ) -> None:
+    """`tail`: the prompt tokens after the n KV tokens of each length (labels "n+tail")."""
+
+    def label(n: int) -> str:
+        return f"{n}+{tail}" if tail else str(n)
+
     print("\nTTFT (ms, median): loaded by the connector, vLLM's own prefix hit in the same "
           "engine (the floor), and the overhead (median of per-prompt differences)")
-    print(f"{'setup':<12}" + "".join(f"{f'{n} tok':>10}{'floor':>8}{'overhead':>10}"
+    print(f"{'setup':<12}" + "".join(f"{f'{label(n)} tok':>10}{'floor':>8}{'overhead':>10}"
                                       for n in lengths))
     print(f"{'recompute':<12}" + "".join(f"{miss_ms['recompute'][n]:>10.1f}{'':>18}"
                                          for n in lengths))
@@ -249,14 +279,14 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
                              f"({loaded[n] / (row.load_wait / 1e3) / 2**30:.2f} GiB/s)")
         if loaded.get(n):
             parts.append(f"{loaded[n] / 2**20:.0f} MiB of KV")
-        print(f"{n} tokens: " + "; ".join(parts))
+        print(f"{label(n)} tokens: " + "; ".join(parts))
     if raw_bytes:
         print(f"raw preadv() of the same block files into {raw_bytes / 2**20:.0f} MiB of memory "
               f"(page cache warm, best of 1 and 2 threads): {raw_bw / 2**30:.2f} GiB/s")
     if "ucm" in miss_ms:
         for n in lengths:
             rec, ucm = miss_ms["recompute"][n], miss_ms["ucm"][n]
-            line = (f"all-miss {n} tokens: no connector {rec:.0f} ms, ucm on {ucm:.0f} ms, "
+            line = (f"all-miss {label(n)} tokens: no connector {rec:.0f} ms, ucm on {ucm:.0f} ms, "
                     f"overhead {(ucm - rec) / rec:+.1%} (target <= 5%)")
             if "null" in miss_ms:
                 null = miss_ms["null"][n]
