@@ -251,12 +251,12 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
 
     print("\nTTFT (ms, median): loaded by the connector, vLLM's own prefix hit in the same "
           "engine (the floor), and the overhead (median of per-prompt differences)")
-    print(f"{'setup':<12}" + "".join(f"{f'{label(n)} tok':>10}{'floor':>8}{'overhead':>10}"
+    print(f"{'setup':<12}" + "".join(f"{f'{label(n)} tok':>12}{'floor':>8}{'overhead':>10}"
                                       for n in lengths))
-    print(f"{'recompute':<12}" + "".join(f"{miss_ms['recompute'][n]:>10.1f}{'':>18}"
+    print(f"{'recompute':<12}" + "".join(f"{miss_ms['recompute'][n]:>12.1f}{'':>18}"
                                          for n in lengths))
     for name, per_n in rows.items():
-        print(f"{name:<12}" + "".join(f"{per_n[n].ttft:>10.1f}{per_n[n].floor:>8.1f}"
+        print(f"{name:<12}" + "".join(f"{per_n[n].ttft:>12.1f}{per_n[n].floor:>8.1f}"
                                       f"{per_n[n].overhead:>10.1f}" for n in lengths))
     for n in lengths:
         parts = []
