@@ -95,21 +95,21 @@ def test_a_load_racing_another_process_delete_is_a_miss(shm_dir: Path, monkeypat
         key, data = b"raced", block(1, 256 * 1024)
         writer.store([key], [memoryview(data)])
         offset, length = writer.block_region(key)
-        real = arena_module.copy_verified
+        real = arena_module.decode_payload_into  # the copy out of the arena
 
-        def racing(header, out, stored):
+        def racing(header, stored, out):
             writer.delete([key])
             if rewrite:
                 writer.view[offset + PAGE:offset + length] = block(2, length - PAGE)
-            real(header, out, stored)
+            real(header, stored, out)
 
-        monkeypatch.setattr(arena_module, "copy_verified", racing)
+        monkeypatch.setattr(arena_module, "decode_payload_into", racing)
         assert load(reader, key, len(data))[0] is LoadState.MISSING
-        monkeypatch.setattr(arena_module, "copy_verified", real)
+        monkeypatch.setattr(arena_module, "decode_payload_into", real)
         writer.store([key], [memoryview(data)])  # a replace racing the load: a miss too
-        monkeypatch.setattr(arena_module, "copy_verified",
-                            lambda h, o, s: (writer.store([key], [memoryview(data)]),
-                                             real(h, o, s)))
+        monkeypatch.setattr(arena_module, "decode_payload_into",
+                            lambda h, s, o: (writer.store([key], [memoryview(data)]),
+                                             real(h, s, o)))
         assert load(reader, key, len(data))[0] is LoadState.MISSING
     finally:
         reader.close()

@@ -45,7 +45,6 @@ from ucm.block import (
     Scatter,
     as_byte_view,
     check_key,
-    copy_verified,
     decode_header,
     decode_payload_into,
     encode_header,
@@ -559,11 +558,7 @@ class BlockFiles(Backend):
             raise size_mismatch(out, header)
         if PAYLOAD_OFFSET + header.payload_len != block.nbytes:
             raise BlockCorrupt("the file's length differs from its header's")
-        payload = block[PAYLOAD_OFFSET:]
-        if header.codec is Codec.NONE:
-            copy_verified(header, out, payload)
-        else:
-            decode_payload_into(header, payload, out)
+        decode_payload_into(header, block[PAYLOAD_OFFSET:], out)  # NONE: copy_verified
         return LoadState.OK
 
     def _load_fd(self, fd: int, key: bytes, out: memoryview | Scatter) -> LoadState:
@@ -684,8 +679,8 @@ class BlockFiles(Backend):
                     else:
                         continue
                     found.append((key, os.stat(path).st_size))
-                    if self.maps is not None and not self.maps.full():
-                        self.maps.adopt(key, path)
+                    if self.maps is not None:
+                        self.maps.adopt(key, path)  # False once its budget is spent
                 except (ValueError, BlockCorrupt, FileNotFoundError):
                     continue  # not a block name, a bad header, or deleted while listing
         return found

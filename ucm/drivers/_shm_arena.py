@@ -59,7 +59,6 @@ from ucm.block import (
     as_byte_view,
     buffer_address,
     copy_hashed,
-    copy_verified,
     decode_header,
     decode_payload_into,
     encode_header,
@@ -375,11 +374,8 @@ class ShmArena(Backend):
                 if self._seq(slot) != seq:
                     return LoadState.MISSING
                 raise size_mismatch(out, header)
-            payload = self.view[start + PAYLOAD_OFFSET:start + length]
-            if header.codec is Codec.NONE:
-                copy_verified(header, out, payload)
-            else:
-                decode_payload_into(header, payload, out)
+            # codec NONE: checked and copied in one pass (copy_verified)
+            decode_payload_into(header, self.view[start + PAYLOAD_OFFSET:start + length], out)
             state = LoadState.OK
         except BlockCorrupt:
             state = LoadState.CORRUPT

