@@ -66,8 +66,9 @@ class MapCache:
         return self._bytes >= self.limit_bytes or len(self._maps) >= self.limit_maps
 
     def adopt(self, key: bytes, path: str) -> bool:
-        """Maps the block file at `path` if all of it is in the page cache and the budget
-        allows; fills this process's page tables for it. False if it was not mapped."""
+        """Maps the block file at `path` if the budget allows, and fills this process's page
+        tables for it (reading in the pages the page cache has lost). False if it was not
+        mapped."""
         if self.full():
             return False
         try:
