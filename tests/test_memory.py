@@ -75,6 +75,7 @@ async def test_shared_instances_see_each_other(shm_dir: str):
 
 async def test_shared_default_arena_is_per_namespace():
     namespace = f"ucm-test-{uuid.uuid4().hex[:12]}"
+    root_existed = Path(SHM_ROOT).exists()
     drv = await MemoryDriver.open({"shared": True}, name="m", namespace=namespace)
     try:
         assert drv.arena.path == f"{SHM_ROOT}/{namespace}.arena"
@@ -83,6 +84,8 @@ async def test_shared_default_arena_is_per_namespace():
         await drv.aclose()
         for suffix in ("", ".lock"):
             (Path(SHM_ROOT) / f"{namespace}.arena{suffix}").unlink()
+        if not root_existed:  # leave the host's /dev/shm as the test found it
+            Path(SHM_ROOT).rmdir()
 
 
 async def test_arena_only_in_shared_mode():
