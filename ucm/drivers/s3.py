@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 import random
 import re
@@ -70,6 +71,8 @@ from ucm.drivers._files import (
 from ucm.drivers._protocol import DriverOptions, LoadState
 from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call, ConnectionPool
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
+
+log = logging.getLogger(__name__)
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _UNSIGNED = "UNSIGNED-PAYLOAD"
@@ -220,13 +223,17 @@ def _error_for(method: str, status: int, body: bytes) -> S3Error:
     return S3Error(text, status, code)
 
 
+def _drain(call: Call) -> bytes:
+    """Worker thread: the rest of an answer's body (so its connection can be reused)."""
+    try:
+        return call.body()
+    except TRANSPORT_ERRORS:
+        return b""
+
+
 def _answer_error(call: Call, method: str, status: int) -> Exception:
     """Worker thread: the error for an unexpected answer (its body names the S3 code)."""
-    try:
-        body = call.body()
-    except TRANSPORT_ERRORS:
-        body = b""
-    error = _error_for(method, status, body)
+    error = _error_for(method, status, _drain(call))
     return _Retryable(error.args[0]) if status in _RETRY_STATUS else error
 
 
@@ -383,6 +390,9 @@ class S3Driver:
         if failures and len(failures) == len(keys):
             raise StorageUnavailable(f"all {len(keys)} reads failed: {failures[0]}",
                                      driver=self.name)
+        if failures:  # the states say which; only the log says why
+            log.warning("%s: %d of %d reads failed, the first: %s", self.name, len(failures),
+                        len(keys), failures[0])
         return states
 
     async def store(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
@@ -402,6 +412,9 @@ class S3Driver:
         if failures and len(failures) == len(keys):
             raise StorageUnavailable(f"all {len(keys)} writes failed: {failures[0]}",
                                      driver=self.name)
+        if failures:
+            log.warning("%s: %d of %d writes failed, the first: %s", self.name, len(failures),
+                        len(keys), failures[0])
         return sizes
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -419,7 +432,9 @@ class S3Driver:
         self._check_open()
         async for name, size in self._list(self.key_prefix):
             stem = name[len(self.key_prefix):]
-            if "/" not in stem and _HEX.match(stem):
+            # Shorter than a block header: no block (SeaweedFS lists an empty object for a
+            # PUT whose client died mid-body).
+            if "/" not in stem and _HEX.match(stem) and size >= PAYLOAD_OFFSET:
                 yield bytes.fromhex(stem), size
 
     async def delete_namespace(self) -> int:
@@ -535,6 +550,11 @@ class S3Driver:
         first = int(self.options.part_size)
         response = self._send(call, "GET", name, {"range": f"bytes=0-{first - 1}"})
         if response.status == 404:
+            return LoadState.MISSING
+        if response.status == 416:  # a range from byte 0: the object is empty
+            # SeaweedFS shows an empty object under the name of a PUT whose client died
+            # mid-body (a store never reported as done): no block is there.
+            _drain(call)
             return LoadState.MISSING
         if response.status not in (200, 206):
             raise _answer_error(call, "GET", response.status)
