@@ -15,7 +15,8 @@
 #              engine listens on all interfaces: it starts only inside MC_NETNS.
 # Ready means the metadata server answers HTTP, the master's /health says OK and, with a
 # holder, a store client inside the namespace can put, get and remove a probe object.
-# Prints MC_MASTER=... MC_METADATA=... Pids and logs: $UCM_RUN_DIR/mooncake-$MC_RPC_PORT/.
+# Prints MC_MASTER=... MC_METADATA=...; its other lines are shell comments, so
+# eval "$(start_mooncake.sh)" sets them. Pids and logs: $UCM_RUN_DIR/mooncake-$MC_RPC_PORT/.
 # The master's built-in metadata server is not used: it binds 0.0.0.0 whatever it is told.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -97,6 +98,6 @@ sys.exit("the segment holder lent no memory within 15 s")'
     > "$dir/probe.log" 2>&1 || { cat "$dir/probe.log" >&2; echo "--- holder.log" >&2
                                  tail -20 "$dir/holder.log" >&2; fail "probe put/get failed"; }
 fi
-echo "mooncake master pid $(cat "$dir/master.pid"), metadata pid $(cat "$dir/meta.pid")" \
+echo "# mooncake master pid $(cat "$dir/master.pid"), metadata pid $(cat "$dir/meta.pid")" \
      "${segment:+holder (${segment}) }ready in $(echo "$(date +%s.%N) - $t0" | bc)s${ns:+ (netns $ns)}"
 echo "MC_MASTER=$host:$rpc MC_METADATA=http://$host:$meta/metadata"

@@ -5,7 +5,8 @@
 #   NFS_NETNS       run the server inside this network namespace (made by netns.sh); there
 #                   it binds every address of the namespace, which a test wires up itself
 # Ready means the log says "NFS SERVER INITIALIZED" and the port accepts a TCP connection.
-# Prints NFS_URL=... for the nfs driver / nfs-rs. Pid and log: $UCM_RUN_DIR/ganesha-$NFS_PORT/.
+# Prints NFS_URL=... for the nfs driver / nfs-rs; its other lines are shell comments, so
+# eval "$(start_nfs.sh)" sets it. Pid and log: $UCM_RUN_DIR/ganesha-$NFS_PORT/.
 set -euo pipefail
 PORT=${NFS_PORT:-2049}
 EXPORT=${NFS_EXPORT_DIR:-${UCM_DATA_DIR:-/tmp/ucm-backends/data}/nfs_export-$PORT}
@@ -50,5 +51,5 @@ for _ in $(seq 1 100); do
   sleep 0.05
 done
 "${EXEC[@]}" bash -c "exec 3<>/dev/tcp/$HOST/$PORT" 2>/dev/null || fail "port $PORT closed"
-echo "nfs-ganesha pid $(cat "$DIR/ganesha.pid") ready in $(echo "$(date +%s.%N) - $t0" | bc)s"
+echo "# nfs-ganesha pid $(cat "$DIR/ganesha.pid") ready in $(echo "$(date +%s.%N) - $t0" | bc)s"
 echo "NFS_URL=nfs://$HOST:$PORT/export?version=4.1"
