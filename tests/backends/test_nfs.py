@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from ucm.block import PAYLOAD_OFFSET
+from ucm.drivers import _files
 from ucm.drivers.nfs import NfsDriver, NfsOptions
 from ucm.errors import StorageUnavailable
 from ucm.kernel import Load
 
 from ._faults import memory_over, paused_then_killed
-from ._mooncake_nfs import Ganesha, run_script, scratch_dir
+from ._mooncake_nfs import Ganesha, run_script, scratch_dir, shared_ganesha
 
 MiB = 2**20
 HOST = Path(__file__).with_name("_host.py")
@@ -44,6 +46,35 @@ async def test_unreachable_server_fails_at_open():
 def test_bad_options_name_the_problem(options, match):
     with pytest.raises(ValueError, match=match):
         NfsOptions.model_validate(options)
+
+
+async def test_store_renames_within_the_block_directory_and_listing_sweeps_dead_temps(
+        tmp_path):
+    """A store writes its temp file next to the block (one-directory rename: cross-directory
+    renames stalled on Ganesha); the listing removes temp files of dead writers on this host
+    and keeps a live writer's and another host's."""
+    server = shared_ganesha()
+    options = server.options(scratch_dir(tmp_path))
+    drv = await NfsDriver.open(options, namespace="ns")
+    try:
+        key = bytes(range(16))
+        assert await drv.store([key], [memoryview(bytes(64 * 1024))]) == [
+            PAYLOAD_OFFSET + 64 * 1024]
+        shard = server.local_path(drv.block_path(key)).parent
+        assert sorted(p.name for p in shard.iterdir()) == [key.hex() + ".blk"]
+        assert not (shard.parent.parent / ".tmp").exists()  # the namespace (shard depth 2)
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dead_file = shard / f"{_files._HOST}.{dead}.1.abc.tmp"
+        live_file = shard / f"{_files._HOST}.{os.getppid()}.1.abc.tmp"
+        other_host = shard / f"elsewhere.{dead}.1.abc.tmp"
+        for f in (dead_file, live_file, other_host):
+            f.write_bytes(b"partial")
+        assert [k async for k, _ in drv.list_blocks()] == [key]
+        assert not dead_file.exists()
+        assert live_file.exists() and other_host.exists()
+    finally:
+        await drv.aclose()
 
 
 @pytest.fixture

@@ -93,7 +93,7 @@ class DriverSpec:
     truncate: Callable[[Any, bytes], Awaitable[None] | None] | None = None
     available: Callable[[], bool] = field(default=lambda: True)
     # Local paths of the namespace directories of a file-backed driver that takes no `path`
-    # option (nfs): the writer-killed test checks their .tmp directories.
+    # option (nfs): the writer-killed test checks them for temp files left behind.
     roots: Callable[[Scratch], list[Path]] | None = None
 
 

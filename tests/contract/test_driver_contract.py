@@ -290,7 +290,7 @@ async def test_writer_killed_mid_write_leaves_no_partial_block(spec: DriverSpec,
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
     announced = {bytes.fromhex(k) for line in lines for k in line.split()}
-    drv = await open_driver(spec, scratch)  # reopening also sweeps the dead writer's temp files
+    drv = await open_driver(spec, scratch)  # opening (posix) or listing (nfs) sweeps dead temps
     try:
         if isinstance(drv, Listing):
             listed = {k: s async for k, s in drv.list_blocks()}
@@ -306,8 +306,8 @@ async def test_writer_killed_mid_write_leaves_no_partial_block(spec: DriverSpec,
             return  # object stores: a PUT is atomic, there are no temp files to check
         tmp_dirs = {Path(p).parent for k in keys for p in [_block_path(drv, k)]}
         assert not any(d.name == ".tmp" for d in tmp_dirs)
-        for root in _roots(spec, scratch):
-            leftovers = list((root / ".tmp").iterdir())
+        for root in _roots(spec, scratch):  # temp files are in .tmp (posix) or next to blocks
+            leftovers = [p for p in root.rglob("*.tmp") if p.is_file()]
             assert leftovers == [], leftovers
     finally:
         await drv.aclose()

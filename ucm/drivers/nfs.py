@@ -17,12 +17,19 @@ Mount mode uses a kernel NFS mount (a path) with the posix machinery made safe f
       fsync: true
 
 Both keep the posix layout, `<root>/<namespace>/<aa>/<bb>/<hex key>.blk`, and publish a block
-by writing `<root>/<namespace>/.tmp/<host>.<pid>.<thread>.<random>.tmp` and renaming it into
-place: the temp name is unique per host, process and thread, so no lock and no O_EXCL create
-is needed, and a reader opens the whole old block or the whole new one. Loads never trust
-cached attributes: a block's length is what the read returns, checked against its header,
-and its payload checksum is verified before the block counts. A writer that dies leaves only
-a temp file; opening sweeps those of dead processes on this host.
+by writing a temp file named `<host>.<pid>.<thread>.<random>.tmp` and renaming it into place:
+the name is unique per host, process and thread, so no lock and no O_EXCL create is needed,
+and a reader opens the whole old block or the whole new one. Loads never trust cached
+attributes: a block's length is what the read returns, checked against its header, and its
+payload checksum is verified before the block counts. A writer that dies leaves only a temp
+file, which a later kernel's listing of the blocks removes if its process (on this host) is
+gone; a live writer's, and other hosts', are kept.
+
+In client mode the temp file is written in the block's own directory, so the rename stays
+inside one directory: renames from a shared temp directory into the shard directories stalled
+for about a second now and then on nfs-ganesha 4.3 with 8 writers (0.2 GB/s against 0.7 with
+same-directory renames, over nfs-rs, here). Mount mode keeps the posix driver's
+`<root>/<namespace>/.tmp`.
 
 In client mode an nfs-rs `Client` is shared by the worker threads. A call that fails on the
 transport (timeout, refused connection, lost session after a server restart) drops the
@@ -63,8 +70,6 @@ from ucm.drivers._files import (
 from ucm.drivers._protocol import DriverOptions, LoadState
 from ucm.drivers._remote import RemoteDriver, verify_into
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
-
-_TMP_DIR = ".tmp"
 
 
 class _Scratch(threading.local):
@@ -132,10 +137,8 @@ class NfsBlocks(Backend):
         self.conn = conn
         self.layout = layout
         self.root = layout.roots[0]
-        self.tmp_dir = f"{self.root}/{_TMP_DIR}"
         self.namespace = namespace
         self.codec = codec
-        self._dirs: set[str] = set()
 
     def _call(self, fn: Any) -> Any:
         """Runs fn(client); a transport failure drops the client and raises ConnectionError.
@@ -158,15 +161,8 @@ class NfsBlocks(Backend):
             raise ConnectionError(f"NFS server {self.conn.url}: {exc}") from exc
 
     def prepare(self) -> None:
-        """Creates the directories and removes temp files of dead writers on this host (a
-        live writer's, and other hosts', are kept: their pids mean nothing here)."""
-        self._call(lambda c: c.mkdir(self.tmp_dir, parents=True, exist_ok=True))
-        for name in self._call(lambda c: c.listdir(self.tmp_dir)):
-            if is_dead_writers_temp(name):
-                try:
-                    self._call(lambda c, n=name: c.remove(f"{self.tmp_dir}/{n}"))
-                except FileNotFoundError:
-                    pass
+        """Creates the namespace directory (which also checks that the export is writable)."""
+        self._call(lambda c: c.mkdir(self.root, parents=True, exist_ok=True))
 
     def path_for(self, key: bytes) -> str:
         return self.layout.path_for(key)
@@ -196,20 +192,20 @@ class NfsBlocks(Backend):
                                                view.nbytes)
         block[PAYLOAD_OFFSET:] = payload
         final = self.path_for(key)
-        tmp = f"{self.tmp_dir}/{_tmp_name()}"
+        parent = final.rsplit("/", 1)[0]
+        tmp = f"{parent}/{_tmp_name()}"  # next to the block: a rename inside one directory
 
         def write(client: Any) -> None:
             with client.open(tmp, "wb") as f:  # returns once the bytes are durable
                 f.write(block)
 
         try:
-            self._call(write)
             try:
-                self._call(lambda c: c.rename(tmp, final))
+                self._call(write)
             except (FileNotFoundError, NotADirectoryError):  # first block in this shard
-                parent = final.rsplit("/", 1)[0]
                 self._call(lambda c: c.mkdir(parent, parents=True, exist_ok=True))
-                self._call(lambda c: c.rename(tmp, final))
+                self._call(write)
+            self._call(lambda c: c.rename(tmp, final))
         except BaseException:
             try:
                 self._call(lambda c: c.remove(tmp))
@@ -245,7 +241,7 @@ class NfsBlocks(Backend):
         if self.layout.shard_depth == 0:
             return [self.root]
         entries = self._call(lambda c: c.listdir(self.root))
-        return [f"{self.root}/{name}" for name in entries if name != _TMP_DIR]
+        return [f"{self.root}/{name}" for name in entries]
 
     def list_unit(self, top: str) -> list[tuple[bytes, int]]:
         found = []
@@ -271,6 +267,11 @@ class NfsBlocks(Backend):
                         found.append((decode_header(head).key, entry.info.size))
                     except (FileNotFoundError, BlockCorrupt):
                         continue
+                elif is_dead_writers_temp(entry.name):  # its writer died mid-store
+                    try:
+                        self._call(lambda c, p=child: c.remove(p))
+                    except FileNotFoundError:
+                        pass
         return found
 
     def close(self) -> None:
