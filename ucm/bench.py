@@ -488,7 +488,7 @@ def run_bench(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)))
     parser.add_argument("--total", default="256MiB", help="bytes moved per cell")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--batch", default="64MiB",
+    parser.add_argument("--batch", default=f"{DEFAULT_BATCH_BYTES // MiB}MiB",
                         help="bytes per Load/Store event (1 to 64 blocks; a vLLM step loads "
                              "all of its requests' hit blocks in one event: 62 MiB for a "
                              "4K-token prompt of the vLLM bench's model)")
