@@ -19,6 +19,7 @@ import pytest
 
 from ucm.block import PAYLOAD_OFFSET
 from ucm.drivers import _files
+from ucm.drivers._protocol import LoadState
 from ucm.drivers.nfs import NfsDriver, NfsOptions
 from ucm.errors import StorageUnavailable
 from ucm.kernel import Load
@@ -73,6 +74,54 @@ async def test_store_renames_within_the_block_directory_and_listing_sweeps_dead_
         assert [k async for k, _ in drv.list_blocks()] == [key]
         assert not dead_file.exists()
         assert live_file.exists() and other_host.exists()
+    finally:
+        await drv.aclose()
+
+
+class _FlakyClient:
+    """Fault injection: the real nfs-rs client, whose next `fail` opens raise `error`."""
+
+    def __init__(self, client, error, fail: int) -> None:
+        self._client, self._error, self.fail = client, error, fail
+
+    def open(self, *args, **kwargs):
+        if self.fail > 0:
+            self.fail -= 1
+            raise self._error
+        return self._client.open(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("outcome, fail, stored", [
+    ("safe_to_retry", 1, True),   # run again once, on the same session
+    ("safe_to_retry", 2, False),  # a second one is a failure: not stored, client dropped
+    ("uncertain", 1, False),      # may have happened: never run again blindly
+])
+async def test_an_error_marked_safe_to_retry_runs_the_operation_once_more(
+        tmp_path, monkeypatch, outcome, fail, stored):
+    from nfs_rs import NfsRetryableError
+
+    server = shared_ganesha()
+    drv = await NfsDriver.open(server.options(scratch_dir(tmp_path)), namespace="ns")
+    try:
+        conn = drv.backend.conn
+        flaky = _FlakyClient(conn.get(), NfsRetryableError(
+            message="injected", outcome=outcome, recovery_action="retry"), fail)
+        monkeypatch.setattr(conn, "_client", flaky)
+        key, block = bytes(range(16)), memoryview(bytes(range(256)) * 256)
+        if stored:
+            assert await drv.store([key], [block]) == [PAYLOAD_OFFSET + block.nbytes]
+            out = memoryview(bytearray(block.nbytes))
+            assert await drv.load([key], [out]) == [LoadState.OK] and out == block
+        else:
+            with pytest.raises(StorageUnavailable, match="injected"):
+                await drv.store([key], [block])
+            assert [k async for k, _ in drv.list_blocks()] == []
+        stats = drv.statistics()
+        assert stats["retries"] == min(fail, 1 if outcome == "safe_to_retry" else 0)
+        assert (conn._client is flaky) == stored  # dropped on failure, kept after a retry
     finally:
         await drv.aclose()
 

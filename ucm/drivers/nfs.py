@@ -34,8 +34,10 @@ same-directory renames, over nfs-rs, here). Mount mode keeps the posix driver's
 In client mode an nfs-rs `Client` is shared by the worker threads. A call that fails on the
 transport (timeout, refused connection, lost session after a server restart) drops the
 client, and the next call connects again: the driver recovers from a server restart without a
-process restart. Calls run abandonable (see `_remote`): a deadline returns at once even when
-the server is paused, and loads reach the caller's buffer only after their checksum passed.
+process restart. An error that nfs-rs marks safe to retry (seen a few times in 200 rounds on a
+busy host) runs the call once more on the same client first. Calls run abandonable (see
+`_remote`): a deadline returns at once even when the server is paused, and loads reach the
+caller's buffer only after their checksum passed.
 """
 
 from __future__ import annotations
@@ -139,26 +141,34 @@ class NfsBlocks(Backend):
         self.root = layout.roots[0]
         self.namespace = namespace
         self.codec = codec
+        self.retries = 0  # operations run again after an error nfs-rs marked safe to retry
 
     def _call(self, fn: Any) -> Any:
         """Runs fn(client); a transport failure drops the client and raises ConnectionError.
-        FileNotFoundError and friends pass through: they are answers, not failures."""
-        client = self.conn.get()
-        try:
-            return fn(client)
-        except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError):
-            raise
-        except Exception as exc:
-            from nfs_rs import NfsError
+        FileNotFoundError and friends pass through: they are answers, not failures. An error
+        that nfs-rs marks safe to retry (the operation did not happen, the session is fine)
+        runs fn once more first: every fn here may run twice (it rewrites its own temp file,
+        reads, or renames, removes or makes a directory that the first try did not)."""
+        from nfs_rs import NfsError, OperationOutcome, RecoveryAction
 
-            if not isinstance(exc, NfsError):
+        for attempt in (1, 2):
+            client = self.conn.get()
+            try:
+                return fn(client)
+            except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError):
                 raise
-            if getattr(exc, "errno", None) == errno.ESTALE:
-                # The file went away under an open handle (another host deleted or replaced
-                # it): an answer like ENOENT, not a broken connection.
-                raise FileNotFoundError(errno.ENOENT, f"stale handle: {exc}") from exc
-            self.conn.broken(client)
-            raise ConnectionError(f"NFS server {self.conn.url}: {exc}") from exc
+            except NfsError as exc:
+                if getattr(exc, "errno", None) == errno.ESTALE:
+                    # The file went away under an open handle (another host deleted or
+                    # replaced it): an answer like ENOENT, not a broken connection.
+                    raise FileNotFoundError(errno.ENOENT, f"stale handle: {exc}") from exc
+                if (attempt == 1 and exc.outcome is OperationOutcome.SAFE_TO_RETRY
+                        and exc.recovery_action is RecoveryAction.RETRY):
+                    self.retries += 1
+                    continue
+                self.conn.broken(client)
+                raise ConnectionError(f"NFS server {self.conn.url}: {exc}") from exc
+        raise AssertionError("unreachable")
 
     def prepare(self) -> None:
         """Creates the namespace directory (which also checks that the export is writable)."""
@@ -361,7 +371,8 @@ class NfsDriver(RemoteDriver):
         return self.backend.path_for(key)
 
     def statistics(self) -> dict[str, int | float]:
-        return {**super().statistics(), "connects": self.backend.conn.reconnects}
+        return {**super().statistics(), "connects": self.backend.conn.reconnects,
+                "retries": self.backend.retries}
 
 
 class NfsMountDriver(ThreadedDriver):
