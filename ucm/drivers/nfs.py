@@ -151,7 +151,8 @@ class NfsBlocks(Backend):
         reads, or renames, removes or makes a directory that the first try did not)."""
         from nfs_rs import NfsError, OperationOutcome, RecoveryAction
 
-        for attempt in (1, 2):
+        may_retry = True
+        while True:
             client = self.conn.get()
             try:
                 return fn(client)
@@ -162,13 +163,13 @@ class NfsBlocks(Backend):
                     # The file went away under an open handle (another host deleted or
                     # replaced it): an answer like ENOENT, not a broken connection.
                     raise FileNotFoundError(errno.ENOENT, f"stale handle: {exc}") from exc
-                if (attempt == 1 and exc.outcome is OperationOutcome.SAFE_TO_RETRY
+                if (may_retry and exc.outcome is OperationOutcome.SAFE_TO_RETRY
                         and exc.recovery_action is RecoveryAction.RETRY):
+                    may_retry = False
                     self.retries += 1
                     continue
                 self.conn.broken(client)
                 raise ConnectionError(f"NFS server {self.conn.url}: {exc}") from exc
-        raise AssertionError("unreachable")
 
     def prepare(self) -> None:
         """Creates the namespace directory (which also checks that the export is writable)."""
