@@ -153,3 +153,24 @@ def test_many_threads_submit_at_once(tmp_path):
         t.join()
     kernel.close()
     assert errors == []
+
+
+def test_wait_indexed_returns_once_the_stored_blocks_are_listed(tmp_path):
+    keys = [b"k%d" % i for i in range(3)]
+    with Kernel({"tiers": [{"driver": "posix", "path": str(tmp_path / "b")}]}) as kernel:
+        assert kernel.wait_indexed(10)  # nothing to list
+        assert kernel.submit(Store(keys, buffers=[os.urandom(4096)] * 3)).result(10).ok
+    # A restart: the listing (slowed here) indexes the three blocks in the background.
+    kernel = Kernel({"tiers": [{"driver": "faulty", "name": "disk", "latency": 0.5,
+                                "ops": ["list_blocks"],
+                                "inner": {"driver": "posix", "path": str(tmp_path / "b")}}]})
+    assert not kernel.wait_indexed(0)  # not started
+    kernel.start()
+    try:
+        assert not kernel.wait_indexed(0.05)
+        assert kernel.statistics()["tier.disk.blocks"] == 0
+        assert kernel.wait_indexed(10)
+        assert kernel.statistics()["tier.disk.blocks"] == 3
+    finally:
+        kernel.close()
+    assert not kernel.wait_indexed(0)  # closed

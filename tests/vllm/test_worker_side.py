@@ -73,6 +73,34 @@ def test_staged_load_when_direct_loads_are_off():
         worker.shutdown()
 
 
+@pytest.mark.parametrize("index_wait", [10.0, 0.05])
+def test_registration_waits_up_to_index_wait_for_the_stored_blocks_to_be_indexed(
+        tmp_path, index_wait):
+    from ucm.kernel import Kernel, Store
+
+    namespace = f"ws-index-{index_wait}"
+    posix = {"driver": "posix", "path": str(tmp_path / "b")}
+    keys = [b"%d" % i * 16 for i in range(4)]
+    with Kernel({"tiers": [posix], "namespace": namespace}) as kernel:  # an earlier engine
+        assert kernel.submit(Store(keys, buffers=[bytes(4096)] * 4)).result(30).ok
+    cfg = load_config({"tiers": [{"driver": "faulty", "name": "disk", "latency": 1.0,
+                                  "ops": ["list_blocks"], "inner": posix}],
+                       "namespace": namespace})
+    worker = WorkerSide(HookSettings(ucm_config=cfg, namespace=namespace, block_size=16,
+                                     index_wait=index_wait))
+    try:
+        worker.register_kv_caches({"l0": torch.zeros(4, 16, 2, 8)})
+        indexed = worker.kernel.wait_indexed(0)
+        blocks = worker.kernel.statistics()["tier.disk.blocks"]
+        if index_wait > 1.0:  # waited for the slow listing: everything is indexed
+            assert indexed and blocks == 4 and worker.stats["index_wait_ms"] >= 1000
+        else:  # gave up after index_wait: serving while the listing goes on
+            assert not indexed and blocks == 0 and worker.stats["index_wait_ms"] < 1000
+            assert worker.kernel.wait_indexed(30)
+    finally:
+        worker.shutdown()
+
+
 def test_snapshot_buffers_are_reused_after_their_stores():
     worker, caches = _worker("ws-reuse")
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -67,6 +68,10 @@ class KernelCore(DataMovement):
         self._background_pending = 0
         self._background_idle = trio.Event()
         self._background_idle.set()
+        self._listings = 0  # tiers whose stored blocks are still being indexed
+        # Set while no listing runs; read from other threads (Kernel.wait_indexed).
+        self.indexed = threading.Event()
+        self.indexed.set()
         self._closing = False
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -118,24 +123,35 @@ class KernelCore(DataMovement):
             # Blocks already in storage (a restart) enter the index in the background: a tier
             # of many blocks must not hold up start-up, and until a key is indexed a lookup
             # asks the driver, which finds it.
-            self._spawn(self._index_stored_blocks, tier)
+            self._listings += 1
+            self.indexed.clear()
+            if not self._spawn(self._index_stored_blocks, tier):
+                self._listing_done()
         self._emit("attach", 0, tier=name)
         return name
 
     async def _index_stored_blocks(self, tier: Tier) -> None:
-        with self._using([tier]):
-            tier.indexing = True
-            try:
-                async for key, size in tier.driver.list_blocks():
-                    if key not in tier and key not in tier.removed_while_indexing:
-                        tier.add(key, size, None)
-            finally:
-                tier.indexing = False
-                tier.removed_while_indexing.clear()
-            policy = tier.policy
-            if policy.capacity is not None and policy.used > policy.capacity:
-                await self._delete_victims(tier, policy.make_room(0) or [])
+        try:
+            with self._using([tier]):
+                tier.indexing = True
+                try:
+                    async for key, size in tier.driver.list_blocks():
+                        if key not in tier and key not in tier.removed_while_indexing:
+                            tier.add(key, size, None)
+                finally:
+                    tier.indexing = False
+                    tier.removed_while_indexing.clear()
+                policy = tier.policy
+                if policy.capacity is not None and policy.used > policy.capacity:
+                    await self._delete_victims(tier, policy.make_room(0) or [])
+        finally:
+            self._listing_done()
         self._emit("indexed", 0, tier=tier.name, blocks=len(policy), bytes=policy.used)
+
+    def _listing_done(self) -> None:
+        self._listings -= 1
+        if not self._listings:
+            self.indexed.set()
 
     async def detach(self, name: str) -> None:
         """Removes a tier: new events stop using it at once; events that already hold it

@@ -239,6 +239,16 @@ class Kernel:
     def running(self) -> bool:
         return self._token is not None and not self._closing
 
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Waits up to `timeout` s for the tiers' listings: the blocks a persistent tier already
+        held when the kernel started are indexed (and the posix tier's mapped ahead), so that
+        lookups and loads from then on run at full speed. True once they are; False on
+        timeout, or when the kernel is not running."""
+        core = self._core
+        if core is None or not self.running:
+            return False
+        return core.indexed.wait(timeout)
+
     def statistics(self) -> dict[str, Any]:
         """Counters and per-tier occupancy (a snapshot taken on the kernel thread)."""
         with self._lock:

@@ -221,16 +221,17 @@ class DataMovement:
         self.stats["promoted"] += count
         return count
 
-    def _spawn(self, fn: Any, *args: Any) -> None:
+    def _spawn(self, fn: Any, *args: Any) -> bool:
         """Runs background work (promotion, propagation, cleanup). Never raises: a dropped
-        background copy is a future cache miss."""
+        background copy is a future cache miss. False when the work was dropped."""
         if self._closing or self._background_pending >= _BACKGROUND_QUEUE_LIMIT:
             self.stats["background_dropped"] += 1
-            return
+            return False
         if self._background_pending == 0:
             self._background_idle = trio.Event()
         self._background_pending += 1
         self._nursery.start_soon(self._background, fn, args)
+        return True
 
     async def _background(self, fn: Any, args: tuple) -> None:
         try:

@@ -15,6 +15,8 @@ here (no vLLM import), so the option parsing is testable without an engine.
         "lookup_timeout": 5.0,     # s after which an unanswered lookup counts as a miss
         "start_timeout": 30.0,     # s lookups wait for the kernel to open its tiers (it lists
                                    # what a persistent tier holds); then misses until it runs
+        "index_wait": 2.0,         # s a worker waits at start, before it serves, for the
+                                   # kernel to index (and map) the blocks storage already holds
         "load_timeout": 30.0,      # s a worker waits for a load before it recomputes instead
         "max_store_bytes": "1GiB", # snapshots waiting to be written; beyond, saves are dropped
         "save_generated": True,    # also save blocks of generated tokens (chat turns reuse them)
@@ -42,7 +44,7 @@ log = logging.getLogger("ucm.vllm_hook")
 
 _OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "hugepages",
                 "lookup_wait",
-                "lookup_timeout", "start_timeout", "load_timeout", "max_store_bytes",
+                "lookup_timeout", "start_timeout", "index_wait", "load_timeout", "max_store_bytes",
                 "save_generated", "load_failure", "sparse"}
 
 
@@ -59,6 +61,7 @@ class HookSettings:
     lookup_wait: float = 0.002
     lookup_timeout: float = 5.0
     start_timeout: float = 30.0
+    index_wait: float = 2.0
     load_timeout: float = 30.0
     max_store_bytes: int = 1 << 30
     save_generated: bool = True
@@ -106,6 +109,7 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         lookup_wait=float(extra.get("lookup_wait", 0.002)),
         lookup_timeout=float(extra.get("lookup_timeout", base.deadline or 5.0)),
         start_timeout=float(extra.get("start_timeout", 30.0)),
+        index_wait=float(extra.get("index_wait", 2.0)),
         load_timeout=float(extra.get("load_timeout", base.deadline or 30.0)),
         max_store_bytes=int(TypeAdapter(ByteSize).validate_python(
             extra.get("max_store_bytes", 1 << 30))),
