@@ -162,16 +162,28 @@ def test_corrupt_and_truncated_blocks_are_recomputed(scenario):
     assert worker["load_corrupt"] >= 1, worker  # counted, not silently dropped
 
 
-def test_hanging_storage_completes_by_recompute(scenario):
-    # The tier opens (list_blocks is spared), then every lookup, load and store hangs.
-    ucm = {"tiers": [{"driver": "faulty", "hang": True, "ops": ["lookup", "load", "store"],
+@pytest.mark.parametrize("listing", ["spared", "hangs"])
+def test_hanging_storage_completes_by_recompute(scenario, listing):
+    """The tier opens, then every lookup, load and store hangs. With its listing spared, the
+    worker starts once the stored blocks are indexed, so the lookup hits from the index and
+    the hanging load is what fails (by the 1 s deadline): its 9 blocks are recomputed. With
+    the listing hanging too, the worker serves after index_wait and the lookup itself hangs
+    until it counts as a miss."""
+    ops = ["lookup", "load", "store"] + (["list_blocks"] if listing == "hangs" else [])
+    ucm = {"tiers": [{"driver": "faulty", "hang": True, "ops": ops,
                       "inner": {"driver": "posix", "path": scenario["store"]}}],
            "deadline": 1.0}
-    result = _run_single(scenario, ucm)
+    result = _run_single(scenario, ucm, index_wait=0.5)
     single = _phase(result, "single")
     assert single["tokens"] == _phase(scenario["base"], "single")["tokens"]
-    assert single["num_cached_tokens"] == [0]
     assert single["wall_s"][0] < 30
+    worker = result["stats"]["worker"]
+    if listing == "spared":
+        assert worker["load_error_blocks"] == 9 and worker.get("loaded_blocks", 0) == 0
+    else:
+        assert single["num_cached_tokens"] == [0]
+        assert result["stats"]["scheduler"]["lookup_timeouts"] == 1
+        assert worker.get("load_blocks", 0) == 0
 
 
 def test_failing_loads_are_recomputed(scenario):
