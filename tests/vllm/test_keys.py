@@ -131,6 +131,32 @@ def test_layout_scatter_is_the_staging_row_in_place():
         assert not v[:, [0, 1, 2, 4]].any()
 
 
+def test_layout_scatters_cover_every_block_of_a_padded_cache():
+    """Scatters slice one flat view per segment: right for the first and last block, for a
+    cache whose blocks are further apart than their bytes, and for one layer alone."""
+    torch = pytest.importorskip("torch")
+    from ucm.vllm_hook.layout import BlockLayout
+
+    base = torch.randn(6, 24)
+    padded = base[:, :16]  # 6 blocks of 16 floats, 24 apart
+    caches = {"l0": padded, "l1": torch.randn(2, 6, 4)}
+    layout = BlockLayout(caches, num_blocks=6)
+    for block in (0, 3, 5):
+        got = layout.scatter(block).gather()
+        want = b"".join(bytes(t.contiguous().view(torch.uint8).numpy())
+                        for t in (padded[block], caches["l1"][0, block], caches["l1"][1, block]))
+        assert bytes(got) == want
+        layer = layout.scatter_layer(block, "l1")
+        assert len(layer.parts) == 2 and bytes(layer.gather()) == want[64:]
+    before = base.clone()
+    layout.scatter(5).parts[0][:] = bytes(64)  # writes land in the cache, inside block 5
+    assert not padded[5].any()
+    before[5, :16] = 0
+    assert torch.equal(base, before)  # nothing else, padding included
+    with pytest.raises(IndexError, match="outside the cache's 6 blocks"):
+        layout.scatter(6)
+
+
 def test_layout_splits_k_and_v_halves_of_cuda_style_caches():
     torch = pytest.importorskip("torch")
     from ucm.vllm_hook.layout import BlockLayout

@@ -61,7 +61,6 @@ class _PendingLoad:
         self.staging = staging  # None: a direct load, into the cache itself
         self.completion = completion
         self.ok_rows: list[tuple[BlockTransfer, int, int]] | None = None  # (t, first row, n ok)
-        self.copied_layers: set[str] = set()
 
 
 class _LayerwiseLoad:
@@ -179,7 +178,6 @@ class WorkerSide:
         self.layout: BlockLayout | None = None
         self._kernel: Any = None
         self._load_staging: torch.Tensor | None = None
-        self._load: _PendingLoad | None = None
         self._layerwise: _LayerwiseLoad | None = None
         self._load_errors: set[int] = set()
         self._save_staging: torch.Tensor | None = None
@@ -273,12 +271,10 @@ class WorkerSide:
                                                   request_id=meta.loads[0].req_id))
         except UCMError as exc:
             log.warning("ucm: load not submitted (%s); recomputing", exc)
-        self._load = _PendingLoad(meta.loads, staging, completion)
+        pending = _PendingLoad(meta.loads, staging, completion)
         self.stats["load_blocks"] += n
-        if not self.settings.layerwise:
-            self._finish_load(self._load)
-            self._copy_all(self._load)
-            self._load = None
+        self._finish_load(pending)
+        self._copy_all(pending)
 
     def _finish_load(self, pending: _PendingLoad) -> None:
         """Waits for the Load and decides, per request, how many leading blocks loaded."""
@@ -347,24 +343,16 @@ class WorkerSide:
                       "waiting for it, since its blocks must not be reused before", grace)
             concurrent.futures.wait([completion])
 
-    def _copy_all(self, pending: _PendingLoad, layer: str | None = None) -> None:
+    def _copy_all(self, pending: _PendingLoad) -> None:
         if pending.staging is None:
             return  # a direct load: the blocks are in place
         for t, first_row, good in pending.ok_rows or ():
             if good:
-                self.layout.copy_in(t.block_ids[:good], pending.staging, layer=layer,
-                                    first_row=first_row)
+                self.layout.copy_in(t.block_ids[:good], pending.staging, first_row=first_row)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._layerwise is not None:
+        if self._layerwise is not None:  # whole-block loads are in before start_load_kv returns
             self._layerwise.wait_layer(layer_name)
-            return
-        pending = self._load
-        if pending is None or layer_name in pending.copied_layers:
-            return
-        self._finish_load(pending)
-        self._copy_all(pending, layer=layer_name)
-        pending.copied_layers.add(layer_name)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._layerwise is not None:  # every layer waited for: nothing writes any more
