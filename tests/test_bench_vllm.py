@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucm.bench_vllm import Row, _print_table, _prompts, _raw_read_bandwidth, main
+from ucm.bench_vllm import Row, _drop_bulk, _print_table, _prompts, _raw_read_bandwidth, main
 
 
 def test_raw_read_reads_as_many_files_as_the_kv_needs(tmp_path):
@@ -58,3 +58,14 @@ def test_table_labels_lengths_with_their_tail(capsys):
                  tail=2)
     out = capsys.readouterr().out
     assert "4096+2 tok" in out and "4096+2 tokens: " in out
+
+
+def test_a_temporary_work_directory_keeps_only_the_engines_log(tmp_path):
+    (tmp_path / "engines.log").write_text("engine output")
+    (tmp_path / "ucm-store" / "ab").mkdir(parents=True)
+    (tmp_path / "ucm-store" / "ab" / "x.blk").write_bytes(b"x" * 4096)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "stray").write_bytes(b"y")
+    _drop_bulk(str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["engines.log"]
+    assert (tmp_path / "engines.log").read_text() == "engine output"

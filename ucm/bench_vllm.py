@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                          "prompts, whose last block is recomputed)")
     ap.add_argument("--repeat", type=int, default=3, help="prompts per length")
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--workdir", default=None,
+                    help="where the model, the stored blocks and engines.log go, all kept "
+                         "(default: a temporary directory, of which only engines.log is kept)")
     ap.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
                     help="ucm setups in the layerwise mode (each layer of a block stored on "
                          "its own, loaded while earlier layers compute)")
@@ -227,8 +229,23 @@ def main(argv: list[str] | None = None) -> int:
         raw_bw, raw_bytes = _raw_read_bandwidth(files, kv) if files and kv else (0.0, 0)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+        if not args.workdir:
+            _drop_bulk(work)
     _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes, tail=args.tail)
     return 0
+
+
+def _drop_bulk(work: str) -> None:
+    """Empties a temporary work directory but for engines.log: a full run stores about 3 GiB
+    (model, ExampleConnector's files, ucm's posix tier)."""
+    for name in os.listdir(work):
+        path = os.path.join(work, name)
+        if name == "engines.log":
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.unlink(path)
 
 
 @dataclass(frozen=True)
