@@ -24,9 +24,10 @@ TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up
 each store pass the files written are synced, so no writeback runs while hits are timed. Each
 connector's engine runs `--repeat` stored prompts, each twice in a row with vLLM's prefix cache
 on: first loaded by the connector, then vLLM's own hit in the same engine (the floor: nothing
-to load, the limit). The overhead is the median of the per-prompt differences. ucm's effective
-load bandwidth is the KV bytes it loaded over its overhead, next to the worker's own wait for
-the load; the raw read bandwidth is plain preadv()s of the same block files into memory as
+to load, the limit); and that `--rounds` times, vLLM's prefix cache emptied before each load
+(not the connector's storage). The overhead is the median of the per-pair differences. ucm's
+effective load bandwidth is the KV bytes it loaded over its overhead, next to the worker's own
+wait for the load; the raw read bandwidth is plain preadv()s of the same block files into memory as
 large as the KV, with the page cache warm.
 """
 
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt tokens after them, computed by every setup (0: block-aligned "
                          "prompts, whose last block is recomputed)")
     ap.add_argument("--repeat", type=int, default=3, help="prompts per length")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times each stored prompt is loaded and then hit in a hit engine "
+                         "(vLLM's own prefix cache emptied before each load)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--workdir", default=None,
                     help="where the model, the stored blocks and engines.log go, all kept "
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     setups = args.setups.split(",")
     if args.tail < 0:
         ap.error("--tail must be 0 or more")
+    if args.repeat < 1 or args.rounds < 1:
+        ap.error("--repeat and --rounds must be 1 or more")
     if args.tail == 1 and "example" in setups:
         ap.error("--tail 1 makes ExampleConnector miss every prompt (it stores a prompt of P "
                  "tokens under its first (P - 1) // block size blocks and looks it up by its "
@@ -159,9 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         # Each prompt twice in a row in one engine with vLLM's prefix cache on: first loaded
         # by the connector, then vLLM's own hit (the floor). Pairing them cancels the
         # differences between engine processes, which on a small shared machine are as large
-        # as the overheads measured.
-        return [Phase([p], max_tokens=1, name=f"{kind}{n}.{i}")
-                for n in lengths for i, p in enumerate(hits[n]) for kind in ("hit", "again")]
+        # as the overheads measured. Then again in later rounds, vLLM's own prefix cache
+        # emptied before each load: more pairs per stored prompt, for no more store passes.
+        return [Phase([p], max_tokens=1, name=f"{kind}{n}.{i}.{r}",
+                      reset_prefix_cache=kind == "hit")
+                for r in range(args.rounds) for n in lengths for i, p in enumerate(hits[n])
+                for kind in ("hit", "again")]
 
     def run(label: str, phases: list[Phase], **kw: Any) -> dict:
         _say(f"{label}: fresh engine process")
@@ -170,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def walls(result: dict, name: str, n: int) -> list[float]:
         return [_median_ms(result, f"{name}{n}.{i}") for i in range(args.repeat)]
+
+    def pairs(result: dict, n: int) -> list[tuple[str, float, float]]:
+        """(hit phase, its TTFT, the floor's) for every prompt and round."""
+        return [(f"hit{n}.{i}.{r}", _median_ms(result, f"hit{n}.{i}.{r}"),
+                 _median_ms(result, f"again{n}.{i}.{r}"))
+                for r in range(args.rounds) for i in range(args.repeat)]
 
     ucm_extra = {"layerwise": True} if args.layerwise else {}
     ucm_posix = {"tiers": [{"driver": "posix", "path": os.path.join(work, "ucm-store")}]}
@@ -212,11 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             r = run(name, [warmup, *paired_hits()], prefix_caching=True, **kw)
             rows[name] = {}
             for n in lengths:
-                hit, again = walls(r, "hit", n), walls(r, "again", n)
+                timed = pairs(r, n)
+                hit, again = [h for _, h, _ in timed], [a for _, _, a in timed]
                 _say(f"  {name}: {n}+{args.tail} tokens, TTFT ms loaded / vLLM's own hit: "
                      + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(hit, again, strict=True)))
-                deltas = [next(p for p in r["phases"] if p["name"] == f"hit{n}.{i}")
-                          ["worker_delta"] for i in range(args.repeat)]
+                deltas = [next(p for p in r["phases"] if p["name"] == phase)["worker_delta"]
+                          for phase, _, _ in timed]
                 load_ms = statistics.median(d.get("load_wait_ns", 0) for d in deltas) / 1e6
                 if name.startswith("ucm"):
                     loaded_bytes[n] = max(d.get("loaded_bytes", 0) for d in deltas)
@@ -254,7 +270,7 @@ class Row:
 
     ttft: float  # loaded by the connector
     floor: float  # the same prompt again: vLLM's own prefix-cache hit, same engine
-    overhead: float  # median of the per-prompt differences
+    overhead: float  # median of the per-pair differences (prompts x rounds)
     load_wait: float | None  # the ucm worker's wait for its Load
 
 
@@ -267,7 +283,7 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
         return f"{n}+{tail}" if tail else str(n)
 
     print("\nTTFT (ms, median): loaded by the connector, vLLM's own prefix hit in the same "
-          "engine (the floor), and the overhead (median of per-prompt differences)")
+          "engine (the floor), and the overhead (median of the per-pair differences)")
     print(f"{'setup':<12}" + "".join(f"{f'{label(n)} tok':>12}{'floor':>8}{'overhead':>10}"
                                       for n in lengths))
     print(f"{'recompute':<12}" + "".join(f"{miss_ms['recompute'][n]:>12.1f}{'':>18}"

@@ -49,6 +49,7 @@ class Phase:
     name: str = ""
     repeat: int = 1  # run the batch this many times; results of the last run are kept
     stepwise: bool = False  # step the engine to time each request's first token
+    reset_prefix_cache: bool = False  # empty vLLM's own prefix cache first (not a connector's)
 
 
 def kv_transfer_config(spec: EngineSpec) -> Any:
@@ -105,6 +106,8 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in phase.prompts]
     walls, ttft = [], []
     outs: list[Any] = []
+    if phase.reset_prefix_cache and not llm.reset_prefix_cache():
+        raise RuntimeError(f"phase {phase.name}: vLLM did not reset its prefix cache")
     before = _worker_counters()
     for _ in range(phase.repeat):
         t0 = time.perf_counter()

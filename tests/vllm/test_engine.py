@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -271,9 +272,14 @@ def test_shared_memory_tier_serves_a_second_engine(scenario):
     phases = [Phase([SINGLE], max_tokens=8, name="single"),
               Phase(SHARED, max_tokens=8, name="shared")]
     spec = _spec(scenario["model"], connector="ucm", ucm=ucm, max_model_len=4096)
+    # The warm engine with vLLM's own prefix cache on, as `ucm bench vllm`'s hit engines:
+    # the prompt again is vLLM's own hit, and after vLLM empties that cache, a load again.
+    warm_phases = [*phases, Phase([SINGLE], max_tokens=8, name="again"),
+                   Phase([SINGLE], max_tokens=8, name="reloaded", reset_prefix_cache=True)]
     try:
         cold = run_in_subprocess(spec, phases, log_path=scenario["log"])
-        warm = run_in_subprocess(spec, phases, log_path=scenario["log"])
+        warm = run_in_subprocess(replace(spec, prefix_caching=True), warm_phases,
+                                 log_path=scenario["log"])
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     for name in ("single", "shared"):
@@ -283,3 +289,8 @@ def test_shared_memory_tier_serves_a_second_engine(scenario):
     assert all(n >= 256 for n in _phase(warm, "shared")["num_cached_tokens"])
     worker = warm["stats"]["worker"]
     assert worker["loaded_blocks"] >= 9 and not worker.get("load_error_blocks"), worker
+    for name, loaded in (("single", 9), ("again", 0), ("reloaded", 9)):
+        result = _phase(warm, name)
+        assert result["tokens"] == _phase(scenario["base"], "single")["tokens"], name
+        assert result["num_cached_tokens"] == [288], name
+        assert result["worker_delta"].get("loaded_blocks", 0) == loaded, name
