@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             # More all-miss engines, alternating: one engine's prefills run up to 5% faster
             # or slower than another's on this machine, as much as the overhead measured.
             for k in range(2, args.miss_engines + 1):
-                again = recompute_pass(f"recompute ({k})")
+                rec = recompute_pass(f"recompute ({k})")
                 scratch = {"tiers": [{"driver": "posix",
                                       "path": os.path.join(work, f"ucm-miss-{k}")}]}
                 miss = run(f"all-miss ({k})", store_pass(), connector="ucm", ucm=scratch,
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.sync()
                 shutil.rmtree(os.path.join(work, f"ucm-miss-{k}"), ignore_errors=True)
                 for n in lengths:
-                    miss_walls["recompute"][n] += walls(again, "miss", n)
+                    miss_walls["recompute"][n] += walls(rec, "miss", n)
                     miss_walls["ucm"][n] += walls(miss, "store", n)
         miss_ms.update({what: {n: statistics.median(ms) for n, ms in by_len.items()}
                         for what, by_len in miss_walls.items() if all(by_len.values())})

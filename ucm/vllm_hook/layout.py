@@ -109,8 +109,9 @@ class BlockLayout:
 
     def _segment_rows(self) -> list[tuple[memoryview, int, int]]:
         """Per segment, made on first use: a flat byte view from its first block's bytes to
-        its last's, the bytes from one block to the next, and a block's bytes. Slicing it
-        costs a tenth of indexing the segment as a tensor or an array."""
+        its last's, the bytes from one block to the next, and a block's bytes. Slicing it is
+        cheaper than indexing the segment as an array: the 32 Scatters of a 4K-token step
+        (16 pieces each) took 124 us against 234."""
         if self._rows is None:
             rows = []
             for seg in self.segments:
