@@ -52,17 +52,6 @@ log = logging.getLogger("ucm.vllm_hook")
 _SPARE_SNAPSHOT_BYTES = 256 * 2**20  # snapshot buffers kept for reuse once their store ends
 
 
-class _PendingLoad:
-    """One step's loads: the Load completion and where each row goes."""
-
-    def __init__(self, transfers: list[BlockTransfer], staging: torch.Tensor | None,
-                 completion: concurrent.futures.Future | None) -> None:
-        self.transfers = transfers
-        self.staging = staging  # None: a direct load, into the cache itself
-        self.completion = completion
-        self.ok_rows: list[tuple[BlockTransfer, int, int]] | None = None  # (t, first row, n ok)
-
-
 class _LayerwiseLoad:
     """One step's loads in the layerwise mode, where each layer of each block is a ucm block
     of its own (`layer_key`): checked on its own, so a layer can be used as soon as it is in.
@@ -271,17 +260,13 @@ class WorkerSide:
                                                   request_id=meta.loads[0].req_id))
         except UCMError as exc:
             log.warning("ucm: load not submitted (%s); recomputing", exc)
-        pending = _PendingLoad(meta.loads, staging, completion)
         self.stats["load_blocks"] += n
-        self._finish_load(pending)
-        self._copy_all(pending)
-
-    def _finish_load(self, pending: _PendingLoad) -> None:
-        """Waits for the Load and decides, per request, how many leading blocks loaded."""
-        if pending.ok_rows is not None:
-            return
-        states = self._await_load(pending.completion, direct=pending.staging is None)
-        pending.ok_rows = self._account(pending.transfers, states)
+        states = self._await_load(completion, direct=staging is None)
+        ok_rows = self._account(meta.loads, states)
+        if staging is not None:  # a direct load's blocks are in place already
+            for t, first_row, good in ok_rows:
+                if good:
+                    self.layout.copy_in(t.block_ids[:good], staging, first_row=first_row)
 
     def _await_load(self, completion: concurrent.futures.Future | None, *, direct: bool,
                     what: str = "load") -> tuple[LoadState, ...] | None:
@@ -342,13 +327,6 @@ class WorkerSide:
             log.error("ucm: a cancelled load into the KV cache has not stopped after %.0f s; "
                       "waiting for it, since its blocks must not be reused before", grace)
             concurrent.futures.wait([completion])
-
-    def _copy_all(self, pending: _PendingLoad) -> None:
-        if pending.staging is None:
-            return  # a direct load: the blocks are in place
-        for t, first_row, good in pending.ok_rows or ():
-            if good:
-                self.layout.copy_in(t.block_ids[:good], pending.staging, first_row=first_row)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layerwise is not None:  # whole-block loads are in before start_load_kv returns
