@@ -51,6 +51,7 @@ from ucm.block import (
     encode_payload,
     verify_payload,
 )
+from ucm.drivers._idle import run_idle
 from ucm.drivers._mapped import MapCache
 from ucm.drivers._protocol import LoadState
 from ucm.drivers._pump import Pump, Spread, chunks, wide
@@ -231,13 +232,18 @@ class ThreadedDriver:
             ("lookups", "hits", "loads", "loaded", "missing", "corrupt", "failed",
              "bytes_read", "stores", "stored", "bytes_written", "store_failed", "deletes"), 0)
 
-    async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False) -> Any:
+    async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False,
+                   idle: bool = False) -> Any:
+        """fn(*args) on the trio thread (`inline`), on an idle-priority thread (`idle`: stores,
+        see _idle) or on trio's thread cache."""
         if self._closed:
             raise StorageUnavailable("driver is closed", driver=self.name)
         try:
             if inline:
                 await trio.lowlevel.checkpoint()
                 return fn(*args)
+            if idle:
+                return await run_idle(fn, *args)
             # Not abandon_on_cancel: the thread may still be writing into the caller's buffer.
             return await trio.to_thread.run_sync(fn, *args)
         except OSError as exc:
@@ -245,17 +251,19 @@ class ThreadedDriver:
 
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
                    views: list[memoryview]) -> list[Any]:
-        """Runs `fn` over the batch's parts, PARALLEL at a time, results in key order."""
+        """Runs `fn` over the batch's parts, PARALLEL at a time, results in key order; stores
+        on idle-priority threads, so they never take a core from the inference engine."""
+        idle = fn == self._backend.store
         parts = _partition(views)
         if len(parts) == 1:
             inline = sum(v.nbytes for v in views) <= self.inline_bytes
-            return await self._run(fn, keys, views, inline=inline)
+            return await self._run(fn, keys, views, inline=inline, idle=idle)
         results: list[list[Any]] = [[] for _ in parts]
         limiter = trio.CapacityLimiter(PARALLEL)
 
         async def run_part(i: int, part: slice) -> None:
             async with limiter:
-                results[i] = await self._run(fn, keys[part], views[part])
+                results[i] = await self._run(fn, keys[part], views[part], idle=idle)
 
         async with trio.open_nursery() as nursery:
             for i, part in enumerate(parts):

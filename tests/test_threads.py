@@ -1,0 +1,98 @@
+"""The drivers' worker threads: stores on idle-priority threads (_idle)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import trio
+
+from ucm.drivers import _files
+from ucm.drivers._idle import IdleThreads, run_idle
+from ucm.drivers.posix import PosixDriver
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling")
+
+
+@linux
+async def test_stores_run_on_idle_priority_threads_and_nothing_else_does():
+    assert await run_idle(os.sched_getscheduler, 0) == os.SCHED_IDLE
+    # trio's thread cache (loads, lookups) and the calling thread keep their policy
+    assert await trio.to_thread.run_sync(os.sched_getscheduler, 0) == os.SCHED_OTHER
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
+@linux
+async def test_a_posix_store_writes_on_an_idle_thread_and_a_load_does_not(tmp_path, monkeypatch):
+    seen: dict[str, set[int]] = {"store": set(), "load": set()}
+    real_store, real_load = _files.BlockFiles.store, _files.BlockFiles.load_one
+
+    def store(self, keys, views):
+        seen["store"].add(os.sched_getscheduler(0))
+        return real_store(self, keys, views)
+
+    def load_one(self, key, view):
+        seen["load"].add(os.sched_getscheduler(0))
+        return real_load(self, key, view)
+
+    monkeypatch.setattr(_files.BlockFiles, "store", store)
+    monkeypatch.setattr(_files.BlockFiles, "load_one", load_one)
+    drv = await PosixDriver.open({"path": str(tmp_path)}, name="p", namespace="ns")
+    blocks = [os.urandom(2**20) for _ in range(8)]  # split over parts: the threaded path
+    keys = [b"k%d" % i for i in range(8)]
+    assert all(await drv.store(keys, [memoryview(b) for b in blocks]))
+    out = [bytearray(2**20) for _ in range(8)]
+    states = await drv.load(keys, [memoryview(b) for b in out])
+    assert all(s.name == "OK" for s in states) and out == [bytearray(b) for b in blocks]
+    assert seen == {"store": {os.SCHED_IDLE}, "load": {os.SCHED_OTHER}}
+    await drv.aclose()
+
+
+async def test_idle_threads_return_raise_and_queue_beyond_their_limit():
+    pool = IdleThreads(limit=2)
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def job(i: int) -> int:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
+        if i == 3:
+            raise ValueError("block 3")
+        return i * i
+
+    results: dict[int, object] = {}
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await pool.run(job, i)
+        except ValueError as exc:
+            results[i] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i in range(10):
+            nursery.start_soon(one, i)
+    assert {i: r for i, r in results.items() if i != 3} == {i: i * i for i in range(10) if i != 3}
+    assert isinstance(results[3], ValueError) and str(results[3]) == "block 3"
+    assert most == 2  # ten jobs, two threads: the rest waited in the queue
+    assert pool._threads == 2
+
+
+async def test_a_cancelled_caller_waits_until_its_call_has_returned():
+    done = threading.Event()
+
+    def slow() -> None:  # as a store reading the caller's snapshot
+        time.sleep(0.2)
+        done.set()
+
+    with trio.move_on_after(0.01) as scope:
+        await run_idle(slow)
+    assert not scope.cancelled_caught  # the cancel could not land while the call ran
+    assert done.is_set()
