@@ -1,4 +1,5 @@
-"""The drivers' worker threads: stores on idle-priority threads (_idle)."""
+"""The drivers' worker threads: stores on idle-priority threads (_idle), load copies on pinned
+pump threads (_pump)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import pytest
 import trio
 
-from ucm.drivers import _files
+from ucm.drivers import _files, _pump
 from ucm.drivers._idle import IdleThreads, run_idle
 from ucm.drivers.posix import PosixDriver
 
@@ -96,3 +97,44 @@ async def test_a_cancelled_caller_waits_until_its_call_has_returned():
         await run_idle(slow)
     assert not scope.cancelled_caught  # the cancel could not land while the call ran
     assert done.is_set()
+
+
+@linux
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity")
+                    else True, reason="needs two CPUs")
+async def test_pump_threads_copy_on_two_cpus_of_their_own_and_give_them_back():
+    pump = _pump.Pump(2)
+    assert pump._cpus == sorted(os.sched_getaffinity(0))[-2:][::-1]
+    seen: dict[int, set[frozenset[int]]] = {}
+
+    def fn(key: bytes, view: memoryview) -> None:
+        seen.setdefault(threading.get_ident(), set()).add(frozenset(os.sched_getaffinity(0)))
+        time.sleep(0.005)  # long enough that both threads take runs
+
+    views = [memoryview(bytearray(_pump.GRAB_BYTES)) for _ in range(8)]  # a run each
+    spread = await _pump.Spread(fn, [b"k"] * 8, views).run(pump, 2)
+    assert spread.errors == [None] * 8
+    assert len(seen) == 2
+    cpus = [next(iter(s)) for s in seen.values()]
+    assert all(len(s) == 1 for s in seen.values())  # each thread on one CPU throughout
+    assert sorted(len(c) for c in cpus) == [1, 1] and cpus[0] != cpus[1]
+    assert pump._slots == [False, False]
+
+    # The affinity a pinned thread had before comes back when it leaves the pump.
+    allowed = os.sched_getaffinity(0)
+
+    def pin_and_back() -> set[int]:
+        before = _pump._pin(pump._cpus[0])
+        assert os.sched_getaffinity(0) == {pump._cpus[0]}
+        _pump._unpin(before)
+        return os.sched_getaffinity(0)
+
+    assert await trio.to_thread.run_sync(pin_and_back) == allowed
+
+
+def test_one_cpu_or_an_opt_out_pins_nothing(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {3})
+    assert _pump.Pump(2)._cpus == []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2})
+    assert _pump.Pump(2)._cpus == [2, 1]
+    assert _pump.Pump(2, pin=False)._cpus == []
