@@ -226,7 +226,7 @@ def test_large_checksums_and_copies_leave_the_gil_to_other_threads():
         thread.join()
 
 
-# -- one pass: copy and checksum (ucm._hostcopy, native/hostcopy.c) ---------------------------
+# -- one pass: copy and checksum (ucm._hostcopy, native/hostcopy*.c) --------------------------
 
 
 def test_the_native_copy_helper_is_built():
@@ -244,20 +244,36 @@ def test_the_native_copy_helper_is_built():
         hash_copy([bytearray(1) for _ in range(most + 1)], bytes(most + 1))
 
 
-@pytest.mark.parametrize("size", [NATIVE_MIN, NATIVE_MIN + 1, 64 * 1024 * 3 + 17, 2 << 20])
-@pytest.mark.parametrize("shift", [0, 1, 8, 15])
-def test_hash_copy_lands_every_byte_and_gives_xxh3(size, shift):
-    """Any alignment of either side (the streamed stores need 16-byte alignment: the head
-    and the tail go another way), any length around the 64 KiB chunks."""
-    from ucm._hostcopy import hash_copy
+def test_the_native_copy_uses_avx2_where_the_cpu_has_it():
+    """hostcopy_avx2.c is picked at import when the CPU has AVX2 (about 30% faster here)."""
+    import ucm._hostcopy as hostcopy
 
-    data = os.urandom(size + 16)
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    expected = "avx2" if "avx2" in flags else "portable"
+    assert expected == hostcopy.IMPL
+
+
+@pytest.mark.parametrize("impl", ["hash_copy", "hash_copy_portable"])
+@pytest.mark.parametrize("size", [NATIVE_MIN, NATIVE_MIN + 1, 64 * 1024 * 3 + 17, 2 << 20])
+@pytest.mark.parametrize("shift", [0, 1, 8, 15, 31])
+def test_hash_copy_lands_every_byte_and_gives_xxh3(impl, size, shift):
+    """Either loop (AVX2 where the CPU has it, and the portable one), any alignment of either
+    side (the streamed stores need 16- or 32-byte alignment: the head and the tail go another
+    way), any length around the 64 KiB chunks."""
+    import ucm._hostcopy as hostcopy
+
+    hash_copy = getattr(hostcopy, impl)
+    data = os.urandom(size + 32)
     src = memoryview(data)[shift:shift + size]
-    dst = bytearray(size + 32)
-    out = memoryview(dst)[15 - shift:15 - shift + size]
+    dst = bytearray(size + 64)
+    out = memoryview(dst)[31 - shift:31 - shift + size]
     assert hash_copy(out, src) == xxhash.xxh3_64_intdigest(src)
     assert bytes(out) == bytes(src)
-    assert dst[:15 - shift] == bytes(15 - shift) and not any(dst[15 - shift + size:])
+    assert dst[:31 - shift] == bytes(31 - shift) and not any(dst[31 - shift + size:])
     with pytest.raises(ValueError, match="destination is"):
         hash_copy(memoryview(dst)[:size - 1], src)
     pieces = [bytearray(shift + 1), bytearray(size - 2 * shift - 2), bytearray(shift + 1)]
