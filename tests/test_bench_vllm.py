@@ -69,3 +69,26 @@ def test_a_temporary_work_directory_keeps_only_the_engines_log(tmp_path):
     _drop_bulk(str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["engines.log"]
     assert (tmp_path / "engines.log").read_text() == "engine output"
+
+
+def test_all_miss_engines_run_next_to_their_baselines_in_turn(tmp_path, monkeypatch, capsys):
+    """The engine order, with the engines replaced by a recorder (they are what the other
+    vLLM tests run): recompute and null right before ucm-posix's store pass, then further
+    all-miss / recompute pairs in alternating order."""
+    import ucm.bench_vllm as bench
+    import ucm.vllm_run as vllm_run
+
+    def fake_run(spec, phases, **_):
+        return {"phases": [{"name": p.name, "wall_s": [0.01], "worker_delta": {}}
+                           for p in phases]}
+
+    monkeypatch.setattr(vllm_run, "run_in_subprocess", fake_run)
+    monkeypatch.setattr(bench, "build_model", lambda path, spec: path)
+    assert main(["--lengths", "256", "--repeat", "1", "--rounds", "1", "--miss-engines", "3",
+                 "--setups", "null,ucm-posix", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    engines = [line.split("] ", 1)[1].rsplit(":", 1)[0] for line in out.splitlines()
+               if line.endswith(": fresh engine process")]
+    assert engines == ["recompute", "null connector", "ucm-posix store pass", "ucm-posix",
+                       "all-miss (2)", "recompute (2)", "recompute (3)", "all-miss (3)"]
+    assert "all-miss 256+2 tokens: no connector 10 ms, ucm on 10 ms, overhead +0.0%" in out

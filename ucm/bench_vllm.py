@@ -11,9 +11,12 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
                 process; loads as ucm-shm's)
     null        a connector that does nothing (ucm.vllm_hook.null): vLLM's connector path alone
     all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
-                pass); against recompute, and against the null connector. With
-                `--miss-engines` k > 1, k - 1 more recompute and all-miss engines run at the
-                end, alternating, and both sides are medians over all their engines' prompts
+                pass); against recompute, and against the null connector, which run just
+                before it. With `--miss-engines` k > 1, k - 1 more pairs of recompute and
+                all-miss engines run at the end, the second pair all-miss first, the third
+                recompute first, and so on (engines here drift by several percent over a run:
+                in turn, a steady drift favours neither side), and both sides are medians over
+                all their engines' prompts
 A prompt of length n is n KV tokens (`--lengths`, whole blocks) and then `--tail` more (2 by
 default), so every setup loads or finds the same n tokens and computes only the tail: the floor
 is a 2-token step, not a recomputed block (vLLM always computes a prompt's last token, so a
@@ -210,19 +213,30 @@ def main(argv: list[str] | None = None) -> int:
             return run(label, [warmup, *(Phase([p], max_tokens=1, name=f"miss{n}.{i}")
                                          for n in lengths for i, p in enumerate(misses[n]))])
 
-        recompute = recompute_pass("recompute")
-        miss_walls = {"recompute": {n: walls(recompute, "miss", n) for n in lengths},
-                      "ucm": {n: [] for n in lengths}}
-        if "null" in setups:  # vLLM's connector path alone, on the same prompts
-            null = run("null connector", [warmup, *(Phase([p], max_tokens=1,
-                                                          name=f"miss{n}.{i}")
-                                                    for n in lengths
-                                                    for i, p in enumerate(misses[n]))],
-                       connector="null")
-            miss_ms["null"] = {n: statistics.median(walls(null, "miss", n)) for n in lengths}
+        miss_walls: dict[str, dict[int, list[float]]] = {"recompute": {n: [] for n in lengths},
+                                                          "ucm": {n: [] for n in lengths}}
+
+        def baselines() -> None:
+            # Right before ucm-posix's store pass (its all-miss engine) when it runs: whole
+            # engines here drift by several percent over a run, so the pair runs together.
+            recompute = recompute_pass("recompute")
+            for n in lengths:
+                miss_walls["recompute"][n] += walls(recompute, "miss", n)
+            if "null" in setups:  # vLLM's connector path alone, on the same prompts
+                null = run("null connector", [warmup, *(Phase([p], max_tokens=1,
+                                                              name=f"miss{n}.{i}")
+                                                        for n in lengths
+                                                        for i, p in enumerate(misses[n]))],
+                           connector="null")
+                miss_ms["null"] = {n: statistics.median(walls(null, "miss", n)) for n in lengths}
+
+        if "ucm-posix" not in setups:
+            baselines()
         for name, kw in connectors:
             if name not in setups:
                 continue
+            if name == "ucm-posix":
+                baselines()
             cold = run(f"{name} store pass", store_pass(), **kw)
             # Write the stored files back now: otherwise the kernel flushes them (1 GiB at
             # --repeat 5) while the next engine's hits are timed, and on 2 CPUs that
@@ -250,14 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         if "ucm-posix" in setups:
             # More all-miss engines, alternating: one engine's prefills run up to 5% faster
             # or slower than another's on this machine, as much as the overhead measured.
+            # In turn: the first pair ran recompute first, the second runs all-miss first, and
+            # so on, so that a steady drift of the machine's speed favours neither side.
             for k in range(2, args.miss_engines + 1):
-                rec = recompute_pass(f"recompute ({k})")
                 scratch = {"tiers": [{"driver": "posix",
                                       "path": os.path.join(work, f"ucm-miss-{k}")}]}
+                if k % 2:
+                    rec = recompute_pass(f"recompute ({k})")
                 miss = run(f"all-miss ({k})", store_pass(), connector="ucm", ucm=scratch,
                            extra=ucm_extra)
                 os.sync()
                 shutil.rmtree(os.path.join(work, f"ucm-miss-{k}"), ignore_errors=True)
+                if not k % 2:
+                    rec = recompute_pass(f"recompute ({k})")
                 for n in lengths:
                     miss_walls["recompute"][n] += walls(rec, "miss", n)
                     miss_walls["ucm"][n] += walls(miss, "store", n)
