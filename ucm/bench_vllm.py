@@ -121,13 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="times each stored prompt is loaded and then hit in a hit engine "
                          "(vLLM's own prefix cache emptied before each load)")
-    ap.add_argument("--miss-engines", type=int, default=2,
+    ap.add_argument("--miss-engines", type=int, default=4,
                     help="engines that time all-miss prefills, with no connector and with ucm "
-                         "each (whole engines differ by up to 5%% here)")
+                         "each, in pairs of alternating order (whole engines differ by up to "
+                         "10%% here)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--workdir", default=None,
                     help="where the model, the stored blocks and engines.log go, all kept "
                          "(default: a temporary directory, of which only engines.log is kept)")
+    ap.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=None,
+                    help="ucm setups with the connector's hugepages option on or off (default: "
+                         "the connector's default)")
     ap.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
                     help="ucm setups in the layerwise mode (each layer of a block stored on "
                          "its own, loaded while earlier layers compute)")
@@ -153,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"model: {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.kv_heads} KV heads, "
          f"{SPEC.dtype}, block {args.block_size}; prompts of {lengths} tokens + {args.tail}; "
          f"repeat {args.repeat}; "
-         f"{os.cpu_count()} CPUs; ucm {'layerwise' if args.layerwise else 'whole blocks'}; "
+         f"{os.cpu_count()} CPUs; ucm {'layerwise' if args.layerwise else 'whole blocks'}"
+         + ("" if args.hugepages is None else f", hugepages {'on' if args.hugepages else 'off'}")
+         + "; "
          f"logs {log}")
     model = str(build_model(os.path.join(work, "model"), SPEC))
     max_len = max(lengths) + args.tail + 256
@@ -194,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                  _median_ms(result, f"again{n}.{i}.{r}"))
                 for r in range(args.rounds) for i in range(args.repeat)]
 
-    ucm_extra = {"layerwise": True} if args.layerwise else {}
+    ucm_extra: dict[str, Any] = {"layerwise": True} if args.layerwise else {}
+    if args.hugepages is not None:
+        ucm_extra["hugepages"] = args.hugepages
     ucm_posix = {"tiers": [{"driver": "posix", "path": os.path.join(work, "ucm-store")}]}
     ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm,
                           "size": "4GiB"}]}  # sparse, as the pool below
