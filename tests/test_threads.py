@@ -56,13 +56,16 @@ async def test_idle_threads_return_raise_and_queue_beyond_their_limit():
     pool = IdleThreads(limit=2)
     running, most = 0, 0
     lock = threading.Lock()
+    both = threading.Barrier(2, timeout=10)  # the first two jobs run at once
 
     def job(i: int) -> int:
         nonlocal running, most
         with lock:
             running += 1
             most = max(most, running)
-        time.sleep(0.01)
+        if i < 2:
+            both.wait()
+        time.sleep(0.002)
         with lock:
             running -= 1
         if i == 3:
@@ -106,10 +109,13 @@ async def test_pump_threads_copy_on_two_cpus_of_their_own_and_give_them_back():
     pump = _pump.Pump(2)
     assert pump._cpus == sorted(os.sched_getaffinity(0))[-2:][::-1]
     seen: dict[int, set[frozenset[int]]] = {}
+    both = threading.Barrier(2, timeout=10)  # each thread's first run waits for the other's
 
     def fn(key: bytes, view: memoryview) -> None:
+        first = threading.get_ident() not in seen
         seen.setdefault(threading.get_ident(), set()).add(frozenset(os.sched_getaffinity(0)))
-        time.sleep(0.005)  # long enough that both threads take runs
+        if first:
+            both.wait()
 
     views = [memoryview(bytearray(_pump.GRAB_BYTES)) for _ in range(8)]  # a run each
     spread = await _pump.Spread(fn, [b"k"] * 8, views).run(pump, 2)

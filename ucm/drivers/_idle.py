@@ -1,14 +1,16 @@
 """Threads at idle CPU priority for block stores: `run_idle(fn, *args)`.
 
 A store is background work, but on a small host it competes with the inference engine for the
-cores. On the 2-vCPU VMs ucm is tested on, writing 64 MiB of new block files costs about 160 ms
-of CPU (page-cache pages for new files are expensive there; rewriting cached pages costs 5 ms),
+cores. On the 2-vCPU VMs ucm is tested on, writing 64 MiB of new block files costs 90-160 ms of
+CPU (page-cache pages for new files are expensive there; rewriting cached pages costs 5 ms),
 and two store threads at normal priority slowed a single-threaded torch workload beside them by
-11%. The same stores on SCHED_IDLE threads slowed it by 0% (`tests/test_idle.py` checks the
-policy; the figures are from a controlled run, 300 bf16 matmuls with and without a store of 32
-blocks of 2 MiB every 0.4 s). An idle-class thread runs only on a core nothing else wants, so a
-store never delays a prefill; on a saturated host stores wait, their snapshots pile up to the
-worker's `max_store_bytes`, and further saves are dropped (misses, never a stall).
+11.5%; on SCHED_IDLE threads the same stores slowed it by nothing measurable (a controlled run:
+300 bf16 matmuls with and without a store of 32 blocks of 2 MiB every 0.4 s; with two torch
+threads, both cores busy, +1.3% and +3.3%). An idle-class thread gets a core only when nothing
+else wants it (and a sliver of time when every core is busy), but a system call it is in, such
+as the write that allocates the new file's pages, runs on to its next preemption point. On a
+saturated host stores wait, their snapshots pile up to the worker's `max_store_bytes`, and
+further saves are dropped (misses, never a stall). `tests/test_threads.py` checks the policy.
 
 The threads are ucm's own, not trio's thread cache: an unprivileged thread may lower its
 priority but not raise it back (RLIMIT_NICE, CAP_SYS_NICE), so a cached thread made idle for a

@@ -54,13 +54,13 @@ class Pump:
     5.4 ms pinned, and vLLM's start_load_kv for a 4K-token hit 8.9-11.6 ms against 6.2-6.8 ms.
     Back to back, with the cores awake, both took the same time."""
 
-    def __init__(self, limit: int, *, pin: bool | None = None) -> None:
+    def __init__(self, limit: int, *, pin: bool = True) -> None:
         self._lock = threading.Lock()
         self._queue: deque[Spread] = deque()
         self._threads = 0
         self._limit = limit
         self._slots = [False] * limit  # which CPU slots a running thread holds
-        self._cpus = _pin_cpus(limit) if pin is None or pin else []
+        self._cpus = _pin_cpus(limit) if pin else []
 
     def submit(self, spread: Spread, threads: int) -> None:
         with self._lock:
