@@ -217,9 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     miss_ms: dict[str, dict[int, float]] = {}
     loaded_bytes: dict[int, int] = {}
     try:
-        def recompute_pass(label: str) -> dict:
+        def recompute_pass(label: str, **kw: Any) -> dict:
             return run(label, [warmup, *(Phase([p], max_tokens=1, name=f"miss{n}.{i}")
-                                         for n in lengths for i, p in enumerate(misses[n]))])
+                                         for n in lengths for i, p in enumerate(misses[n]))],
+                       **kw)
 
         miss_walls: dict[str, dict[int, list[float]]] = {"recompute": {n: [] for n in lengths},
                                                           "ucm": {n: [] for n in lengths}}
@@ -231,11 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in lengths:
                 miss_walls["recompute"][n] += walls(recompute, "miss", n)
             if "null" in setups:  # vLLM's connector path alone, on the same prompts
-                null = run("null connector", [warmup, *(Phase([p], max_tokens=1,
-                                                              name=f"miss{n}.{i}")
-                                                        for n in lengths
-                                                        for i, p in enumerate(misses[n]))],
-                           connector="null")
+                null = recompute_pass("null connector", connector="null")
                 miss_ms["null"] = {n: statistics.median(walls(null, "miss", n)) for n in lengths}
 
         if "ucm-posix" not in setups:
@@ -270,10 +267,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                             strict=True)),
                                     load_ms if name.startswith("ucm") else None)
         if "ucm-posix" in setups:
-            # More all-miss engines, alternating: one engine's prefills run up to 5% faster
-            # or slower than another's on this machine, as much as the overhead measured.
-            # In turn: the first pair ran recompute first, the second runs all-miss first, and
-            # so on, so that a steady drift of the machine's speed favours neither side.
+            # More all-miss engines (one engine's prefills run up to 10% faster or slower than
+            # another's here), in turn: the first pair ran recompute first, the second runs
+            # all-miss first, and so on, so that a steady drift favours neither side.
             for k in range(2, args.miss_engines + 1):
                 scratch = {"tiers": [{"driver": "posix",
                                       "path": os.path.join(work, f"ucm-miss-{k}")}]}

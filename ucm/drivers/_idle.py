@@ -84,12 +84,11 @@ class IdleThreads:
                     self._free += 1
 
 
-def _become_idle() -> bool:
+def _become_idle() -> None:
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or a seccomp filter says no
-        return False
-    return True
+    except (AttributeError, OSError):  # not Linux, or a seccomp filter says no: normal priority
+        pass
 
 
 _pool: IdleThreads | None = None
