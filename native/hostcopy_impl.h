@@ -16,10 +16,16 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+typedef __m256i vec_t;
 #define STREAM_ALIGN 32
+#define VLOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VSTREAM(p, v) _mm256_stream_si256((__m256i *)(p), (v))
 #elif defined(__SSE2__)
 #include <emmintrin.h>
+typedef __m128i vec_t;
 #define STREAM_ALIGN 16
+#define VLOAD(p) _mm_loadu_si128((const __m128i *)(p))
+#define VSTREAM(p, v) _mm_stream_si128((__m128i *)(p), (v))
 #endif
 
 #define CHUNK (64 * 1024)
@@ -40,29 +46,15 @@ static void copy_chunk(char *d, const char *s, size_t n)
     s += head;
     n -= head;
     size_t i = 0;
-#if defined(__AVX2__)
-    for (; i + 128 <= n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
-        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
-        _mm256_stream_si256((__m256i *)(d + i), a);
-        _mm256_stream_si256((__m256i *)(d + i + 32), b);
-        _mm256_stream_si256((__m256i *)(d + i + 64), c);
-        _mm256_stream_si256((__m256i *)(d + i + 96), e);
+    const size_t w = sizeof(vec_t);
+    for (; i + 4 * w <= n; i += 4 * w) { /* four vectors in flight, streamed past the cache */
+        vec_t a = VLOAD(s + i), b = VLOAD(s + i + w), c = VLOAD(s + i + 2 * w);
+        vec_t e = VLOAD(s + i + 3 * w);
+        VSTREAM(d + i, a);
+        VSTREAM(d + i + w, b);
+        VSTREAM(d + i + 2 * w, c);
+        VSTREAM(d + i + 3 * w, e);
     }
-#else
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-#endif
     memcpy(d + i, s + i, n - i);
 #else
     memcpy(d, s, n);
