@@ -6,12 +6,15 @@ import concurrent.futures
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+import trio
 
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, UCMError
 from ucm.kernel import Kernel, Load, Lookup, Store
+from ucm.trace import Tracer
 
 
 def fds() -> int:
@@ -19,8 +22,10 @@ def fds() -> int:
 
 
 def own_threads() -> list[str]:
-    """Threads other than trio's idle worker cache (those exit on their own after 10 s)."""
-    return [t.name for t in threading.enumerate() if not t.name.startswith("Trio thread")]
+    """Threads other than the process-wide pools kept for reuse: trio's worker cache (its
+    threads exit on their own after 10 s) and the idle-priority store threads (_idle)."""
+    return [t.name for t in threading.enumerate()
+            if not t.name.startswith("Trio thread") and t.name != "ucm-store"]
 
 
 def faulty(tmp_path, **faults) -> dict:
@@ -174,3 +179,52 @@ def test_wait_indexed_returns_once_the_stored_blocks_are_listed(tmp_path):
     finally:
         kernel.close()
     assert not kernel.wait_indexed(0)  # closed
+
+
+def test_a_lookup_the_fastest_tiers_index_answers_resolves_without_the_trio_thread(tmp_path):
+    """A lookup whose every key tier 0 indexes resolves inside submit, with the same answer,
+    counters and trace records as an event; anything else still waits for the trio thread."""
+    both, lower = [b"a", b"b"], b"c"
+    posix = {"driver": "posix", "path": str(tmp_path / "b")}
+    with Kernel({"tiers": [posix]}) as kernel:
+        assert kernel.submit(Store([lower], buffers=[b"3" * 64])).result(10).ok
+    records: list = []
+    tracer = Tracer(sinks=[SimpleNamespace(consume=records.extend)])
+    kernel = Kernel({"tiers": [{"driver": "memory"}, posix]}, tracer=tracer)
+    try:
+        assert kernel.submit(Store(both, buffers=[b"1" * 64, b"2" * 64])).result(10).ok
+        assert kernel.wait_indexed(10)  # `lower` is in the posix tier's index only
+        busy, release = threading.Event(), threading.Event()
+
+        def hold_the_trio_thread() -> None:
+            busy.set()
+            release.wait(10)
+
+        holder = threading.Thread(target=trio.from_thread.run_sync, args=(hold_the_trio_thread,),
+                                  kwargs={"trio_token": kernel._token})
+        holder.start()
+        assert busy.wait(10)
+        fast = kernel.submit(Lookup(both, prefix=True, request_id="r1"))
+        slow = [kernel.submit(Lookup([*both, b"absent"], prefix=True)),  # a miss
+                kernel.submit(Lookup([lower])),  # a hit in a lower tier: promoted
+                kernel.submit(Lookup(both, pin=True))]  # pins are kept on the trio thread
+        assert fast.done() and fast.result().hits == (True, True)
+        assert fast.result().tiers == ("memory", "memory")
+        assert not any(c.done() for c in slow)
+        release.set()
+        holder.join(10)
+        assert slow[0].result(10).hits == (True, True, False)
+        assert slow[1].result(10).tiers == ("posix",)
+        assert slow[2].result(10).hits == (True, True)
+        stats = kernel.statistics()
+        assert stats["lookups_from_index"] == 1
+        assert stats["lookup_keys"] == 2 + 3 + 1 + 2
+        assert stats["lookup_hits.memory"] == 2 + 2 + 2
+        assert stats["tier.memory.pinned"] == 2
+    finally:
+        kernel.close()
+    mine = [(phase, fields) for _, _, phase, eid, fields in records if eid == fast.event_id]
+    assert [phase for phase, _ in mine] == ["submit", "start", "result", "done"]
+    assert mine[1][1]["request_id"] == "r1"
+    assert mine[2][1] == {"op": "lookup", "keys": 2, "hits": {"memory": 2},
+                             "from_index": True}

@@ -4,6 +4,10 @@ Host threads (a vLLM scheduler step, a worker's forward pass) call `submit(event
 blocks: it counts the event against the inbox bound, hands it to the trio thread with
 `TrioToken.run_sync_soon`, and returns a `Completion`. A full inbox fails the handle at once
 with KernelBusy, which callers treat as a cache miss.
+
+One kind of event is answered on the caller's thread: a Lookup whose every key the fastest
+tier's index holds (`_lookup_from_index`). Its answer is the one the trio thread would give
+without any I/O, and the two thread hand-offs it saves are most of a lookup's cost.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import itertools
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +26,7 @@ from ucm.config import TierConfig, UCMConfig, load_config
 from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UCMError
 from ucm.kernel._completion import Completion
 from ucm.kernel._core import KernelCore, _configured_tracer
-from ucm.kernel._events import _Event
+from ucm.kernel._events import Lookup, LookupResult, _Event
 
 log = logging.getLogger("ucm.kernel")
 
@@ -47,6 +52,7 @@ class Kernel:
         self._outstanding = 0  # submitted and not yet finished: the inbox bound
         self._queued = 0  # submitted and not yet started on the trio thread
         self._busy = 0
+        self._from_index: Counter[str] = Counter()  # lookups answered by _lookup_from_index
         self._closing = False
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
@@ -139,7 +145,58 @@ class Kernel:
             raise InvalidRequest(f"submit takes a ucm event, not {type(event).__name__}")
         if self._token is None:
             self.start()
+        if type(event) is Lookup and not event.pin:
+            completion = self._lookup_from_index(event)
+            if completion is not None:
+                return completion
         return self._submit(event, lambda core, eid: core.run(event, event_id=eid))
+
+    def _lookup_from_index(self, event: Lookup) -> Completion | None:
+        """A resolved Completion when the fastest tier's index holds every key of `event`,
+        else None (the event then goes to the trio thread).
+
+        The trio thread would answer such a lookup from the same index, with no I/O and
+        nothing to promote, so the answer is the same; what it saves are the two thread
+        hand-offs, 0.1-0.2 ms each on the 2-vCPU test VMs once the other thread's CPU has gone
+        idle (a 32-key lookup: 64 us back to back, 434 us after 20 ms of quiet; in vLLM a
+        4K-token hit's get_num_new_matched_tokens took 0.55 ms, 0.21 ms with this). A miss,
+        a hit in a lower tier (to promote) and a pinning lookup still go through the trio
+        thread. The index is a dict the trio thread updates; a membership test is atomic
+        under the GIL, and a block evicted just after the probe is a load miss, as it is when
+        eviction follows an event's lookup."""
+        core = self._core
+        if core is None or self._closing:
+            return None
+        tiers = core.tiers
+        tier = tiers[0] if tiers else None
+        if tier is None or tier.detaching:
+            return None
+        index, keys = tier.policy.index, event.keys
+        for key in keys:
+            if key not in index:
+                return None
+        n = len(keys)
+        with self._lock:
+            self._check_process()
+            if self._closing:
+                return None
+            event_id = next(self._ids)
+            self._from_index["lookups_from_index"] += 1
+            self._from_index["lookup_keys"] += n
+            self._from_index[f"lookup_hits.{tier.name}"] += n
+        tracer = self._tracer
+        if tracer is not None:  # the records the trio thread writes for a lookup
+            tracer.emit("submit", event_id, {"type": "Lookup", "keys": n,
+                                             "request_id": event.request_id})
+            tracer.emit("start", event_id, {"type": "Lookup", "keys": n,
+                                            "request_id": event.request_id,
+                                            "key": keys[0][:8].hex()})
+            tracer.emit("result", event_id, {"op": "lookup", "keys": n, "hits": {tier.name: n},
+                                             "from_index": True})
+            tracer.emit("done", event_id, {"outcome": "ok"})
+        completion = Completion(event, event_id)
+        completion._resolve(LookupResult((True,) * n, (tier.name,) * n))
+        return completion
 
     def attach(self, tier: TierConfig | dict, *, position: int | None = None) -> Completion:
         """Adds a tier to the running kernel; resolves to its name."""
@@ -254,12 +311,15 @@ class Kernel:
         with self._lock:
             base = {"inbox_queued": self._queued, "in_flight": self._outstanding - self._queued,
                     "busy_rejections": self._busy}
+            from_index = dict(self._from_index)
         if self._token is None or self._core is None:
-            return base
+            return {**from_index, **base}
         try:
             snap = trio.from_thread.run_sync(self._core.snapshot, trio_token=self._token)
         except trio.RunFinishedError:
-            return base
+            return {**from_index, **base}
+        for name, count in from_index.items():
+            snap[name] = snap.get(name, 0) + count
         return {**snap, **base}
 
     def tier_names(self) -> list[str]:
