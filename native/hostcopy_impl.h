@@ -2,11 +2,14 @@
  * x86-64) and by hostcopy_avx2.c for CPUs with AVX2, where xxhash.h picks its AVX2 code and the
  * copy streams 32 bytes a store. HASH_COPY_IMPL names the function this inclusion defines.
  *
- * Each 64 KiB chunk is hashed (which brings it into the CPU cache) and then copied out of the
- * cache with non-temporal stores, which write the destination without first reading it into
- * the cache. The caller guarantees that nothing writes the source during the call: a chunk is
- * copied right after it is hashed, so a concurrent write could make the copy differ from what
- * was hashed. */
+ * Each 64 KiB chunk is copied with non-temporal stores, which write the destination without
+ * first reading it into the CPU cache, and then hashed: the copy's loads have brought the chunk
+ * into the cache, so the hash reads it from there. Copying first lets the copy's independent
+ * loads overlap the memory latency; hashing first left that to the hash's loads, and it was
+ * slower: 32 blocks of 2 MiB into 16 pieces each on 2 threads took 2.8-3.1 ms against
+ * 3.5-4.0 ms (the copy alone, 2.5-2.9 ms). The caller guarantees that nothing writes the
+ * source during the call: a chunk is hashed right after it is copied, so a concurrent write
+ * could make the copy differ from what was hashed. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -61,7 +64,7 @@ static void copy_chunk(char *d, const char *s, size_t n)
 #endif
 }
 
-/* The pieces in order take src's bytes; each chunk of src is hashed, then copied. */
+/* The pieces in order take src's bytes; each chunk of src is copied, then hashed. */
 uint64_t HASH_COPY_IMPL(const piece_t *pieces, Py_ssize_t count, const char *src)
 {
     XXH3_state_t state;
@@ -71,8 +74,8 @@ uint64_t HASH_COPY_IMPL(const piece_t *pieces, Py_ssize_t count, const char *src
         size_t n = pieces[p].len;
         for (size_t off = 0; off < n; off += CHUNK) {
             size_t len = n - off < CHUNK ? n - off : CHUNK;
-            XXH3_64bits_update(&state, src, len);
             copy_chunk(dst + off, src, len);
+            XXH3_64bits_update(&state, src, len);
             src += len;
         }
     }
