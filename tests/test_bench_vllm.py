@@ -92,3 +92,25 @@ def test_all_miss_engines_run_next_to_their_baselines_in_turn(tmp_path, monkeypa
     assert engines == ["recompute", "null connector", "ucm-posix store pass", "ucm-posix",
                        "all-miss (2)", "recompute (2)", "recompute (3)", "all-miss (3)"]
     assert "all-miss 256+2 tokens: no connector 10 ms, ucm on 10 ms, overhead +0.0%" in out
+
+
+@pytest.mark.parametrize("flag", [[], ["--direct-writes"]])
+def test_direct_writes_reach_every_posix_tier_and_nothing_else(tmp_path, monkeypatch, flag):
+    import ucm.bench_vllm as bench
+    import ucm.vllm_run as vllm_run
+
+    tiers = []
+
+    def fake_run(spec, phases, **_):
+        tiers.extend(t for t in (spec.ucm or {}).get("tiers", []))
+        return {"phases": [{"name": p.name, "wall_s": [0.01], "worker_delta": {}}
+                           for p in phases]}
+
+    monkeypatch.setattr(vllm_run, "run_in_subprocess", fake_run)
+    monkeypatch.setattr(bench, "build_model", lambda path, spec: path)
+    assert main(["--lengths", "256", "--repeat", "1", "--rounds", "1", "--miss-engines", "2",
+                 "--setups", "ucm-posix,ucm-shm", "--workdir", str(tmp_path), *flag]) == 0
+    posix = [t for t in tiers if t["driver"] == "posix"]
+    assert len(posix) == 3  # store pass, hits, one more all-miss engine
+    assert all(t.get("direct_writes", False) == bool(flag) for t in posix)
+    assert all("direct_writes" not in t for t in tiers if t["driver"] != "posix")

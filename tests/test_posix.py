@@ -74,7 +74,8 @@ async def test_open_sweeps_only_dead_writers_temp_files(tmp_path: Path):
     await drv.aclose()
 
 
-async def test_direct_rejects_filesystems_without_o_direct(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("option", ["direct", "direct_writes"])
+async def test_direct_rejects_filesystems_without_o_direct(tmp_path: Path, monkeypatch, option):
     real_open = os.open
 
     def no_direct(path, flags, *args):
@@ -83,8 +84,37 @@ async def test_direct_rejects_filesystems_without_o_direct(tmp_path: Path, monke
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(_files.os, "open", no_direct)
-    with pytest.raises(ConfigError, match=rf"direct: the filesystem of {tmp_path}/ns does not"):
-        await open_posix(str(tmp_path), direct=True)
+    with pytest.raises(ConfigError,
+                       match=rf"^{option}: the filesystem of {tmp_path}/ns does not.*"
+                             rf"set {option}: false"):
+        await open_posix(str(tmp_path), **{option: True})
+
+
+async def test_direct_writes_leave_stores_out_of_the_page_cache_and_reads_as_usual(
+        tmp_path: Path):
+    data = os.urandom((1 << 20) + 100)  # not a whole number of pages: the bounce buffer
+    drv = await open_posix(str(tmp_path), direct_writes=True)
+    try:
+        assert drv.files.maps is not None  # reads stay buffered, listed blocks mapped
+        await drv.store([b"k"], [memoryview(data)])
+        path = drv.block_path(b"k")
+        assert os.path.getsize(path) == 4096 + len(data)
+        if _resident_pages(path) > 0:
+            pytest.skip("this filesystem caches O_DIRECT writes")
+        out = memoryview(bytearray(len(data)))
+        assert await drv.load([b"k"], [out]) == [LoadState.OK] and out == data
+        assert _resident_pages(path) == 256 + 2  # read in by the buffered load
+    finally:
+        await drv.aclose()
+    again = await open_posix(str(tmp_path), direct_writes=True)
+    try:
+        assert [k async for k, _ in again.list_blocks()] == [b"k"]
+        assert len(again.files.maps) == 1
+        out = memoryview(bytearray(len(data)))
+        assert await again.load([b"k"], [out]) == [LoadState.OK] and out == data
+        assert again.files.maps.loads == 1
+    finally:
+        await again.aclose()
 
 
 async def test_direct_uses_aligned_caller_buffers(tmp_path: Path):

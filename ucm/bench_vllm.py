@@ -132,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=None,
                     help="ucm setups with the connector's hugepages option on or off (default: "
                          "the connector's default)")
+    ap.add_argument("--direct-writes", action=argparse.BooleanOptionalAction, default=False,
+                    help="the posix tiers (ucm-posix and the all-miss engines) store with "
+                         "O_DIRECT (the posix driver's direct_writes option): stores take no "
+                         "page-cache pages, and the hit engine's listing reads the blocks in")
     ap.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
                     help="ucm setups in the layerwise mode (each layer of a block stored on "
                          "its own, loaded while earlier layers compute)")
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
          f"repeat {args.repeat}; "
          f"{os.cpu_count()} CPUs; ucm {'layerwise' if args.layerwise else 'whole blocks'}"
          + ("" if args.hugepages is None else f", hugepages {'on' if args.hugepages else 'off'}")
+         + (", posix direct writes" if args.direct_writes else "")
          + "; "
          f"logs {log}")
     model = str(build_model(os.path.join(work, "model"), SPEC))
@@ -203,7 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     ucm_extra: dict[str, Any] = {"layerwise": True} if args.layerwise else {}
     if args.hugepages is not None:
         ucm_extra["hugepages"] = args.hugepages
-    ucm_posix = {"tiers": [{"driver": "posix", "path": os.path.join(work, "ucm-store")}]}
+    def posix_tier(path: str) -> dict:
+        return {"tiers": [{"driver": "posix", "path": path,
+                           **({"direct_writes": True} if args.direct_writes else {})}]}
+
+    ucm_posix = posix_tier(os.path.join(work, "ucm-store"))
     ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm,
                           "size": "4GiB"}]}  # sparse, as the pool below
     ucm_pmem = {"tiers": [{"driver": "pmem", "path": os.path.join(shm, "pmem"),
@@ -271,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             # another's here), in turn: the first pair ran recompute first, the second runs
             # all-miss first, and so on, so that a steady drift favours neither side.
             for k in range(2, args.miss_engines + 1):
-                scratch = {"tiers": [{"driver": "posix",
-                                      "path": os.path.join(work, f"ucm-miss-{k}")}]}
+                scratch = posix_tier(os.path.join(work, f"ucm-miss-{k}"))
                 if k % 2:
                     rec = recompute_pass(f"recompute ({k})")
                 miss = run(f"all-miss ({k})", store_pass(), connector="ucm", ucm=scratch,

@@ -117,6 +117,9 @@ SPECS: list[DriverSpec] = [
                flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
     DriverSpec("posix-direct", "posix", lambda s: {"path": str(s.disk / "root"), "direct": True},
                flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
+    DriverSpec("posix-direct-writes", "posix",
+               lambda s: {"path": str(s.disk / "root"), "direct_writes": True},
+               flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
     DriverSpec("faulty-memory", "faulty", lambda s: {"inner": {"driver": "memory"}},
                flip_record_byte),
 ]

@@ -478,18 +478,22 @@ class BlockFiles(Backend):
     """Blocks as files in the ucm block format. See the module docstring for the layout."""
 
     def __init__(self, layout: FileLayout, *, namespace: str, codec: Codec, fsync: bool,
-                 direct: bool, map_bytes: int = 0) -> None:
+                 direct: bool, direct_writes: bool = False, map_bytes: int = 0) -> None:
+        """`direct`: O_DIRECT reads and writes. `direct_writes`: O_DIRECT writes only, so a
+        store takes no page-cache pages (see the posix driver's docstring for when it pays);
+        reads stay buffered and listed blocks stay mapped."""
         self.layout = layout
         # Blocks found in the page cache by a listing stay mapped (see _mapped): not with
-        # O_DIRECT, whose point is to keep blocks out of the page cache.
+        # O_DIRECT reads, whose point is to keep blocks out of the page cache.
         self.maps = MapCache(map_bytes) if map_bytes > 0 and not direct else None
         self.namespace = namespace
         self.codec = codec
         self.fsync = fsync
         self.direct = direct
+        self.direct_writes = direct or direct_writes
         self._read_flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         self._write_flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                             | (os.O_DIRECT if direct else 0))
+                             | (os.O_DIRECT if self.direct_writes else 0))
 
     @classmethod
     def open(cls, layout: FileLayout, **kwargs: Any) -> BlockFiles:
@@ -499,8 +503,8 @@ class BlockFiles(Backend):
             tmp = os.path.join(root, _TMP_DIR)
             os.makedirs(tmp, exist_ok=True)
             remove_stale_temp_files(tmp)
-            if files.direct:
-                _probe_direct(tmp, root)
+            if files.direct_writes:
+                _probe_direct(tmp, root, "direct_writes" if not files.direct else "direct")
         return files
 
     def path_for(self, key: bytes) -> str:
@@ -643,7 +647,7 @@ class BlockFiles(Backend):
         return PAYLOAD_OFFSET + payload.nbytes
 
     def _write_block(self, fd: int, header: bytes, payload: memoryview) -> None:
-        if not self.direct:
+        if not self.direct_writes:
             _write_all(fd, [memoryview(header), payload], 0)
             return
         # O_DIRECT wants page-aligned addresses and lengths: write the caller's buffer as it
@@ -710,7 +714,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _probe_direct(tmp_dir: str, root: str) -> None:
+def _probe_direct(tmp_dir: str, root: str, option: str = "direct") -> None:
     probe = os.path.join(tmp_dir, _tmp_name())
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
@@ -721,8 +725,8 @@ def _probe_direct(tmp_dir: str, root: str) -> None:
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             raise ConfigError(
-                f"direct: the filesystem of {root} does not support O_DIRECT (tmpfs on older "
-                "kernels); set direct: false") from None
+                f"{option}: the filesystem of {root} does not support O_DIRECT (tmpfs on "
+                f"older kernels); set {option}: false") from None
         raise
     finally:
         try:

@@ -301,7 +301,7 @@ class MountBlockFiles(BlockFiles):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._write_flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                             | (os.O_DIRECT if self.direct else 0))
+                             | (os.O_DIRECT if self.direct_writes else 0))
 
 
 class NfsOptions(DriverOptions):
