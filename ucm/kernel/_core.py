@@ -193,9 +193,7 @@ class KernelCore(DataMovement):
         deadline = event.deadline if event.deadline is not None else self.config.deadline
         tracer = self.tracer
         if tracer is not None:
-            tracer.emit("start", event_id, {"type": type(event).__name__, "keys": len(event.keys),
-                                            "request_id": event.request_id,
-                                            "key": event.keys[0][:8].hex()})
+            tracer.emit("start", event_id, trace_fields(event, start=True))
         try:
             if deadline is None:
                 result = await self._dispatch(event, event_id)
@@ -427,6 +425,16 @@ class KernelCore(DataMovement):
         out["background_pending"] = self._background_pending
         out["single_flight_keys"] = len(self._flights)
         return out
+
+
+def trace_fields(event: Event, *, start: bool = False) -> dict[str, Any]:
+    """The fields of an event's "submit" record, or of its "start" record (ucm-trace reads
+    both)."""
+    fields = {"type": type(event).__name__, "keys": len(event.keys),
+              "request_id": event.request_id}
+    if start:
+        fields["key"] = event.keys[0][:8].hex()
+    return fields
 
 
 def _configured_tracer(config: UCMConfig) -> Any:

@@ -25,7 +25,7 @@ import trio
 from ucm.config import TierConfig, UCMConfig, load_config
 from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UCMError
 from ucm.kernel._completion import Completion
-from ucm.kernel._core import KernelCore, _configured_tracer
+from ucm.kernel._core import KernelCore, _configured_tracer, trace_fields
 from ucm.kernel._events import Lookup, LookupResult, _Event
 
 log = logging.getLogger("ucm.kernel")
@@ -186,11 +186,8 @@ class Kernel:
             self._from_index[f"lookup_hits.{tier.name}"] += n
         tracer = self._tracer
         if tracer is not None:  # the records the trio thread writes for a lookup
-            tracer.emit("submit", event_id, {"type": "Lookup", "keys": n,
-                                             "request_id": event.request_id})
-            tracer.emit("start", event_id, {"type": "Lookup", "keys": n,
-                                            "request_id": event.request_id,
-                                            "key": keys[0][:8].hex()})
+            tracer.emit("submit", event_id, trace_fields(event))
+            tracer.emit("start", event_id, trace_fields(event, start=True))
             tracer.emit("result", event_id, {"op": "lookup", "keys": n, "hits": {tier.name: n},
                                              "from_index": True})
             tracer.emit("done", event_id, {"outcome": "ok"})
@@ -227,9 +224,7 @@ class Kernel:
             self._queued += 1
         tracer = self._tracer
         if tracer is not None and event is not None:
-            tracer.emit("submit", event_id, {"type": type(event).__name__,
-                                             "keys": len(event.keys),
-                                             "request_id": event.request_id})
+            tracer.emit("submit", event_id, trace_fields(event))
         try:
             self._token.run_sync_soon(self._accept, completion, work)
         except trio.RunFinishedError:
