@@ -71,19 +71,28 @@ def test_a_temporary_work_directory_keeps_only_the_engines_log(tmp_path):
     assert (tmp_path / "engines.log").read_text() == "engine output"
 
 
-def test_all_miss_engines_run_next_to_their_baselines_in_turn(tmp_path, monkeypatch, capsys):
-    """The engine order, with the engines replaced by a recorder (they are what the other
-    vLLM tests run): recompute and null right before ucm-posix's store pass, then further
-    all-miss / recompute pairs in alternating order."""
+@pytest.fixture
+def engine_specs(monkeypatch) -> list:
+    """Engines replaced by a recorder (they are what the other vLLM tests run): the specs the
+    bench started them with, in order; each phase takes 10 ms."""
     import ucm.bench_vllm as bench
     import ucm.vllm_run as vllm_run
 
+    specs = []
+
     def fake_run(spec, phases, **_):
+        specs.append(spec)
         return {"phases": [{"name": p.name, "wall_s": [0.01], "worker_delta": {}}
                            for p in phases]}
 
     monkeypatch.setattr(vllm_run, "run_in_subprocess", fake_run)
     monkeypatch.setattr(bench, "build_model", lambda path, spec: path)
+    return specs
+
+
+def test_all_miss_engines_run_next_to_their_baselines_in_turn(tmp_path, engine_specs, capsys):
+    """The engine order: recompute and null right before ucm-posix's store pass, then further
+    all-miss / recompute pairs in alternating order."""
     assert main(["--lengths", "256", "--repeat", "1", "--rounds", "1", "--miss-engines", "3",
                  "--setups", "null,ucm-posix", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -95,21 +104,10 @@ def test_all_miss_engines_run_next_to_their_baselines_in_turn(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("flag", [[], ["--direct-writes"]])
-def test_direct_writes_reach_every_posix_tier_and_nothing_else(tmp_path, monkeypatch, flag):
-    import ucm.bench_vllm as bench
-    import ucm.vllm_run as vllm_run
-
-    tiers = []
-
-    def fake_run(spec, phases, **_):
-        tiers.extend(t for t in (spec.ucm or {}).get("tiers", []))
-        return {"phases": [{"name": p.name, "wall_s": [0.01], "worker_delta": {}}
-                           for p in phases]}
-
-    monkeypatch.setattr(vllm_run, "run_in_subprocess", fake_run)
-    monkeypatch.setattr(bench, "build_model", lambda path, spec: path)
+def test_direct_writes_reach_every_posix_tier_and_nothing_else(tmp_path, engine_specs, flag):
     assert main(["--lengths", "256", "--repeat", "1", "--rounds", "1", "--miss-engines", "2",
                  "--setups", "ucm-posix,ucm-shm", "--workdir", str(tmp_path), *flag]) == 0
+    tiers = [t for spec in engine_specs for t in (spec.ucm or {}).get("tiers", [])]
     posix = [t for t in tiers if t["driver"] == "posix"]
     assert len(posix) == 3  # store pass, hits, one more all-miss engine
     assert all(t.get("direct_writes", False) == bool(flag) for t in posix)
