@@ -10,25 +10,38 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # ucm._hostcopy (setup.py, native/hostcopy.c) needs a C compiler, Python's headers and
 # xxhash.h. Without them ucm still installs and runs; its verified copies are then slower.
-build_deps=()
-command -v gcc >/dev/null || build_deps+=(gcc)
-[ -f /usr/include/xxhash.h ] || build_deps+=(libxxhash-dev)
+# With vLLM, its engines run on tcmalloc (ucm.vllm_run.TCMALLOC_PATHS says why).
+apt_deps=()
+command -v gcc >/dev/null || apt_deps+=(gcc)
+[ -f /usr/include/xxhash.h ] || apt_deps+=(libxxhash-dev)
 .venv/bin/python -c 'import os, sysconfig, sys
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
-    build_deps+=(python3-dev)
-if [ ${#build_deps[@]} -gt 0 ]; then
+    apt_deps+=(python3-dev)
+have_tcmalloc() {  # where ucm.vllm_run.TCMALLOC_PATHS looks
+    local lib
+    for lib in /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 \
+            /usr/lib/libtcmalloc_minimal.so.4; do
+        [ -e "$lib" ] && return 0
+    done
+    return 1
+}
+if [[ ",$extras," == *",vllm,"* ]] && ! have_tcmalloc; then
+    apt_deps+=(libtcmalloc-minimal4)
+fi
+if [ ${#apt_deps[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
-        echo "[setup] installing ${build_deps[*]} (apt) for ucm's native copy helper"
+        echo "[setup] installing ${apt_deps[*]} (apt)"
         export DEBIAN_FRONTEND=noninteractive
         apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
-            "${build_deps[@]}" >/dev/null 2>&1 || {
+            "${apt_deps[@]}" >/dev/null 2>&1 || {
             apt-get -o DPkg::Lock::Timeout=300 update -qq
             apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
-                "${build_deps[@]}" >/dev/null
+                "${apt_deps[@]}" >/dev/null
         }
     else
-        echo "[setup] missing ${build_deps[*]} (not root): ucm builds without its native" \
-             "copy helper" >&2
+        echo "[setup] missing ${apt_deps[*]} (not root, not installed): without the first" \
+             "three ucm builds without its native copy helper; without libtcmalloc-minimal4" \
+             "vLLM engines run on glibc's malloc" >&2
     fi
 fi
 stamp=".venv/.ucm-installed-${extras//,/-}"

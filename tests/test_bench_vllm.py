@@ -83,7 +83,7 @@ def engine_specs(monkeypatch) -> list:
     def fake_run(spec, phases, **_):
         specs.append(spec)
         return {"phases": [{"name": p.name, "wall_s": [0.01], "worker_delta": {}}
-                           for p in phases]}
+                           for p in phases], "allocator": "glibc"}
 
     monkeypatch.setattr(vllm_run, "run_in_subprocess", fake_run)
     monkeypatch.setattr(bench, "build_model", lambda path, spec: path)
@@ -101,6 +101,7 @@ def test_all_miss_engines_run_next_to_their_baselines_in_turn(tmp_path, engine_s
     assert engines == ["recompute", "null connector", "ucm-posix store pass", "ucm-posix",
                        "all-miss (2)", "recompute (2)", "recompute (3)", "all-miss (3)"]
     assert "all-miss 256+2 tokens: no connector 10 ms, ucm on 10 ms, overhead +0.0%" in out
+    assert "engine processes' malloc: glibc (vLLM on CPU asks for tcmalloc" in out
 
 
 @pytest.mark.parametrize("flag", [[], ["--direct-writes"]])

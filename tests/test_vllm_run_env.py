@@ -1,9 +1,10 @@
 """The engine runner's environment: OpenMP threads stop spinning soon after a parallel region
-(GOMP_SPINCOUNT), unless the caller already chose how OpenMP waits."""
+(GOMP_SPINCOUNT), unless the caller already chose how OpenMP waits; tcmalloc is preloaded
+where the system has it, unless the caller already chose an allocator."""
 
 from __future__ import annotations
 
-from ucm.vllm_run import OPENMP_SPIN, engine_env
+from ucm.vllm_run import OPENMP_SPIN, engine_env, find_tcmalloc
 
 
 def test_engine_env_sets_a_short_openmp_spin_only_where_none_is_chosen():
@@ -14,3 +15,20 @@ def test_engine_env_sets_a_short_openmp_spin_only_where_none_is_chosen():
     engine_env(source)
     assert source == {"A": "1"}  # a copy: the caller's mapping is left alone
 
+
+def test_engine_env_preloads_tcmalloc_unless_an_allocator_is_chosen():
+    lib = "/opt/libtcmalloc_minimal.so.4"
+    assert engine_env({}, tcmalloc=lib)["LD_PRELOAD"] == lib
+    assert engine_env({"LD_PRELOAD": "/x/libgomp.so"}, tcmalloc=lib)["LD_PRELOAD"] == \
+        f"{lib}:/x/libgomp.so"
+    for chosen in ("/x/libjemalloc.so.2", "/y/libtcmalloc.so.4", "/z/libmimalloc.so"):
+        assert engine_env({"LD_PRELOAD": chosen}, tcmalloc=lib)["LD_PRELOAD"] == chosen
+    assert "LD_PRELOAD" not in engine_env({"UCM_ENGINE_MALLOC": "system"}, tcmalloc=lib)
+    assert "LD_PRELOAD" not in engine_env({}, tcmalloc=None)  # not installed
+
+
+def test_find_tcmalloc_takes_the_first_library_present(tmp_path):
+    there = tmp_path / "libtcmalloc_minimal.so.4"
+    there.write_bytes(b"")
+    assert find_tcmalloc((str(tmp_path / "missing.so"), str(there))) == str(there)
+    assert find_tcmalloc((str(tmp_path / "missing.so"),)) is None

@@ -25,7 +25,10 @@ run-to-run noise was larger than the overheads measured). A tail of 1 would make
 ExampleConnector miss: it names a stored prompt by its first (P - 1) // bs blocks and looks it
 up by its first (P - 2) // bs.
 
-TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request. After
+TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request.
+Engines run on tcmalloc, as vLLM's CPU backend asks, where the system has it: with glibc's
+malloc the page faults of a long prefill's tensors moved 8K-token prefills by up to 40% in one
+engine (ucm.vllm_run.TCMALLOC_PATHS). After
 each store pass the files written are synced, so no writeback runs while hits are timed. Each
 connector's engine runs `--repeat` stored prompts, each twice in a row with vLLM's prefix cache
 on: first loaded by the connector, then vLLM's own hit in the same engine (the floor: nothing
@@ -191,10 +194,14 @@ def main(argv: list[str] | None = None) -> int:
                 for r in range(args.rounds) for n in lengths for i, p in enumerate(hits[n])
                 for kind in ("hit", "again")]
 
+    allocators: set[str] = set()
+
     def run(label: str, phases: list[Phase], **kw: Any) -> dict:
         _say(f"{label}: fresh engine process")
-        return run_in_subprocess(EngineSpec(**{**base, **kw}), phases, log_path=log,
-                                 progress=lambda m: _say(f"  {label}: {m}"))
+        result = run_in_subprocess(EngineSpec(**{**base, **kw}), phases, log_path=log,
+                                   progress=lambda m: _say(f"  {label}: {m}"))
+        allocators.add(result["allocator"])
+        return result
 
     def walls(result: dict, name: str, n: int) -> list[float]:
         return [_median_ms(result, f"{name}{n}.{i}") for i in range(args.repeat)]
@@ -302,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.workdir:
             _drop_bulk(work)
     _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes, tail=args.tail)
+    print(f"engine processes' malloc: {', '.join(sorted(allocators))}"
+          + ("" if allocators == {"tcmalloc"} else
+             " (vLLM on CPU asks for tcmalloc: see ucm.vllm_run.TCMALLOC_PATHS)"))
     return 0
 
 

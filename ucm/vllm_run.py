@@ -187,7 +187,7 @@ def run(spec: EngineSpec, phases: list[Phase]) -> dict[str, Any]:
         _progress(f"{p.name or 'phase'}: {len(p.prompts)} requests in "
                   f"{results[-1]['wall_s'][-1]:.2f} s")
     out = {"engine_start_s": start_s, "phases": results, "stats": connector_stats(),
-           "preemptions": _preemptions(llm)}
+           "preemptions": _preemptions(llm), "allocator": engine_allocator()}
     if spec.multiprocess:  # connectors live in the worker processes: their shutdown waits
         llm.llm_engine.engine_core.shutdown()  # for the stores in flight
     return out
@@ -214,13 +214,45 @@ def _preemptions(llm: Any) -> int | None:
 # connector, unless the environment already says how OpenMP should wait.
 OPENMP_SPIN = "3000"
 
+# vLLM's CPU backend asks for tcmalloc in LD_PRELOAD ("libtcmalloc is not found in LD_PRELOAD"
+# in its log, and its CPU install guide). With glibc's malloc, the tensors of a long prefill
+# (an 8K-token prompt's MLP activations are 46-92 MiB, above glibc's 32 MiB mmap ceiling) are
+# mapped and unmapped every forward pass: 160,000 to 900,000 page faults per prompt, 0.3-2.9 s
+# of system time, and 8K-token prefills that took 5.2 to 7.2 s in one engine. With tcmalloc,
+# which keeps freed memory for the next pass, five prompts took 5.09-5.20 s and 0.1 s of
+# system time each. Every engine the runner starts gets it where the system has it
+# (`libtcmalloc-minimal4`, which scripts/setup.sh installs), unless LD_PRELOAD already names an
+# allocator or UCM_ENGINE_MALLOC=system asks for glibc's.
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib64/libtcmalloc_minimal.so.4",
+                  "/usr/lib/libtcmalloc_minimal.so.4")
+_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
 
-def engine_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` plus GOMP_SPINCOUNT (see OPENMP_SPIN) where it sets no OpenMP wait policy."""
+
+def find_tcmalloc(paths: tuple[str, ...] = TCMALLOC_PATHS) -> str | None:
+    return next((p for p in paths if os.path.exists(p)), None)
+
+
+def engine_env(environ: Mapping[str, str], *, tcmalloc: str | None = None) -> dict[str, str]:
+    """`environ` plus GOMP_SPINCOUNT (see OPENMP_SPIN) where it sets no OpenMP wait policy, and
+    `tcmalloc` (a library path; see TCMALLOC_PATHS) first in LD_PRELOAD where it names no
+    allocator and UCM_ENGINE_MALLOC is not "system"."""
     env = dict(environ)
     if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = OPENMP_SPIN
+    preload = env.get("LD_PRELOAD", "")
+    if (tcmalloc and env.get("UCM_ENGINE_MALLOC", "") != "system"
+            and not any(name in preload for name in _ALLOCATORS)):
+        env["LD_PRELOAD"] = f"{tcmalloc}:{preload}" if preload else tcmalloc
     return env
+
+
+def engine_allocator() -> str:
+    """The allocator this process runs on, from the libraries mapped into it."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return next((name for name in _ALLOCATORS if f"lib{name}" in maps), "glibc")
 
 
 def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float = 900,
@@ -229,7 +261,7 @@ def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float =
     """Runs `run(spec, phases)` in a fresh Python process and returns its result. `progress`
     gets the child's progress lines as they come."""
     payload = json.dumps({"spec": asdict(spec), "phases": [asdict(p) for p in phases]})
-    full_env = {**engine_env(os.environ), **(env or {})}
+    full_env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), **(env or {})}
     log = open(log_path, "a") if log_path else open(os.devnull, "w")  # noqa: SIM115
     # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
     # keep our pipe open, so once the result is in, the whole group is killed.

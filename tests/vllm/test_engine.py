@@ -92,6 +92,12 @@ def test_second_engine_hits_the_stored_prefix_with_identical_output(scenario):
         assert _phase(warm, name)["num_cached_tokens"] == [(len(p) - 1) // 32 * 32]
 
 
+def test_engines_run_on_tcmalloc_where_the_system_has_it(scenario):
+    # scripts/setup.sh installs it; vLLM's CPU backend asks for it (ucm.vllm_run.TCMALLOC_PATHS)
+    expected = "tcmalloc" if vllm_run.find_tcmalloc() else "glibc"
+    assert {scenario[k]["allocator"] for k in ("base", "cold", "warm")} == {expected}
+
+
 def test_preemption_and_chunked_prefill_keep_output(scenario):
     warm, base = scenario["warm"], scenario["base"]
     assert _phase(warm, "preempt")["tokens"] == _phase(base, "preempt")["tokens"]
