@@ -104,12 +104,14 @@ def test_all_miss_engines_run_next_to_their_baselines_in_turn(tmp_path, engine_s
     assert "engine processes' malloc: glibc (vLLM on CPU asks for tcmalloc" in out
 
 
-@pytest.mark.parametrize("flag", [[], ["--direct-writes"]])
-def test_direct_writes_reach_every_posix_tier_and_nothing_else(tmp_path, engine_specs, flag):
+@pytest.mark.parametrize(("flag", "direct"), [([], True), (["--direct-writes"], True),
+                                             (["--no-direct-writes"], False)])
+def test_direct_writes_reach_every_posix_tier_and_nothing_else(tmp_path, engine_specs, flag,
+                                                              direct):
     assert main(["--lengths", "256", "--repeat", "1", "--rounds", "1", "--miss-engines", "2",
                  "--setups", "ucm-posix,ucm-shm", "--workdir", str(tmp_path), *flag]) == 0
     tiers = [t for spec in engine_specs for t in (spec.ucm or {}).get("tiers", [])]
     posix = [t for t in tiers if t["driver"] == "posix"]
     assert len(posix) == 3  # store pass, hits, one more all-miss engine
-    assert all(t.get("direct_writes", False) == bool(flag) for t in posix)
+    assert all(t.get("direct_writes", False) == direct for t in posix)
     assert all("direct_writes" not in t for t in tiers if t["driver"] != "posix")

@@ -4,7 +4,9 @@ vLLM's own cache, or loaded by a connector.
 Setups (per prompt length; a connector's store pass runs in its own earlier engine process):
     recompute   no connector, no prefix cache
     example     vLLM's built-in ExampleConnector (safetensors files), full hit
-    ucm-posix   ucm, posix tier only (page cache warm: the files were just written)
+    ucm-posix   ucm, posix tier only, page cache warm: stored with O_DIRECT (`direct_writes`,
+                as the README advises for vLLM on CPU; `--no-direct-writes` for buffered
+                stores), the hit engine's listing reads the blocks in when it starts
     ucm-shm     ucm, memory tier shared through /dev/shm (one arena file that every process
                 maps: loads copied and checked in one pass)
     ucm-pmem    ucm, pmem tier with its pool file in /dev/shm (one mapping and one owner
@@ -135,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hugepages", action=argparse.BooleanOptionalAction, default=None,
                     help="ucm setups with the connector's hugepages option on or off (default: "
                          "the connector's default)")
-    ap.add_argument("--direct-writes", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--direct-writes", action=argparse.BooleanOptionalAction, default=True,
                     help="the posix tiers (ucm-posix and the all-miss engines) store with "
-                         "O_DIRECT (the posix driver's direct_writes option): stores take no "
-                         "page-cache pages, and the hit engine's listing reads the blocks in")
+                         "O_DIRECT (the posix driver's direct_writes option, which the README "
+                         "advises for vLLM on CPU; on by default): stores take no page-cache "
+                         "pages, and the hit engine's listing reads the blocks in")
     ap.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=False,
                     help="ucm setups in the layerwise mode (each layer of a block stored on "
                          "its own, loaded while earlier layers compute)")
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
          f"repeat {args.repeat}; "
          f"{os.cpu_count()} CPUs; ucm {'layerwise' if args.layerwise else 'whole blocks'}"
          + ("" if args.hugepages is None else f", hugepages {'on' if args.hugepages else 'off'}")
-         + (", posix direct writes" if args.direct_writes else "")
+         + (", posix direct writes" if args.direct_writes else ", posix buffered writes")
          + "; "
          f"logs {log}")
     model = str(build_model(os.path.join(work, "model"), SPEC))

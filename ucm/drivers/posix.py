@@ -22,10 +22,13 @@ connector's scheduler side, which only looks blocks up, maps none.
 first fills new page-cache pages, which on the 2-vCPU test VMs cost 180-190 ms of CPU per
 64 MiB (plus writeback later), most of it in the kernel, where the idle priority of the store
 threads does not reach: CPU taken from the inference engine beside it. Written with O_DIRECT,
-the same 64 MiB cost 31 ms of CPU. The price: a block stored this way is not in the page
-cache, so its first read comes from the disk, in this process (a preadv) or in the next one
-(its listing reads in the blocks it maps). Worth it where the cores are busy computing while
-blocks are stored, as with vLLM on CPU; a host with cores to spare keeps the default.
+the same 64 MiB cost 31 ms of CPU. (On some runs of the same VM, buffered writes of new files
+cost 17-22 ms per 64 MiB, and overwriting cached pages 5 ms: the expensive part is finding new
+pages, and the VM hands free memory back to its host.) The price: a block stored this way is
+not in the page cache, so its first read comes from the disk, in this process (a preadv) or in
+the next one (its listing reads in the blocks it maps). Worth it where the cores are busy
+computing while blocks are stored, as with vLLM on CPU; a host with cores to spare keeps the
+default.
 """
 
 from __future__ import annotations
