@@ -30,15 +30,14 @@ up by its first (P - 2) // bs.
 TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request.
 Engines run on tcmalloc, as vLLM's CPU backend asks, where the system has it: with glibc's
 malloc the page faults of a long prefill's tensors moved 8K-token prefills by up to 40% in one
-engine (ucm.vllm_run.TCMALLOC_PATHS). After
-each store pass the files written are synced, so no writeback runs while hits are timed. Each
-connector's engine runs `--repeat` stored prompts, each twice in a row with vLLM's prefix cache
-on: first loaded by the connector, then vLLM's own hit in the same engine (the floor: nothing
-to load, the limit); and that `--rounds` times, vLLM's prefix cache emptied before each load
-(not the connector's storage). The overhead is the median of the per-pair differences. ucm's
-effective load bandwidth is the KV bytes it loaded over its overhead, next to the worker's own
-wait for the load; the raw read bandwidth is plain preadv()s of the same block files into memory as
-large as the KV, with the page cache warm.
+engine (ucm.vllm_run.TCMALLOC_PATHS). After each store pass the files written are synced, so no
+writeback runs while hits are timed. Each connector's engine runs `--repeat` stored prompts,
+each twice in a row with vLLM's prefix cache on: first loaded by the connector, then vLLM's own
+hit in the same engine (the floor: nothing to load, the limit); and that `--rounds` times,
+vLLM's prefix cache emptied before each load (not the connector's storage). The overhead is the
+median of the per-pair differences. ucm's effective load bandwidth is the KV bytes it loaded
+over its overhead, next to the worker's own wait for the load; the raw read bandwidth is plain
+preadv()s of the same block files into memory as large as the KV, with the page cache warm.
 """
 
 from __future__ import annotations
