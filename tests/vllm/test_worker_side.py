@@ -4,6 +4,8 @@ recompute, and snapshot buffers are reused once their stores end."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -133,6 +135,39 @@ def test_snapshot_buffers_of_several_sizes_pick_the_smallest_that_fits():
         again = worker._take_snapshot_buffer(2)  # two rows of the three-row buffer
         assert again.data_ptr() == three.data_ptr() and again.shape[0] == 2
         assert not worker._spare
+    finally:
+        worker.shutdown()
+
+
+def test_a_snapshot_buffer_for_a_whole_step_is_reserved_at_registration():
+    worker, caches = _worker("ws-reserve", step_tokens=40)  # 3 blocks of 16 tokens
+    try:
+        assert [t.shape[0] for t in worker._spare] == [3]
+        reserved = worker._spare[0].data_ptr()
+        assert worker.stats["snapshot_reserved_bytes"] == 3 * worker.layout.block_bytes
+        meta = UCMConnectorMetadata(saves=[BlockTransfer("a", [1, 2, 3],
+                                                         [bytes([i]) * 16 for i in range(3)])])
+        worker.save_kv_layer(meta, "l0")
+        assert worker._save_staging.data_ptr() == reserved  # no new buffer for a full step
+        for name in list(caches)[1:]:
+            worker.save_kv_layer(meta, name)
+        worker.wait_for_save()
+        assert worker.wait_for_stores(30) and worker.stats["saved_blocks"] == 3
+    finally:
+        worker.shutdown()
+
+
+def test_the_reserved_snapshot_buffer_stays_within_the_store_limit():
+    worker, _ = _worker("ws-limit")  # no step_tokens: nothing reserved
+    try:
+        assert not worker._spare
+        two_blocks = 2 * worker.layout.block_bytes
+        cases = [(10_000, two_blocks, [2]), (10_000, 0, []), (16, two_blocks, [1])]
+        for step, limit, rows in cases:
+            worker._spare.clear()
+            worker.settings = replace(worker.settings, step_tokens=step, max_store_bytes=limit)
+            worker._reserve_snapshot_buffer()
+            assert [t.shape[0] for t in worker._spare] == rows
     finally:
         worker.shutdown()
 

@@ -64,6 +64,7 @@ class HookSettings:
     index_wait: float = 2.0
     load_timeout: float = 30.0
     max_store_bytes: int = 1 << 30
+    step_tokens: int | None = None  # vLLM's max_num_batched_tokens: what one step can save
     save_generated: bool = True
     load_failure: str = "recompute"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -113,6 +114,8 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         load_timeout=float(extra.get("load_timeout", base.deadline or 30.0)),
         max_store_bytes=int(TypeAdapter(ByteSize).validate_python(
             extra.get("max_store_bytes", 1 << 30))),
+        step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0)
+                        or 0) or None,
         save_generated=bool(extra.get("save_generated", True)),
         load_failure=load_failure,
         extra=extra,
