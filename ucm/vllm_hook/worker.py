@@ -212,8 +212,8 @@ class WorkerSide:
     def _reserve_snapshot_buffer(self) -> None:
         """A spare snapshot buffer for the blocks of vLLM's whole token budget per step (within
         the spare and store limits), its pages faulted in now rather than at its first use. In
-        `ucm bench vllm`'s all-miss engines, a fresh buffer's faults made the first 4K-token
-        prompt about 0.1 s slower and the first 8K-token one 0.2-0.3 s (5.2-5.3 s)."""
+        `ucm bench vllm`'s all-miss engines, a fresh buffer's faults made the first 8K-token
+        prompt 0.4-0.7 s slower than the later ones (5.57-5.84 s against 5.1-5.3 s)."""
         step, layout = self.settings.step_tokens, self.layout
         if not step or layout is None or self.settings.max_store_bytes <= 0:
             return
