@@ -17,13 +17,9 @@ command -v gcc >/dev/null || apt_deps+=(gcc)
 .venv/bin/python -c 'import os, sysconfig, sys
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
     apt_deps+=(python3-dev)
-have_tcmalloc() {  # where ucm.vllm_run.TCMALLOC_PATHS looks
-    local lib
-    for lib in /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib64/libtcmalloc_minimal.so.4 \
-            /usr/lib/libtcmalloc_minimal.so.4; do
-        [ -e "$lib" ] && return 0
-    done
-    return 1
+have_tcmalloc() {  # asks ucm.vllm_run itself (stdlib only: importable before ucm installs)
+    .venv/bin/python -c 'import sys; sys.path.insert(0, ".")
+from ucm.vllm_run import find_tcmalloc; sys.exit(find_tcmalloc() is None)'
 }
 if [[ ",$extras," == *",vllm,"* ]] && ! have_tcmalloc; then
     apt_deps+=(libtcmalloc-minimal4)
