@@ -105,7 +105,7 @@ async def test_a_cancelled_caller_waits_until_its_call_has_returned():
 @linux
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity")
                     else True, reason="needs two CPUs")
-async def test_pump_threads_copy_on_two_cpus_of_their_own_and_give_them_back():
+async def test_pump_threads_copy_on_two_cpus_of_their_own_and_stop_at_close():
     pump = _pump.Pump(2)
     assert pump._cpus == sorted(os.sched_getaffinity(0))[-2:][::-1]
     seen: dict[int, set[frozenset[int]]] = {}
@@ -118,24 +118,58 @@ async def test_pump_threads_copy_on_two_cpus_of_their_own_and_give_them_back():
             both.wait()
 
     views = [memoryview(bytearray(_pump.GRAB_BYTES)) for _ in range(8)]  # a run each
-    spread = await _pump.Spread(fn, [b"k"] * 8, views).run(pump, 2)
-    assert spread.errors == [None] * 8
-    assert len(seen) == 2
-    cpus = [next(iter(s)) for s in seen.values()]
+    for _ in range(3):  # the same two threads, bound to the same CPUs, batch after batch
+        spread = await _pump.Spread(fn, [b"k"] * 8, views).run(pump, 2)
+        assert spread.errors == [None] * 8
+        assert len(seen) == 2
+        both.reset()
     assert all(len(s) == 1 for s in seen.values())  # each thread on one CPU throughout
+    cpus = [next(iter(s)) for s in seen.values()]
     assert sorted(len(c) for c in cpus) == [1, 1] and cpus[0] != cpus[1]
-    assert pump._slots == [False, False]
+    deadline = time.monotonic() + 5  # the last thread marks itself idle after the wake-up
+    while pump._busy != [False, False] and time.monotonic() < deadline:
+        await trio.sleep(0.001)
+    assert pump._busy == [False, False]
+    names = {t.name for t in threading.enumerate()}
+    assert {"ucm-copy-0", "ucm-copy-1"} <= names
 
-    # The affinity a pinned thread had before comes back when it leaves the pump.
-    allowed = os.sched_getaffinity(0)
+    await trio.to_thread.run_sync(pump.close)
+    assert not {"ucm-copy-0", "ucm-copy-1"} & {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="closed"):
+        pump.submit(_pump.Spread(fn, [b"k"], views[:1]), 1)
 
-    def pin_and_back() -> set[int]:
-        before = _pump._pin(pump._cpus[0])
-        assert os.sched_getaffinity(0) == {pump._cpus[0]}
-        _pump._unpin(before)
-        return os.sched_getaffinity(0)
 
-    assert await trio.to_thread.run_sync(pin_and_back) == allowed
+@linux
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity")
+                    else True, reason="needs two CPUs")
+async def test_a_helping_caller_copies_and_the_thread_woken_avoids_its_cpu():
+    pump = _pump.Pump(2)
+    where: dict[str, set[int]] = {}
+    caller = pump._cpus[1]
+
+    def fn(key: bytes, view: memoryview) -> None:
+        time.sleep(0.002)  # long enough that both sides take runs
+        name = "caller" if threading.current_thread().name == "helper" else "pump"
+        where.setdefault(name, set()).add(next(iter(os.sched_getaffinity(0))))
+
+    done = threading.Event()
+    views = [memoryview(bytearray(_pump.GRAB_BYTES)) for _ in range(16)]
+    spread = _pump.Spread(fn, [b"k"] * 16, views)
+    spread._wake = done.set
+
+    def helper() -> None:
+        os.sched_setaffinity(0, {caller})
+        assert _pump.bound_cpu() == caller
+        pump.submit(spread, 1, avoid_cpu=caller)
+        pump.help(spread)
+
+    thread = threading.Thread(target=helper, name="helper")
+    thread.start()
+    thread.join(10)
+    assert done.wait(10)
+    assert spread.errors == [None] * 16 and spread.next == 16
+    assert where["caller"] == {caller} and where["pump"] == {pump._cpus[0]}
+    pump.close()
 
 
 def test_one_cpu_or_an_opt_out_pins_nothing(monkeypatch):

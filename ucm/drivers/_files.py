@@ -327,6 +327,8 @@ class ThreadedDriver:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._pump.started:
+                await trio.to_thread.run_sync(self._pump.close)
             self._backend.close()
         await trio.lowlevel.checkpoint()
 

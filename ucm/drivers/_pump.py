@@ -1,11 +1,11 @@
 """Copy threads shared by a driver's blocks: `Pump` and `Spread` (from the pmem driver, where
 they were measured; the posix and shared-memory loads use them too).
 
-A batch's blocks are handed out in runs of about 2 MiB to up to PARALLEL threads of trio's
-thread cache, which take runs until none are left: a thread slowed down by another process on
-its core leaves the rest to the other one, where a fixed split into one part per thread waits
-for the slower part. The thread that finishes the last run wakes the waiting task: one trip
-back into trio per batch.
+A batch's blocks are handed out in runs of about 2 MiB to up to PARALLEL copy threads, which
+take runs until none are left (a caller that waits for the batch may take runs too: `help`):
+a thread slowed down by another process on its core leaves the rest to the other one, where a
+fixed split into one part per thread waits for the slower part. The thread that finishes the
+last run wakes the waiting task: one trip back into trio per batch.
 """
 
 from __future__ import annotations
@@ -36,74 +36,132 @@ WIDE_BLOCK_BYTES = 256 * 2**10  # blocks at least this large (on average) use PA
 
 
 class Pump:
-    """The driver's copy threads: up to PARALLEL threads of trio's thread cache take runs from
-    the batches waiting here, oldest batch first.
+    """The driver's copy threads: up to PARALLEL threads of its own take runs from the batches
+    waiting here, oldest batch first.
 
     Batches in flight at once are served in turn rather than side by side, so the first one
     finishes while the next is copied: its trips back into trio and out to its caller overlap
     the next batch's copying instead of leaving the cores idle. (Side by side, batches of the
     same size finish together and their hand-offs, 100-200 us each on a 2-vCPU VM, leave both
-    cores idle at once.) A thread keeps taking runs while any are left, so a busy pump starts
+    cores idle at once.) A thread keeps taking runs while any are left, so a busy pump wakes
     no threads at all.
 
-    Each thread is pinned to a CPU of its own while it takes runs (the last PARALLEL CPUs the
-    process may use; UCM_PIN_COPY_THREADS=0 turns it off). Unpinned, Linux often woke both
-    threads on the core of the trio thread that started them, and after the cores had idled the
-    second thread waited there for 1-2 ms before the scheduler moved it: on the 2-vCPU test VMs
-    a 64 MiB posix load that arrives after 50 ms of quiet took 7.5 ms (median) unpinned and
-    5.4 ms pinned, and vLLM's start_load_kv for a 4K-token hit 8.9-11.6 ms against 6.2-6.8 ms.
-    Back to back, with the cores awake, both took the same time."""
+    Each thread is bound to a CPU of its own for its whole life (the last PARALLEL CPUs the
+    process may use; UCM_PIN_COPY_THREADS=0 turns it off), so Linux wakes it there. Unbound,
+    Linux often woke a copy thread on the core of the thread that woke it, and after the cores
+    had idled it waited there for 1-2 ms before the scheduler moved it: on the 2-vCPU test VMs a
+    64 MiB posix load that arrives after 50 ms of quiet took 7.5 ms (median) unbound and 5.4 ms
+    bound, and vLLM's start_load_kv for a 4K-token hit 8.9-11.6 ms against 6.2-6.8 ms. (Bound
+    only while taking runs, as trio's cached threads were at first, a thread woken by a caller
+    that goes on copying (`help`) still started 2-3 ms late: it woke on the caller's core.)
+    Threads start on first use and stop at `close`."""
 
     def __init__(self, limit: int, *, pin: bool = True) -> None:
         self._lock = threading.Lock()
         self._queue: deque[Spread] = deque()
-        self._threads = 0
         self._limit = limit
-        self._slots = [False] * limit  # which CPU slots a running thread holds
         self._cpus = _pin_cpus(limit) if pin else []
+        self._wakes = [threading.Semaphore(0) for _ in range(limit)]
+        self._threads: list[threading.Thread | None] = [None] * limit
+        self._busy = [False] * limit  # which threads are taking runs (or woken to)
+        self._closed = False
 
-    def submit(self, spread: Spread, threads: int) -> None:
+    def submit(self, spread: Spread, threads: int, *, avoid_cpu: int = -1) -> None:
+        """Queues `spread` and wakes threads for it, up to `threads` taking runs in all; those
+        bound to `avoid_cpu` (where a helping caller runs) only when no other is free."""
+        wake = []
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the pump is closed")
             self._queue.append(spread)
-            start = max(0, min(threads, self._limit) - self._threads)
-            self._threads += start
-        for _ in range(start):
-            trio.lowlevel.start_thread_soon(self._drain, _ignore_outcome)  # no name: 2 syscalls
+            want = min(threads, self._limit) - sum(self._busy)
+            if want > 0:
+                free = [i for i, busy in enumerate(self._busy) if not busy]
+                if self._cpus:
+                    free.sort(key=lambda i: self._cpus[i] == avoid_cpu)
+                wake = free[:want]
+                for i in wake:
+                    self._busy[i] = True
+        for i in wake:
+            if self._threads[i] is None:
+                thread = threading.Thread(target=self._serve, args=(i,), daemon=True,
+                                          name=f"ucm-copy-{i}")
+                self._threads[i] = thread
+                thread.start()
+            self._wakes[i].release()
 
-    def _drain(self) -> None:
-        cpus = self._cpus
-        if not cpus:
-            return self._take_runs()
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the threads and joins them (they finish the runs they took first); blocks
+        for as long as that takes, up to `timeout` per thread."""
         with self._lock:
-            slot = self._slots.index(False)
-            self._slots[slot] = True
-        allowed = _pin(cpus[slot])
-        try:
-            self._take_runs()
-        finally:
-            _unpin(allowed)
-            with self._lock:
-                self._slots[slot] = False
+            self._closed = True
+        for wake in self._wakes:
+            wake.release()
+        for thread in self._threads:
+            if thread is not None:
+                thread.join(timeout)
 
-    def _take_runs(self) -> None:
+    @property
+    def started(self) -> bool:
+        """Whether any thread was started (and `close` has threads to join)."""
+        return any(t is not None for t in self._threads)
+
+    def helper_cpu(self) -> int:
+        """The CPU the calling thread is bound to, if it may help (`help`) on a CPU other than
+        the copy threads' first one; else -1. A copy thread never helps: it submits the next
+        layer's load from the last one's callback, say, and will not wait for it."""
+        if not self._cpus or getattr(_copy_thread, "pump", None) is not None:
+            return -1
+        cpu = bound_cpu()
+        return cpu if cpu >= 0 and any(c != cpu for c in self._cpus) else -1
+
+    def _serve(self, slot: int) -> None:
+        _copy_thread.pump = self
+        if self._cpus:
+            _pin(self._cpus[slot])
+        wake = self._wakes[slot]
+        while True:
+            wake.acquire()
+            if self._closed:
+                return
+            self._take_runs(slot)
+
+    def _take_runs(self, slot: int) -> None:
         lock, queue = self._lock, self._queue
         while True:
             with lock:
                 while queue and queue[0].next >= len(queue[0].runs):
                     queue.popleft()  # every run taken (some may still be running)
                 if not queue:
-                    self._threads -= 1
+                    self._busy[slot] = False
                     return
                 spread = queue[0]
                 run = spread.runs[spread.next]
                 spread.next += 1
                 spread.taken += 1
-            spread.run_blocks(run)
+            self._run(spread, run)
+
+    def help(self, spread: Spread) -> None:
+        """Takes runs of `spread` on the calling thread until none are left: a caller that
+        would only wait for the batch copies part of it instead, and saves a thread's wake-up
+        at the start and, when it finishes the last run, its own at the end."""
+        lock = self._lock
+        while True:
             with lock:
-                spread.taken -= 1
-                last = spread.next >= len(spread.runs) and not spread.taken
-            if last:  # the thread that finished the batch's last run
-                spread.finish()
+                if spread.next >= len(spread.runs):
+                    return
+                run = spread.runs[spread.next]
+                spread.next += 1
+                spread.taken += 1
+            self._run(spread, run)
+
+    def _run(self, spread: Spread, run: slice) -> None:
+        spread.run_blocks(run)
+        with self._lock:
+            spread.taken -= 1
+            last = spread.next >= len(spread.runs) and not spread.taken
+        if last:  # the thread that finished the batch's last run
+            spread.finish()
 
 
 class Spread:
@@ -127,14 +185,21 @@ class Spread:
         self.errors: list[BaseException | None] = [None] * len(keys)
         self.outcome: Any = None  # what `then` returned
         self.error: BaseException | None = None  # what `then` raised
+        self.cancelled = False  # set by a canceller: blocks not begun yet are left undone
 
     def run_blocks(self, run: slice) -> None:
         fn, keys, views, results = self._fn, self.keys, self.views, self.results
         for i in range(run.start, run.stop):
+            if self.cancelled:  # its result stays None
+                return
             try:
                 results[i] = fn(keys[i], views[i])
             except BaseException as exc:
                 self.errors[i] = exc
+
+    def cancel(self) -> None:
+        """Leaves the blocks not begun yet undone (those being copied finish)."""
+        self.cancelled = True
 
     def finish(self) -> None:
         try:
@@ -157,6 +222,9 @@ class Spread:
         return self
 
 
+_copy_thread = threading.local()  # .pump on a Pump's own threads
+
+
 def _pin_cpus(threads: int) -> list[int]:
     """One CPU per copy thread: the last `threads` CPUs this process may run on (engines bind
     their own threads from the first one up), or none with fewer than two."""
@@ -171,28 +239,22 @@ def _pin_cpus(threads: int) -> list[int]:
     return allowed[-threads:][::-1]
 
 
-def _pin(cpu: int) -> set[int] | None:
-    """Runs this thread on `cpu` alone; returns the CPUs it ran on before (None: unchanged)."""
+def bound_cpu() -> int:
+    """The one CPU the calling thread may run on, or -1 when it may run on several (or where
+    that is unknown)."""
     try:
         allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux
+        return -1
+    return next(iter(allowed)) if len(allowed) == 1 else -1
+
+
+def _pin(cpu: int) -> None:
+    """Runs this thread on `cpu` alone (or where it may, if that CPU has gone)."""
+    try:
         os.sched_setaffinity(0, {cpu})
-        return allowed
     except OSError:  # the CPU went offline, or a cgroup took it away
-        return None
-
-
-def _unpin(allowed: set[int] | None) -> None:
-    if allowed is not None:
-        try:
-            os.sched_setaffinity(0, allowed)
-        except OSError:
-            pass
-
-
-def _ignore_outcome(_: Any) -> None:
-    pass  # _drain never raises: errors are kept per block
-
-
+        pass
 
 
 def wide(views: list[memoryview], split_bytes: int) -> bool:
