@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                                     statistics.median(a - b for a, b in zip(hit, again,
                                                                             strict=True)),
                                     load_ms if name.startswith("ucm") else None)
+            if name.startswith("ucm"):
+                _say(f"  {name}: {_load_paths(r)}")
         if "ucm-posix" in setups:
             # More all-miss engines (one engine's prefills run up to 10% faster or slower than
             # another's here), in turn: the first pair ran recompute first, the second runs
@@ -338,6 +340,15 @@ class Row:
     floor: float  # the same prompt again: vLLM's own prefix-cache hit, same engine
     overhead: float  # median of the per-pair differences (prompts x rounds)
     load_wait: float | None  # the ucm worker's wait for its Load
+
+
+def _load_paths(result: dict[str, Any]) -> str:
+    """How the engine's kernel ran its Loads: off the trio thread (blocks in memory), with
+    the waiting worker thread copying too, or through the trio thread."""
+    kernel = result.get("stats", {}).get("worker", {}).get("kernel", {})
+    fast, helped = kernel.get("loads_from_memory", 0), kernel.get("loads_from_memory_helped", 0)
+    return (f"{fast} loads of blocks in memory off the kernel thread ({helped} with the worker "
+            f"thread copying too), {kernel.get('load_keys', 0)} blocks loaded in all")
 
 
 def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Row]],

@@ -58,6 +58,9 @@ class MapCache:
     def __len__(self) -> int:
         return len(self._maps)
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._maps
+
     @property
     def mapped_bytes(self) -> int:
         return self._bytes

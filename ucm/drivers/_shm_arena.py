@@ -360,6 +360,9 @@ class ShmArena(Backend):
     def load(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
         return [self.load_one(key, out) for key, out in zip(keys, views, strict=True)]
 
+    def in_memory(self, keys: list[bytes]) -> bool:
+        return True  # the arena is memory (a missing block is a quick MISSING)
+
     def load_one(self, key: bytes, out: memoryview) -> LoadState:
         found = self._find(key_digest(key))
         if found is None:

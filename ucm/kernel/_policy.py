@@ -57,6 +57,10 @@ class Policy:
             if not expiries:
                 del self._pins[key]
 
+    def has_pins(self, key: bytes) -> bool:
+        """Whether `key` holds pins, live or expired (a read only: safe from other threads)."""
+        return key in self._pins
+
     def is_pinned(self, key: bytes) -> bool:
         expiries = self._pins.get(key)
         if not expiries:
