@@ -90,6 +90,11 @@ def test_second_engine_hits_the_stored_prefix_with_identical_output(scenario):
         name = f"long{len(p)}"
         assert _phase(warm, name)["tokens"] == _phase(cold, name)["tokens"]
         assert _phase(warm, name)["num_cached_tokens"] == [(len(p) - 1) // 32 * 32]
+    # vLLM runs here in one process, steps in turn: each step's loads started early, when
+    # the scheduler planned them, and the step that ran was the one planned.
+    worker = warm["stats"]["worker"]
+    assert worker["early_loads"] > 0 and not worker.get("early_loads_unused"), worker
+    assert warm["stats"]["scheduler"]["early_loads"] == worker["early_loads"]
 
 
 def test_engines_run_on_tcmalloc_where_the_system_has_it(scenario):

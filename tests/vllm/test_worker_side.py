@@ -4,6 +4,7 @@ recompute, and snapshot buffers are reused once their stores end."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -203,3 +204,101 @@ def test_layerwise_loads_each_layer_on_its_own_and_in_order(direct):
     finally:
         worker.shutdown()
 
+
+
+def test_an_early_load_is_used_by_the_step_it_was_planned_for():
+    worker, caches = _worker("ws-early")
+    try:
+        digests = [bytes([i]) * 16 for i in range(3)]
+        _save(worker, caches, BlockTransfer("a", [1, 2, 3], digests))
+        original = {k: v.clone() for k, v in caches.items()}
+        for v in caches.values():
+            v.zero_()
+        missing = b"\xee" * 16
+        loads = [BlockTransfer("b", [7, 8, 9], [digests[0], digests[2], missing])]
+        assert worker.load_early(loads)
+        worker._early[1].exception(10)  # done: its blocks are counted
+        loads_before = worker.kernel.statistics()["load_keys"]
+        worker.start_load_kv(UCMConnectorMetadata(loads=[BlockTransfer(
+            "b", [7, 8, 9], [digests[0], digests[2], missing])]))  # equal, not the same
+        assert worker.kernel.statistics()["load_keys"] == loads_before  # no second load
+        for k, v in caches.items():
+            assert torch.equal(v[7], original[k][1]) and torch.equal(v[8], original[k][3])
+            assert not v[[0, 1, 2, 3, 4, 5, 6, 9, 10, 11]].any()
+        assert worker.get_block_ids_with_load_errors() == {9}
+        assert worker.stats["early_loads"] == 1 and worker.stats["loaded_blocks"] == 2
+        assert "early_loads_unused" not in worker.stats
+    finally:
+        worker.shutdown()
+
+
+def test_an_early_load_no_step_asks_for_is_waited_for_and_dropped():
+    worker, caches = _worker("ws-early-unused")
+    try:
+        digests = [bytes([i]) * 16 for i in range(2)]
+        _save(worker, caches, BlockTransfer("a", [1, 2], digests))
+        assert worker.load_early([BlockTransfer("b", [5], digests[:1])])
+        # The step runs other loads: the early one is dropped (once it has stopped), and the
+        # step's own loads run as usual.
+        worker.start_load_kv(UCMConnectorMetadata(loads=[BlockTransfer("c", [6], digests[1:])]))
+        assert worker.stats["early_loads_unused"] == 1
+        assert worker._early is None
+        for v in caches.values():
+            assert torch.equal(v[6], v[2])
+        assert worker.load_early([BlockTransfer("d", [7], digests[:1])])
+        worker.start_load_kv(UCMConnectorMetadata())  # a step with no loads drops it too
+        assert worker.stats["early_loads_unused"] == 2
+        assert worker.stats["loaded_blocks"] == 1
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("option", [{"direct_loads": False}, {"layerwise": True},
+                                    {"early_loads": False}])
+def test_no_early_loads_staged_layerwise_or_turned_off(option):
+    worker, caches = _worker("ws-no-early", **option)
+    try:
+        digest = b"\x01" * 16
+        _save(worker, caches, BlockTransfer("a", [4], [digest]))
+        assert not worker.load_early([BlockTransfer("b", [5], [digest])])
+        assert "early_loads" not in worker.stats
+    finally:
+        worker.shutdown()
+
+
+def test_the_scheduler_side_starts_the_steps_loads_through_the_worker_in_its_process():
+    from types import SimpleNamespace
+
+    from ucm.vllm_hook.keys import chain_digests, chain_seed
+    from ucm.vllm_hook.scheduler import SchedulerSide
+
+    worker, caches = _worker("ws-sched-early")
+    try:
+        tokens = list(range(100, 149))  # 3 full blocks of 16, then one token
+        digests = chain_digests(chain_seed("ws-sched-early"), tokens, 16, 3)
+        _save(worker, caches, BlockTransfer("a", [1, 2, 3], digests))
+        side = SchedulerSide(worker.settings)
+        request = SimpleNamespace(request_id="r", all_token_ids=tokens,
+                                  prompt_token_ids=tokens, cache_salt=None, lora_request=None)
+        end = time.monotonic() + 10
+        while (found := side.get_num_new_matched_tokens(request, 0)[0]) is None:
+            assert time.monotonic() < end
+        assert found == 48
+        side.update_state_after_alloc(
+            request, SimpleNamespace(get_block_ids=lambda: ([8, 9, 10, 11],)), 48)
+        so = SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="r", block_ids=([8, 9, 10, 11],),
+                                                num_computed_tokens=0)],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                  num_computed_tokens=[]),
+            num_scheduled_tokens={"r": 1})
+        meta = side.build_connector_meta(so)
+        assert [t.block_ids for t in meta.loads] == [[8, 9, 10]]
+        assert side.stats["early_loads"] == 1 and worker.stats["early_loads"] == 1
+        worker.start_load_kv(meta)
+        for v in caches.values():
+            assert torch.equal(v[8:11], v[1:4])
+        assert not worker.get_block_ids_with_load_errors()
+        assert worker.stats["loaded_blocks"] == 3 and "early_loads_unused" not in worker.stats
+    finally:
+        worker.shutdown()

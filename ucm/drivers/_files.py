@@ -344,10 +344,10 @@ class ThreadedDriver:
         cancel), or `spread.error` what failed. Raises StorageUnavailable once closed.
 
         True when the caller should help (`help_load`): it is bound to one CPU and a copy
-        thread to another (vLLM binds its workers' threads), so one copy thread fewer is woken,
-        on another CPU. An unbound caller does not help: the scheduler moved it between the
-        cores while it copied, onto the copy thread's, and a 64 MiB load took longer than
-        with no help (5.7 ms against 5.2, after 20 ms of quiet)."""
+        thread to another, so one copy thread fewer is woken, on another CPU. An unbound
+        caller does not help: the scheduler moved it between the cores while it copied, onto
+        the copy thread's, and a 64 MiB load took longer than with no help (5.7 ms against
+        5.2, after 20 ms of quiet)."""
         with self._in_memory:
             if self._closed:
                 raise StorageUnavailable("driver is closed", driver=self.name)

@@ -26,6 +26,7 @@ from ucm.vllm_hook.settings import (
     HookSettings,
     acquire_kernel,
     find_kernel,
+    find_worker,
     scheduler_config,
 )
 
@@ -209,6 +210,10 @@ class SchedulerSide:
             save = self._plan_save(st, computed_before[req_id] + n_scheduled)
             if save is not None:
                 meta.saves.append(save)
+        if meta.loads and self.settings.early_loads and not self._own_kernel:
+            worker = find_worker(self._kernel)  # the worker side is in this process
+            if worker is not None and worker.load_early(meta.loads):
+                self.stats["early_loads"] += 1
         return meta
 
     def _plan_save(self, st: _RequestState, computed_after: int) -> BlockTransfer | None:

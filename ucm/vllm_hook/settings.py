@@ -9,6 +9,9 @@ here (no vLLM import), so the option parsing is testable without an engine.
         "layerwise": False,        # each layer of a block stored on its own; a step's loads
                                    # go layer by layer, later ones while earlier ones compute
         "direct_loads": True,      # host-memory caches: read blocks straight into the cache
+        "early_loads": True,       # scheduler and worker in one process: a step's loads
+                                   # start when the scheduler plans them (not with async
+                                   # scheduling or pipeline parallelism)
         "hugepages": False,        # host-memory caches: collapse (up to 4 GiB of) them into
                                    # huge pages at start (hugepages.py says when it pays)
         "lookup_wait": 0.002,      # s the scheduler waits inline before "ask again later"
@@ -42,8 +45,8 @@ from ucm.vllm_hook.keys import make_namespace, model_identity
 
 log = logging.getLogger("ucm.vllm_hook")
 
-_OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "hugepages",
-                "lookup_wait",
+_OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "early_loads",
+                "hugepages", "lookup_wait",
                 "lookup_timeout", "start_timeout", "index_wait", "load_timeout", "max_store_bytes",
                 "save_generated", "load_failure", "sparse"}
 
@@ -57,6 +60,7 @@ class HookSettings:
     tp_size: int = 1
     layerwise: bool = False
     direct_loads: bool = True
+    early_loads: bool = True
     hugepages: bool = False
     lookup_wait: float = 0.002
     lookup_timeout: float = 5.0
@@ -106,6 +110,7 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         tp_size=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
         layerwise=bool(extra.get("layerwise", False)),
         direct_loads=bool(extra.get("direct_loads", True)),
+        early_loads=bool(extra.get("early_loads", True)) and _steps_in_turn(vllm_config),
         hugepages=bool(extra.get("hugepages", False)),
         lookup_wait=float(extra.get("lookup_wait", 0.002)),
         lookup_timeout=float(extra.get("lookup_timeout", base.deadline or 5.0)),
@@ -120,6 +125,16 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         load_failure=load_failure,
         extra=extra,
     )
+
+
+def _steps_in_turn(vllm_config: Any) -> bool:
+    """Whether vLLM schedules a step only once the previous one has run: no async scheduling,
+    no pipeline parallelism (batches in flight at once). Then the blocks a step's schedule
+    hands a request are not in use by any forward pass until that step's."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return (not getattr(sched, "async_scheduling", False)
+            and int(getattr(parallel, "pipeline_parallel_size", 1) or 1) == 1)
 
 
 def kv_layer_count(kv_cache_config: Any) -> int | None:
@@ -237,3 +252,21 @@ def release_kernel(kernel: Any) -> None:
         for k, v in list(_kernels.items()):
             if v is kernel:
                 del _kernels[k]
+        _workers.pop(id(kernel), None)
+
+
+# The worker side that owns a registered kernel: in one process, the scheduler side starts a
+# step's loads through it as soon as it has planned them (`WorkerSide.load_early`).
+_workers: dict[int, Any] = {}
+
+
+def register_worker(kernel: Any, worker: Any) -> None:
+    with _lock:
+        _workers[id(kernel)] = worker
+
+
+def find_worker(kernel: Any) -> Any | None:
+    """The worker side in this process that owns `kernel`, if any."""
+    with _lock:
+        worker = _workers.get(id(kernel))
+    return worker if worker is not None and worker.kernel is kernel else None

