@@ -18,16 +18,16 @@ def test_raw_read_reads_as_many_files_as_the_kv_needs(tmp_path):
 
 
 def test_table_reports_overheads_ratios_and_load_bandwidth(capsys):
-    rows = {"example": {4096: Row(220.0, 200.0, 20.0, None)},
-            "ucm-posix": {4096: Row(208.0, 200.0, 8.0, 7.5)},
-            "ucm-shm": {4096: Row(212.0, 199.0, 12.0, 9.0)}}
+    rows = {"example": {4096: Row(220.0, 200.0, 20.0, None, None)},
+            "ucm-posix": {4096: Row(208.0, 200.0, 8.0, 7.5, 2.5)},
+            "ucm-shm": {4096: Row(212.0, 199.0, 12.0, 9.0, 9.0)}}
     miss = {"recompute": {4096: 4000.0}, "ucm": {4096: 4080.0}, "null": {4096: 4040.0}}
     _print_table([4096], miss, rows, {4096: 64 * 2**20}, 8 * 2**30, 64 * 2**20)
     out = capsys.readouterr().out
     assert "ucm-posix overhead / example overhead = 0.40" in out
     assert "ucm-shm overhead / example overhead = 0.60" in out
     assert "ucm-posix effective load bandwidth 7.81 GiB/s" in out
-    assert "ucm-posix load wait 7.5 ms (8.33 GiB/s)" in out
+    assert "ucm-posix load 7.5 ms (8.33 GiB/s), the step waited 2.5 ms of it" in out
     assert "64 MiB of KV" in out
     assert "overhead +2.0% (target <= 5%)" in out
     assert "null connector) 4040 ms (+1.0%), ucm over it +1.0%" in out
@@ -53,7 +53,7 @@ def test_bad_tails_are_refused_before_any_engine_starts(argv, message, capsys):
 
 
 def test_table_labels_lengths_with_their_tail(capsys):
-    rows = {"ucm-shm": {4096: Row(37.0, 30.0, 7.0, 5.1)}}
+    rows = {"ucm-shm": {4096: Row(37.0, 30.0, 7.0, 5.1, 5.1)}}
     _print_table([4096], {"recompute": {4096: 4000.0}}, rows, {4096: 64 * 2**20}, 0.0, 0,
                  tail=2)
     out = capsys.readouterr().out

@@ -36,8 +36,15 @@ each twice in a row with vLLM's prefix cache on: first loaded by the connector, 
 hit in the same engine (the floor: nothing to load, the limit); and that `--rounds` times,
 vLLM's prefix cache emptied before each load (not the connector's storage). The overhead is the
 median of the per-pair differences. ucm's effective load bandwidth is the KV bytes it loaded
-over its overhead, next to the worker's own wait for the load; the raw read bandwidth is plain
-preadv()s of the same block files into memory as large as the KV, with the page cache warm.
+over its overhead, next to its Load's own time (submitted to done) and the part of it the step
+waited for (less than the whole: the loads start when the scheduler plans the step); the raw
+read bandwidth is plain preadv()s of the same block files into memory as large as the KV, with
+the page cache warm. A closing line says how each ucm engine's kernel ran its Loads.
+
+The floor is the same prompt again right after the loaded one: its forward pass reads KV and
+weights that the previous one left in the CPU's caches, and a loaded prompt's does not (ucm
+writes the cache past the CPU caches). On this machine, flushing the caches before the floor
+took away the 0.6-1 ms by which a loaded step's forward pass had been slower.
 """
 
 from __future__ import annotations
@@ -277,13 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                      + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(hit, again, strict=True)))
                 deltas = [next(p for p in r["phases"] if p["name"] == phase)["worker_delta"]
                           for phase, _, _ in timed]
-                load_ms = statistics.median(d.get("load_wait_ns", 0) for d in deltas) / 1e6
+                load_ms = statistics.median(d.get("load_ns", 0) for d in deltas) / 1e6
+                wait_ms = statistics.median(d.get("load_wait_ns", 0) for d in deltas) / 1e6
                 if name.startswith("ucm"):
                     loaded_bytes[n] = max(d.get("loaded_bytes", 0) for d in deltas)
                 rows[name][n] = Row(statistics.median(hit), statistics.median(again),
                                     statistics.median(a - b for a, b in zip(hit, again,
                                                                             strict=True)),
-                                    load_ms if name.startswith("ucm") else None)
+                                    load_ms if name.startswith("ucm") else None,
+                                    wait_ms if name.startswith("ucm") else None)
             if name.startswith("ucm"):
                 _say(f"  {name}: {_load_paths(r)}")
         if "ucm-posix" in setups:
@@ -339,7 +348,8 @@ class Row:
     ttft: float  # loaded by the connector
     floor: float  # the same prompt again: vLLM's own prefix-cache hit, same engine
     overhead: float  # median of the per-pair differences (prompts x rounds)
-    load_wait: float | None  # the ucm worker's wait for its Load
+    load: float | None  # the ucm worker's Load, from its submission until it was done
+    load_wait: float | None  # the part of it the step waited for (less when it started early)
 
 
 def _load_paths(result: dict[str, Any]) -> str:
@@ -384,9 +394,10 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
                              f"{loaded[n] / (row.overhead / 1e3) / 2**30:.2f} GiB/s")
             elif loaded.get(n):  # the floor moved more than the load cost: noise
                 parts.append(f"{name} effective load bandwidth n/a (overhead <= 0)")
-            if row.load_wait and loaded.get(n):
-                parts.append(f"{name} load wait {row.load_wait:.1f} ms "
-                             f"({loaded[n] / (row.load_wait / 1e3) / 2**30:.2f} GiB/s)")
+            if row.load and loaded.get(n):
+                parts.append(f"{name} load {row.load:.1f} ms "
+                             f"({loaded[n] / (row.load / 1e3) / 2**30:.2f} GiB/s), the step "
+                             f"waited {row.load_wait or 0:.1f} ms of it")
         if loaded.get(n):
             parts.append(f"{loaded[n] / 2**20:.0f} MiB of KV")
         print(f"{label(n)} tokens: " + "; ".join(parts))

@@ -227,6 +227,7 @@ def test_an_early_load_is_used_by_the_step_it_was_planned_for():
             assert not v[[0, 1, 2, 3, 4, 5, 6, 9, 10, 11]].any()
         assert worker.get_block_ids_with_load_errors() == {9}
         assert worker.stats["early_loads"] == 1 and worker.stats["loaded_blocks"] == 2
+        assert worker.stats["load_ns"] > 0  # the load's own time, submitted to done
         assert "early_loads_unused" not in worker.stats
     finally:
         worker.shutdown()
