@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import trio
 
 from ucm.drivers import LoadState
 from ucm.kernel import Kernel, Load, Lookup, Store
@@ -39,22 +38,9 @@ def stored(config: dict, keys=KEYS) -> list[bytes]:
     return data
 
 
-def hold_trio_thread(kernel: Kernel) -> tuple[threading.Thread, threading.Event]:
-    busy, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        busy.set()
-        release.wait(10)
-
-    holder = threading.Thread(target=trio.from_thread.run_sync, args=(hold,),
-                              kwargs={"trio_token": kernel._token})
-    holder.start()
-    assert busy.wait(10)
-    return holder, release
-
-
 @pytest.mark.parametrize("tier", ["posix", "shm"])
-def test_a_load_of_blocks_in_memory_completes_while_the_trio_thread_is_held(tmp_path, tier):
+def test_a_load_of_blocks_in_memory_completes_while_the_trio_thread_is_held(
+        tmp_path, tier, hold_trio_thread):
     config = {"tiers": [posix(tmp_path) if tier == "posix" else shm(tmp_path)]}
     data = stored(config)
     records: list = []
@@ -62,14 +48,11 @@ def test_a_load_of_blocks_in_memory_completes_while_the_trio_thread_is_held(tmp_
     try:
         kernel.start()
         assert kernel.wait_indexed(10)  # the posix listing maps what it finds
-        holder, release = hold_trio_thread(kernel)
+        release = hold_trio_thread(kernel)
         out = [bytearray(BLOCK) for _ in KEYS]
-        try:
-            completion = kernel.submit(Load(KEYS, buffers=out, request_id="r1"))
-            result = completion.result(10)  # the trio thread is still held
-        finally:
-            release.set()
-            holder.join(10)
+        completion = kernel.submit(Load(KEYS, buffers=out, request_id="r1"))
+        result = completion.result(10)  # the trio thread is still held
+        release()
         name = config["tiers"][0]["name"]
         assert result.states == (LoadState.OK,) * len(KEYS)
         assert result.tiers == (name,) * len(KEYS)

@@ -9,7 +9,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import trio
 
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, UCMError
@@ -181,7 +180,8 @@ def test_wait_indexed_returns_once_the_stored_blocks_are_listed(tmp_path):
     assert not kernel.wait_indexed(0)  # closed
 
 
-def test_a_lookup_the_fastest_tiers_index_answers_resolves_without_the_trio_thread(tmp_path):
+def test_a_lookup_the_fastest_tiers_index_answers_resolves_without_the_trio_thread(
+        tmp_path, hold_trio_thread):
     """A lookup whose every key tier 0 indexes resolves inside submit, with the same answer,
     counters and trace records as an event; anything else still waits for the trio thread."""
     both, lower = [b"a", b"b"], b"c"
@@ -194,16 +194,7 @@ def test_a_lookup_the_fastest_tiers_index_answers_resolves_without_the_trio_thre
     try:
         assert kernel.submit(Store(both, buffers=[b"1" * 64, b"2" * 64])).result(10).ok
         assert kernel.wait_indexed(10)  # `lower` is in the posix tier's index only
-        busy, release = threading.Event(), threading.Event()
-
-        def hold_the_trio_thread() -> None:
-            busy.set()
-            release.wait(10)
-
-        holder = threading.Thread(target=trio.from_thread.run_sync, args=(hold_the_trio_thread,),
-                                  kwargs={"trio_token": kernel._token})
-        holder.start()
-        assert busy.wait(10)
+        release = hold_trio_thread(kernel)
         fast = kernel.submit(Lookup(both, prefix=True, request_id="r1"))
         slow = [kernel.submit(Lookup([*both, b"absent"], prefix=True)),  # a miss
                 kernel.submit(Lookup([lower])),  # a hit in a lower tier: promoted
@@ -211,8 +202,7 @@ def test_a_lookup_the_fastest_tiers_index_answers_resolves_without_the_trio_thre
         assert fast.done() and fast.result().hits == (True, True)
         assert fast.result().tiers == ("memory", "memory")
         assert not any(c.done() for c in slow)
-        release.set()
-        holder.join(10)
+        release()
         assert slow[0].result(10).hits == (True, True, False)
         assert slow[1].result(10).tiers == ("posix",)
         assert slow[2].result(10).hits == (True, True)

@@ -169,6 +169,16 @@ class Kernel:
                 return completion
         return self._submit(event, lambda core, eid: core.run(event, event_id=eid))
 
+    def _fastest_tier(self) -> Tier | None:
+        """Tier 0, for the events served off the trio thread; None while the kernel is not
+        running, is closing, or tier 0 is being detached."""
+        core = self._core
+        if core is None or self._closing:
+            return None
+        tiers = core.tiers
+        tier = tiers[0] if tiers else None
+        return None if tier is None or tier.detaching else tier
+
     def _lookup_from_index(self, event: Lookup) -> Completion | None:
         """A resolved Completion when the fastest tier's index holds every key of `event`,
         else None (the event then goes to the trio thread).
@@ -182,12 +192,8 @@ class Kernel:
         thread. The index is a dict the trio thread updates; a membership test is atomic
         under the GIL, and a block evicted just after the probe is a load miss, as it is when
         eviction follows an event's lookup."""
-        core = self._core
-        if core is None or self._closing:
-            return None
-        tiers = core.tiers
-        tier = tiers[0] if tiers else None
-        if tier is None or tier.detaching:
+        tier = self._fastest_tier()
+        if tier is None:
             return None
         index, keys = tier.policy.index, event.keys
         for key in keys:
@@ -229,12 +235,8 @@ class Kernel:
         Load of their own, which tries the other tiers and removes corrupt blocks, and the
         handle resolves once that is done. A tier being detached, or a driver closing, waits
         for these loads as for the others (the driver's close waits for them)."""
-        core = self._core
-        if core is None or self._closing:
-            return None
-        tiers = core.tiers
-        tier = tiers[0] if tiers else None
-        if tier is None or tier.detaching:
+        tier = self._fastest_tier()
+        if tier is None:
             return None
         prepare = getattr(tier.driver, "in_memory_load", None)
         if prepare is None:
