@@ -353,12 +353,16 @@ class Row:
 
 
 def _load_paths(result: dict[str, Any]) -> str:
-    """How the engine's kernel ran its Loads: off the trio thread (blocks in memory), with
-    the waiting worker thread copying too, or through the trio thread."""
-    kernel = result.get("stats", {}).get("worker", {}).get("kernel", {})
+    """How the engine's kernel ran its Loads (off the trio thread, for blocks in memory; with
+    the waiting worker thread copying too; started early), and how long the worker waited at
+    start for the blocks storage holds to be indexed (`index_wait` caps it)."""
+    worker = result.get("stats", {}).get("worker", {})
+    kernel = worker.get("kernel", {})
     fast, helped = kernel.get("loads_from_memory", 0), kernel.get("loads_from_memory_helped", 0)
     return (f"{fast} loads of blocks in memory off the kernel thread ({helped} with the worker "
-            f"thread copying too), {kernel.get('load_keys', 0)} blocks loaded in all")
+            f"thread copying too), {kernel.get('load_keys', 0)} blocks loaded in all, "
+            f"{worker.get('early_loads', 0)} loads started early; the worker waited "
+            f"{worker.get('index_wait_ms', 0)} ms at start for storage to be indexed")
 
 
 def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Row]],
