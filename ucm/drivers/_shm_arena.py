@@ -67,6 +67,7 @@ from ucm.block import (
     madvise,
 )
 from ucm.drivers._files import Backend, pid_alive, size_mismatch
+from ucm.drivers._mapped import touch_pages
 from ucm.drivers._protocol import LoadState
 from ucm.errors import BlockCorrupt, ConfigError
 
@@ -450,6 +451,10 @@ class ShmArena(Backend):
                     self._drop(found[0])
 
     def list_units(self) -> list[list[tuple[bytes, int]]]:
+        """The blocks stored, each mapped into this process as it is listed (its page tables
+        filled, each page read once: see `_mapped.touch_pages`), so that the first load of
+        each runs at memory speed. In `ucm bench vllm` the first round of shm hits in a fresh
+        engine had taken 30-38 ms at 4K tokens (one 156 ms), the later rounds 20-23 ms."""
         blocks = []
         for slot in np.flatnonzero(self._table_words()[:, 0] == _ENTRY_MAGIC).tolist():
             entry = self._parse(self._entry_bytes(slot))
@@ -462,6 +467,8 @@ class ShmArena(Backend):
                 continue  # replaced or evicted while listing
             if key_digest(header.key) == entry[0] and self._seq(slot) == entry[2]:
                 blocks.append((header.key, entry[1] * PAGE))
+                madvise(self.addr + start, entry[1] * PAGE, MADV_POPULATE_READ)
+                touch_pages(self.view[start:start + entry[1] * PAGE])
         return [blocks]
 
     def list_unit(self, unit: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
