@@ -31,17 +31,23 @@ import numpy as np
 from ucm.block import MADV_POPULATE_READ, PAYLOAD_OFFSET, buffer_address, madvise
 
 
-def touch_pages(view: memoryview) -> None:
-    """Reads one byte of each page of `view`, so that the first load from it runs at memory
-    speed. Filling the page tables is not always enough: on a VM that hands free memory back
-    to its host (free page reporting; these test VMs), page-cache pages just read from disk
-    into memory that was handed back cost about 5 us each on the first access by a CPU. Here,
-    4 GiB freed (as by an engine that exits) 3 s before 64 MiB of block files were mapped
-    and populated: the first copy out of them took 97 ms and the next ones 4-5 ms; after
-    this touch, which took 80 ms in the listing's thread, the first copy took 5.7 ms. Without
-    the freed memory the touch costs 2-8 ms per 64 MiB. In `ucm bench vllm`, the first round
-    of posix hits after a store with direct writes had taken 72-76 ms at 4K tokens, the later
-    rounds 22-25 ms."""
+def populate(view: memoryview) -> None:
+    """Maps the pages of `view` (part of a mapping) into this process: fills the page tables
+    (MADV_POPULATE_READ; Linux 5.14+) and reads one byte of each page, so that the first load
+    from it runs at memory speed. Used wherever stored blocks are mapped ahead of their loads
+    (mapped posix files, the shm arena, the pmem pool).
+
+    Filling the page tables is not always enough: on a VM that hands free memory back to its
+    host (free page reporting; these test VMs), pages just read from disk into memory that was
+    handed back cost about 5 us each on the first access by a CPU. Here, 4 GiB freed (as by
+    an engine that exits) 3 s before 64 MiB of block files were mapped and populated: the
+    first copy out of them took 97 ms and the next ones 4-5 ms; after the read of one byte a
+    page, which took 80 ms, the first copy took 5.7 ms. Without the freed memory the read
+    costs 2-8 ms per 64 MiB. In `ucm bench vllm`, the first round of posix hits after a store
+    with direct writes had taken 72-76 ms at 4K tokens, the later rounds 22-25 ms, and the
+    shm tier's first round 30-38 ms against 20-23. (On an older kernel the madvise fails and
+    the reads alone fault the pages in.)"""
+    madvise(buffer_address(view), view.nbytes, MADV_POPULATE_READ)
     np.frombuffer(view, np.uint8)[::mmap.PAGESIZE].max(initial=0)
 
 
@@ -104,9 +110,7 @@ class MapCache:
         finally:
             os.close(fd)
         view = memoryview(mm)
-        # Older kernels (before 5.14) have no MADV_POPULATE_READ: the faults stay lazy.
-        madvise(buffer_address(view), st.st_size, MADV_POPULATE_READ)
-        touch_pages(view)
+        populate(view)
         with self._lock:
             old = self._maps.pop(key, None)
             if old is not None:

@@ -52,7 +52,6 @@ import numpy as np
 import xxhash
 
 from ucm.block import (
-    MADV_POPULATE_READ,
     MADV_POPULATE_WRITE,
     PAYLOAD_OFFSET,
     Codec,
@@ -67,7 +66,7 @@ from ucm.block import (
     madvise,
 )
 from ucm.drivers._files import Backend, pid_alive, size_mismatch
-from ucm.drivers._mapped import touch_pages
+from ucm.drivers._mapped import populate
 from ucm.drivers._protocol import LoadState
 from ucm.errors import BlockCorrupt, ConfigError
 
@@ -223,14 +222,13 @@ class ShmArena(Backend):
         return header.stored_len == length and key_digest(header.key) == digest
 
     def _populate(self) -> None:
-        """Maps the stored blocks' pages into this process (MADV_POPULATE_READ), so the first
+        """Maps the stored blocks' pages into this process (`_mapped.populate`), so the first
         loads copy at memory speed instead of faulting every few pages."""
         used = np.flatnonzero(np.diff(np.concatenate(
             ([0], (self.owners != 0).view(np.int8), [0]))))
         for start, end in zip(used[::2], used[1::2], strict=True):
-            if madvise(self.addr + self.data_offset + int(start) * PAGE,
-                       int(end - start) * PAGE, MADV_POPULATE_READ) != 0:
-                return  # an older kernel: the faults stay lazy
+            first = self.data_offset + int(start) * PAGE
+            populate(self.view[first:first + int(end - start) * PAGE])
 
     # -- entries ----------------------------------------------------------------------------
 
@@ -451,10 +449,6 @@ class ShmArena(Backend):
                     self._drop(found[0])
 
     def list_units(self) -> list[list[tuple[bytes, int]]]:
-        """The blocks stored, each mapped into this process as it is listed (its page tables
-        filled, each page read once: see `_mapped.touch_pages`), so that the first load of
-        each runs at memory speed. In `ucm bench vllm` the first round of shm hits in a fresh
-        engine had taken 30-38 ms at 4K tokens (one 156 ms), the later rounds 20-23 ms."""
         blocks = []
         for slot in np.flatnonzero(self._table_words()[:, 0] == _ENTRY_MAGIC).tolist():
             entry = self._parse(self._entry_bytes(slot))
@@ -467,8 +461,6 @@ class ShmArena(Backend):
                 continue  # replaced or evicted while listing
             if key_digest(header.key) == entry[0] and self._seq(slot) == entry[2]:
                 blocks.append((header.key, entry[1] * PAGE))
-                madvise(self.addr + start, entry[1] * PAGE, MADV_POPULATE_READ)
-                touch_pages(self.view[start:start + entry[1] * PAGE])
         return [blocks]
 
     def list_unit(self, unit: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
