@@ -1,8 +1,20 @@
-"""Storage drivers and their contract. See `_protocol` for what a driver implements."""
+"""Storage drivers and their contract. See `_protocol` for what a driver implements and
+`ucm.drivers.kit` for the supported helpers a driver is built with."""
 
 from __future__ import annotations
 
-from ucm.drivers._protocol import Driver, DriverFactory, DriverOptions, Listing, LoadState
+from ucm.drivers._protocol import (
+    STATISTICS,
+    Driver,
+    DriverFactory,
+    DriverOptions,
+    DriverStatistics,
+    InMemoryLoads,
+    Listing,
+    LoadState,
+    MemoryLoad,
+    ScatterLoads,
+)
 from ucm.drivers._registry import (
     available_drivers,
     get_driver_class,
@@ -11,11 +23,16 @@ from ucm.drivers._registry import (
 )
 
 __all__ = [
+    "STATISTICS",
     "Driver",
     "DriverFactory",
     "DriverOptions",
+    "DriverStatistics",
+    "InMemoryLoads",
     "Listing",
     "LoadState",
+    "MemoryLoad",
+    "ScatterLoads",
     "available_drivers",
     "get_driver_class",
     "register_driver",

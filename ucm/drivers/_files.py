@@ -215,6 +215,15 @@ def count_stores(stats: dict[str, int], sizes: Sequence[int]) -> None:
             stats["store_failed"] += 1
 
 
+class ScatterLoading:
+    """Mixin of a ThreadedDriver whose backend reads straight into a Scatter's pieces (the
+    `ScatterLoads` capability)."""
+
+    async def load_scatter(self, keys: Sequence[bytes],
+                           buffers: Sequence[memoryview | Scatter]) -> list[LoadState]:
+        return await self.load(keys, buffers)  # type: ignore[attr-defined]
+
+
 class ThreadedDriver:
     """Validation, thread hops, counters and error translation around a Backend."""
 

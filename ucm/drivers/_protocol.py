@@ -1,27 +1,38 @@
-"""The driver contract: what a storage driver implements, and nothing else.
+"""The driver contract: what a storage driver implements, and the capabilities it may add.
 
-A driver imports only this module, `ucm.errors` and `ucm.block`; never the kernel. The kernel
-owns deadlines (cancel scopes), concurrency limits, capacity, eviction and pins, so a driver
-starts no threads or timers of its own: blocking calls go through
-`trio.to_thread.run_sync(..., limiter=...)`, and a driver never retries forever.
+A driver imports only this module, `ucm.drivers.kit` (validation, framing, threaded base),
+`ucm.errors` and `ucm.block`; never the kernel. The kernel owns deadlines (cancel scopes),
+concurrency limits, capacity, eviction and pins.
 
 All calls are batched. Keys are validated bytes (see `ucm.block.check_key`); buffers are flat
-byte memoryviews, one per key, and a load writes straight into them. A driver that sets
-`scatter = True` also takes a `ucm.block.Scatter` as a load buffer (the block in pieces, to be
-filled in order); the kernel gives other drivers a contiguous stand-in and copies it over. A
-scatter driver must never write into a buffer after its call has returned or been cancelled
-(its threads are never abandoned). A driver reports per-key
+byte memoryviews, one per key, and a load writes straight into them. A driver reports per-key
 outcomes in its return value and raises a `DriverError` (usually `StorageUnavailable`) only when
-the whole batch failed.
+the whole batch failed. A driver never writes into a caller's buffer after its call has returned
+or been cancelled.
+
+Threads: blocking calls run on worker threads, never on the trio thread. A driver built on the
+kit runs them on the threads the kit manages (trio's thread cache, the process's copy threads and
+idle-priority store threads); a driver of its own uses `trio.to_thread.run_sync`. A driver starts
+no timers and never retries forever: deadlines are the kernel's.
+
+Capabilities beyond `Driver` are separate protocols, checked by the kernel with `isinstance`
+once, when a tier is attached:
+
+    Listing        list_blocks(): the kernel rebuilds its index from storage at start
+    ScatterLoads   load_scatter(): loads straight into a block's pieces (`ucm.block.Scatter`)
+    InMemoryLoads  loads of blocks held in memory, run off the kernel's thread
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from ucm.block import Scatter
 
 
 class LoadState(enum.IntEnum):
@@ -39,6 +50,33 @@ class DriverOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class DriverStatistics(TypedDict):
+    """The counters every driver reports (`Driver.statistics`); a driver may add its own.
+    Counts are of blocks unless named bytes."""
+
+    lookups: int  # keys looked up
+    hits: int  # of them found
+    loads: int  # keys asked for by loads
+    loaded: int  # blocks loaded and verified
+    missing: int  # loads of absent blocks
+    corrupt: int  # blocks that failed their checksum or header check
+    failed: int  # loads whose read failed
+    bytes_read: int  # raw bytes delivered by loads
+    stores: int  # blocks asked to be stored
+    stored: int  # blocks published
+    bytes_written: int  # bytes those blocks occupy on storage
+    store_failed: int  # blocks not stored
+    deletes: int  # keys deleted
+
+
+STATISTICS: tuple[str, ...] = tuple(DriverStatistics.__annotations__)
+
+
+def new_statistics() -> DriverStatistics:
+    """A DriverStatistics with every counter at zero."""
+    return DriverStatistics(**dict.fromkeys(STATISTICS, 0))  # type: ignore[typeddict-item]
+
+
 @runtime_checkable
 class Driver(Protocol):
     """A storage driver. `name` is the tier's name; `persistent` says if blocks outlive the
@@ -46,7 +84,6 @@ class Driver(Protocol):
 
     name: str
     persistent: bool
-    # optional: scatter: bool = False (see the module docstring)
 
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys are stored. Cheap: no payload is read or verified."""
@@ -69,18 +106,65 @@ class Driver(Protocol):
         """Releases resources. In-flight calls have been drained by the kernel before this."""
         ...
 
-    def statistics(self) -> dict[str, int | float]:
-        """Counters for metrics and traces (for example reads, bytes_read, corrupt)."""
+    def statistics(self) -> DriverStatistics:
+        """Counters for metrics and traces: at least those of `DriverStatistics`."""
         ...
 
 
 @runtime_checkable
 class Listing(Protocol):
-    """Optional: the driver can enumerate what it holds (the kernel rebuilds its index from it
-    after a restart)."""
+    """Capability: the driver can enumerate what it holds (the kernel rebuilds its index from
+    it after a restart)."""
 
     def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
         """Yields (key, bytes on storage) for every stored block."""
+        ...
+
+
+@runtime_checkable
+class ScatterLoads(Protocol):
+    """Capability: loads straight into a block's pieces. The kernel gives a driver without it
+    a contiguous stand-in and copies that over."""
+
+    async def load_scatter(self, keys: Sequence[bytes],
+                           buffers: Sequence[memoryview | Scatter]) -> list[LoadState]:
+        """As `load`, where a buffer may also be a `Scatter` (filled piece by piece, in
+        order). Never writes into a buffer after the call has returned or been cancelled."""
+        ...
+
+
+class MemoryLoad(Protocol):
+    """A prepared in-memory load (`InMemoryLoads.in_memory_load`), as the kernel sees it."""
+
+    views: Sequence[memoryview | Scatter]  # the load's buffers, in key order
+    outcome: list[LoadState | None] | None  # once done: per key (None: skipped after cancel)
+    error: BaseException | None  # once done: what failed the whole load, if anything
+
+    def cancel(self) -> None:
+        """Skips the blocks no thread has begun."""
+        ...
+
+
+@runtime_checkable
+class InMemoryLoads(Protocol):
+    """Capability: a load of blocks the driver holds in memory (mapped files, a shared arena)
+    runs on the driver's copy threads without the kernel's trio thread: the kernel starts it
+    on the submitting thread and the thread that copies the last block resolves it."""
+
+    def in_memory_load(self, keys: list[bytes],
+                       buffers: Sequence[memoryview | Scatter]) -> MemoryLoad | None:
+        """The load prepared, when every block is held in memory; else None (load the usual
+        way). Nothing runs yet."""
+        ...
+
+    def start_in_memory_load(self, load: Any, done: Callable[[Any], None]) -> bool:
+        """Starts a prepared load; `done(load)` runs on the thread that finishes it and must
+        not raise. True when the calling thread should help (`help_load`) while it waits.
+        Raises StorageUnavailable once the driver is closed."""
+        ...
+
+    def help_load(self, load: Any) -> None:
+        """Copies, on the calling thread, the blocks of a started load no thread has taken."""
         ...
 
 

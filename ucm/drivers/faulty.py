@@ -17,16 +17,17 @@ the drivers (kernel deadlines, retries, corrupt-miss handling, detach).
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 import trio
 from pydantic import Field, field_validator
 
-from ucm.drivers._files import check_batch, check_keys
-from ucm.drivers._protocol import Driver, DriverOptions, Listing, LoadState
+from ucm.block import Scatter
+from ucm.drivers._protocol import Driver, DriverOptions, Listing, LoadState, ScatterLoads
 from ucm.drivers._registry import get_driver_class
+from ucm.drivers.kit import check_batch, check_keys
 from ucm.errors import StorageUnavailable
 
 Op = Literal["lookup", "load", "store", "delete", "list_blocks"]
@@ -78,7 +79,6 @@ class FaultyDriver:
 
     def __init__(self, inner: Driver, options: Options, *, name: str) -> None:
         self.inner = inner
-        self.scatter = bool(getattr(inner, "scatter", False))
         self.name = name
         self.persistent = inner.persistent
         self.faults = Faults(options.latency, options.error_rate, options.corrupt_rate,
@@ -89,6 +89,8 @@ class FaultyDriver:
             # An instance attribute, so isinstance(self, Listing) holds only when the inner
             # driver can list.
             self.list_blocks = self._list_blocks
+        if isinstance(inner, ScatterLoads):  # likewise for ScatterLoads
+            self.load_scatter = self._load_scatter
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "faulty", namespace: str,
@@ -120,9 +122,13 @@ class FaultyDriver:
         return await self.inner.lookup(keys)
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[LoadState]:
+        return await self._load(keys, buffers, self.inner.load)
+
+    async def _load(self, keys: Sequence[bytes], buffers: Sequence[Any],
+                    load: Callable[..., Awaitable[list[LoadState]]]) -> list[LoadState]:
         check_batch(keys, buffers, writable=True)
         await self._inject("load")
-        states = await self.inner.load(keys, buffers)
+        states = await load(keys, buffers)
         rate = self.faults.corrupt_rate if "load" in self.faults.ops else 0.0
         if rate:
             for i, state in enumerate(states):
@@ -130,6 +136,10 @@ class FaultyDriver:
                     states[i] = LoadState.CORRUPT
                     self._injected["injected_corrupt"] += 1
         return states
+
+    async def _load_scatter(self, keys: Sequence[bytes],
+                            buffers: Sequence[memoryview | Scatter]) -> list[LoadState]:
+        return await self._load(keys, buffers, self.inner.load_scatter)  # type: ignore[attr-defined]
 
     async def store(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
         check_batch(keys, buffers, writable=False)

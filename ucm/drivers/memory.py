@@ -38,6 +38,7 @@ from ucm.block import (
 )
 from ucm.drivers._files import (
     Backend,
+    ScatterLoading,
     ThreadedDriver,
     os_error,
     parse_codec,
@@ -117,11 +118,10 @@ class LocalBlocks(Backend):
         self.records.clear()
 
 
-class MemoryDriver(ThreadedDriver):
+class MemoryDriver(ScatterLoading, ThreadedDriver):
     """Host DRAM, process-local or shared through /dev/shm."""
 
     persistent = False
-    scatter = True  # loads read straight into a Scatter's pieces
 
     class Options(DriverOptions):
         shared: bool = False

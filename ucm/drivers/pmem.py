@@ -71,6 +71,7 @@ from ucm.drivers._files import (
     PARALLEL,
     SPLIT_BYTES,
     Backend,
+    ScatterLoading,
     ThreadedDriver,
     os_error,
     parse_codec,
@@ -551,11 +552,10 @@ class PmemPool(Backend):
             self._lock_fd = -1
 
 
-class PmemDriver(ThreadedDriver):
+class PmemDriver(ScatterLoading, ThreadedDriver):
     """Blocks in a libpmem-mapped pool file; see the module docstring for the layout."""
 
     persistent = True
-    scatter = True  # loads copy straight into a Scatter's pieces (copy_verified)
 
     class Options(DriverOptions):
         path: str = Field(min_length=1)

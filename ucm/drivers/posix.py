@@ -42,6 +42,7 @@ from pydantic import ByteSize, Field, field_validator
 from ucm.drivers._files import (
     BlockFiles,
     FileLayout,
+    ScatterLoading,
     ThreadedDriver,
     os_error,
     parse_codec,
@@ -50,11 +51,10 @@ from ucm.drivers._files import (
 from ucm.drivers._protocol import DriverOptions
 
 
-class PosixDriver(ThreadedDriver):
+class PosixDriver(ScatterLoading, ThreadedDriver):
     """Blocks as files under one or more directory roots."""
 
     persistent = True
-    scatter = True  # loads read straight into a Scatter's pieces
     pump_loads = True  # block by block over the copy threads (_pump)
 
     class Options(DriverOptions):

@@ -334,8 +334,9 @@ class KernelCore(DataMovement):
             t0 = time.monotonic_ns()
             targets = [buffers[i] for i in pending]
             staged = None if tier.scatter else _stage_scatters(targets)
+            load = tier.driver.load_scatter if tier.scatter else tier.driver.load
             try:
-                result = await tier.call(Priority.LOAD, tier.driver.load, keys_of(keys, pending),
+                result = await tier.call(Priority.LOAD, load, keys_of(keys, pending),
                                          staged or targets)
                 if staged:
                     await _unstage(staged, targets, result)

@@ -10,7 +10,7 @@ import trio
 
 from ucm.block import PAYLOAD_OFFSET
 from ucm.config import TierConfig
-from ucm.drivers import Driver
+from ucm.drivers import Driver, InMemoryLoads, ScatterLoads
 from ucm.kernel._limiter import PriorityLimiter
 from ucm.kernel._policy import Policy
 
@@ -23,7 +23,10 @@ class Tier:
         self.name = config.name or config.driver
         self.driver = driver
         self.persistent = bool(driver.persistent)
-        self.scatter = bool(getattr(driver, "scatter", False))  # loads into a Scatter itself
+        self.scatter = isinstance(driver, ScatterLoads)  # loads into a Scatter itself
+        # Loads of blocks it holds in memory may run off the trio thread (_fastpath).
+        self.in_memory: InMemoryLoads | None = (
+            driver if isinstance(driver, InMemoryLoads) else None)
         self.policy = policy
         self.limiter = PriorityLimiter(config.concurrency)
         self.raw_sizes: dict[bytes, int] = {}  # bytes a loader needs, where this kernel knows
