@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import trio
 
 from ucm.drivers import LoadState
 from ucm.kernel import Kernel, Load, Lookup, Store
@@ -106,6 +107,8 @@ def test_blocks_that_fail_in_memory_load_through_the_trio_thread(tmp_path):
         assert stats["load_keys"] == len(KEYS)  # the trio thread's Load counted the one
         assert stats["load_hits.upper"] == len(KEYS) - 1 and stats["load_hits.lower"] == 1
         assert stats["errors.upper.load.corrupt"] == 1
+        # The corrupt block is removed in the background: wait for that, then look.
+        trio.from_thread.run(kernel._core.wait_background_idle, trio_token=kernel._token)
         assert kernel.submit(Lookup(KEYS[:1])).result(10).tiers == ("lower",)  # removed
     finally:
         kernel.close()

@@ -1,7 +1,8 @@
 """The kernel's logic, on the trio thread: tiers, dispatch, lookup and load.
 
-Stores, promotion, prefetch and background copies are in `_movement.py`; single-flight loads
-in `_flight.py`.
+Stores, promotion, prefetch and background work are its `Movement` and `Background` parts
+(`_movement.py`); single-flight loads its `FlightTable` (`_flight.py`); counters and trace
+records common to this path and the off-thread one come from `_accounting.py`.
 
 `KernelCore` runs inside any trio nursery, so tests drive it on virtual time and benchmarks
 call it without the host thread. `Kernel` (in `_kernel.py`) hosts one in its own thread.
@@ -48,15 +49,14 @@ from ucm.kernel._events import (
 )
 from ucm.kernel._flight import FlightTable
 from ucm.kernel._groups import unwrap_single
-from ucm.kernel._movement import DataMovement
+from ucm.kernel._movement import Background, Movement
 from ucm.kernel._policy import make_policy
 from ucm.kernel._tier import Tier, keys_of
 
 log = logging.getLogger("ucm.kernel")
 
 
-
-class KernelCore(DataMovement):
+class KernelCore:
     def __init__(self, config: UCMConfig, nursery: trio.Nursery, *, tracer: Any = None) -> None:
         self.config = config
         self.tiers: list[Tier] = []
@@ -64,10 +64,8 @@ class KernelCore(DataMovement):
         self.tracer = tracer
         self._nursery = nursery
         self._flights = FlightTable()
-        self._background_limiter = trio.CapacityLimiter(2)
-        self._background_pending = 0
-        self._background_idle = trio.Event()
-        self._background_idle.set()
+        self.background = Background(nursery, self.stats)
+        self.movement = Movement(self, self.background)
         self._listings = 0  # tiers whose stored blocks are still being indexed
         # Set while no listing runs; read from other threads (Kernel.wait_indexed).
         self.indexed = threading.Event()
@@ -92,11 +90,11 @@ class KernelCore(DataMovement):
                     for tier_config in config.tiers:
                         await core.attach(tier_config)
                     yield core
-                    core._closing = True
+                    core._closing = core.background.closing = True
                     with trio.move_on_after(drain_timeout):
                         await core.wait_background_idle()
                 finally:
-                    core._closing = True
+                    core._closing = core.background.closing = True
                     nursery.cancel_scope.cancel()
                     with trio.CancelScope(shield=True):
                         for tier in core.tiers:
@@ -125,9 +123,9 @@ class KernelCore(DataMovement):
             # asks the driver, which finds it.
             self._listings += 1
             self.indexed.clear()
-            if not self._spawn(self._index_stored_blocks, tier):
+            if not self.background.spawn(self._index_stored_blocks, tier):
                 self._listing_done()
-        self._emit("attach", 0, tier=name)
+        self.emit("attach", 0, tier=name)
         return name
 
     async def _index_stored_blocks(self, tier: Tier) -> None:
@@ -143,10 +141,10 @@ class KernelCore(DataMovement):
                     tier.removed_while_indexing.clear()
                 policy = tier.policy
                 if policy.capacity is not None and policy.used > policy.capacity:
-                    await self._delete_victims(tier, policy.make_room(0) or [])
+                    await self.movement.delete_victims(tier, policy.make_room(0) or [])
         finally:
             self._listing_done()
-        self._emit("indexed", 0, tier=tier.name, blocks=len(policy), bytes=policy.used)
+        self.emit("indexed", 0, tier=tier.name, blocks=len(policy), bytes=policy.used)
 
     def _listing_done(self) -> None:
         self._listings -= 1
@@ -161,7 +159,7 @@ class KernelCore(DataMovement):
         self.tiers = [t for t in self.tiers if t is not tier]
         await tier.wait_idle()
         await self._close_driver(tier)
-        self._emit("detach", 0, tier=name)
+        self.emit("detach", 0, tier=name)
 
     async def _close_driver(self, tier: Tier) -> None:
         try:
@@ -202,20 +200,20 @@ class KernelCore(DataMovement):
                     result = await self._dispatch(event, event_id)
         except trio.TooSlowError:
             self.stats["deadline_exceeded"] += 1
-            self._emit("done", event_id, outcome="deadline")
+            self.emit("done", event_id, outcome="deadline")
             raise DeadlineExceeded(
                 f"{type(event).__name__} of {len(event.keys)} blocks did not finish within "
                 f"{deadline:g} s") from None
         except UCMError as exc:
-            self._emit("done", event_id, outcome="error", kind=type(exc).__name__,
+            self.emit("done", event_id, outcome="error", kind=type(exc).__name__,
                        error=str(exc))
             raise
         except BaseException as exc:  # cancelled, or an internal error: the trace still ends
             if self.tracer is not None:
-                self._emit("done", event_id, kind=type(exc).__name__,
+                self.emit("done", event_id, kind=type(exc).__name__,
                            outcome="cancelled" if isinstance(exc, trio.Cancelled) else "error")
             raise
-        self._emit("done", event_id, outcome="ok")
+        self.emit("done", event_id, outcome="ok")
         return result
 
     async def _dispatch(self, event: Event, event_id: int) -> Any:
@@ -225,11 +223,11 @@ class KernelCore(DataMovement):
             if isinstance(event, Load):
                 return await self._load(event, tiers, event_id)
             if isinstance(event, Lookup):
-                return await self._lookup(event, tiers, event_id)
+                return await self.lookup_in(event, tiers, event_id)
             if isinstance(event, Store):
-                return await self._store(event, tiers, event_id)
+                return await self.movement.store(event, tiers, event_id)
             if isinstance(event, Prefetch):
-                return await self._prefetch(event, tiers, event_id)
+                return await self.movement.prefetch(event, tiers, event_id)
             if isinstance(event, Delete):
                 return await self._delete(event, tiers)
             if isinstance(event, Unpin):
@@ -240,7 +238,8 @@ class KernelCore(DataMovement):
         raise InvalidRequest(f"not a ucm event: {type(event).__name__}")
 
     # -- lookup ----------------------------------------------------------------------------------
-    async def _lookup(self, event: Lookup, tiers: list[Tier], event_id: int) -> LookupResult:
+    async def lookup_in(self, event: Lookup, tiers: list[Tier], event_id: int) -> LookupResult:
+        """Where each key of `event` is, looked for in `tiers` (fastest first)."""
         keys = event.keys
         found: list[Tier | None] = [None] * len(keys)
         pending = range(len(keys))
@@ -274,9 +273,9 @@ class KernelCore(DataMovement):
         by_tier = {tier.name: sum(1 for t in found if t is tier) for tier in tiers}
         for name, count in by_tier.items():
             self.stats[f"lookup_hits.{name}"] += count
-        self._emit("result", event_id, op="lookup", keys=len(keys), hits=by_tier)
+        self.emit("result", event_id, op="lookup", keys=len(keys), hits=by_tier)
         if self.config.promote:
-            self._promote(keys, found, tiers)
+            self.movement.promote(keys, found, tiers)
         return LookupResult(hits, tuple(t.name if t else None for t in found))
 
     async def _driver_lookup(self, tier: Tier, keys: list[bytes], event_id: int) -> list[bool]:
@@ -284,11 +283,11 @@ class KernelCore(DataMovement):
         try:
             hits = await tier.call(Priority.LOOKUP, tier.driver.lookup, keys)
         except DriverError as exc:
-            self._count_error(tier, "lookup", exc)
-            self._emit("op", event_id, tier=tier.name, op="lookup", keys=len(keys), t0=t0,
+            self.count_error(tier, "lookup", exc)
+            self.emit("op", event_id, tier=tier.name, op="lookup", keys=len(keys), t0=t0,
                        error=type(exc).__name__)
             return [False] * len(keys)
-        self._emit("op", event_id, tier=tier.name, op="lookup", keys=len(keys), t0=t0,
+        self.emit("op", event_id, tier=tier.name, op="lookup", keys=len(keys), t0=t0,
                    hits=sum(hits))
         return hits
 
@@ -318,7 +317,7 @@ class KernelCore(DataMovement):
                 tier.policy.unpin(key)
         self._account_load(keys, buffers, states, sources, tiers)
         if self.config.promote:
-            self._promote(keys, sources, tiers, raw=[b.nbytes for b in buffers])
+            self.movement.promote(keys, sources, tiers, raw=[b.nbytes for b in buffers])
         return LoadResult(tuple(states), tuple(t.name if t else None for t in sources),
                           tuple(errors))
 
@@ -343,8 +342,8 @@ class KernelCore(DataMovement):
             except InvalidRequest:
                 raise
             except DriverError as exc:
-                self._count_error(tier, "load", exc)
-                self._emit("op", event_id, tier=tier.name, op="load", keys=len(pending), t0=t0,
+                self.count_error(tier, "load", exc)
+                self.emit("op", event_id, tier=tier.name, op="load", keys=len(pending), t0=t0,
                            error=type(exc).__name__)
                 errors.append(str(exc))
                 failed.update(pending)
@@ -361,15 +360,15 @@ class KernelCore(DataMovement):
                     continue
                 if state is LoadState.CORRUPT:
                     corrupt.add(i)
-                    self._count_error(tier, "load", None, kind="corrupt")
-                    self._spawn(self._delete_victims, tier, [keys[i]])
+                    self.count_error(tier, "load", None, kind="corrupt")
+                    self.background.spawn(self.movement.delete_victims, tier, [keys[i]])
                 elif state is LoadState.FAILED:
                     failed.add(i)
-                    self._count_error(tier, "load", None, kind="failed")
+                    self.count_error(tier, "load", None, kind="failed")
                 elif keys[i] in tier:
                     tier.discard(keys[i])  # the index was stale (another process removed it)
                 still.append(i)
-            self._emit("op", event_id, tier=tier.name, op="load", keys=len(pending), t0=t0,
+            self.emit("op", event_id, tier=tier.name, op="load", keys=len(pending), t0=t0,
                        hits=len(pending) - len(still), bytes=nbytes)
             pending = still
         for i in pending:
@@ -399,17 +398,21 @@ class KernelCore(DataMovement):
                                        list(event.keys))
         return DoneResult(len(event.keys))
 
+    async def wait_background_idle(self) -> None:
+        """Waits until promotions, propagations and cleanups have finished."""
+        await self.background.wait_idle()
+
     # -- accounting ------------------------------------------------------------------------------
-    def _count_error(self, tier: Tier, op: str, exc: BaseException | None, *,
+    def count_error(self, tier: Tier, op: str, exc: BaseException | None, *,
                      kind: str | None = None) -> None:
         kind = kind or type(exc).__name__
         self.stats[f"errors.{tier.name}.{op}.{kind}"] += 1
         self.stats["errors"] += 1
-        self._emit("error", 0, tier=tier.name, op=op, kind=kind)
+        self.emit("error", 0, tier=tier.name, op=op, kind=kind)
         if exc is not None:
             log.debug("tier %s: %s failed: %s", tier.name, op, exc)
 
-    def _emit(self, phase: str, event_id: int, **fields: Any) -> None:
+    def emit(self, phase: str, event_id: int, **fields: Any) -> None:
         tracer = self.tracer
         if tracer is not None:
             tracer.emit(phase, event_id, fields)
@@ -423,7 +426,7 @@ class KernelCore(DataMovement):
             out[f"tier.{tier.name}.capacity"] = tier.policy.capacity
             out[f"tier.{tier.name}.pinned"] = tier.policy.pinned_count
             out[f"tier.{tier.name}.driver"] = tier.driver.statistics()
-        out["background_pending"] = self._background_pending
+        out["background_pending"] = self.background.pending
         out["single_flight_keys"] = len(self._flights)
         return out
 

@@ -1,15 +1,15 @@
 """Moving blocks between the caller and the tiers: stores at a durability level, room made by
 eviction, promotion and prefetch into faster tiers, and the background work behind them.
 
-A mixin of KernelCore (it uses the core's stats, tracer, nursery and error accounting); split
-out so each half reads in one sitting.
+`Movement` is one part of a `KernelCore` (it holds the core, for its config, counters, trace
+and lookups); `Background` runs the work nobody waits for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -23,29 +23,61 @@ from ucm.kernel._tier import Tier, keys_of
 if TYPE_CHECKING:
     from collections import Counter
 
-    from ucm.config import UCMConfig
-    from ucm.kernel._events import LookupResult
+    from ucm.kernel._core import KernelCore
 
 log = logging.getLogger("ucm.kernel")
 
 _BACKGROUND_QUEUE_LIMIT = 1024  # background copies beyond this are dropped (a future miss)
 
 
-class DataMovement:
-    config: UCMConfig
-    stats: Counter[str]
-    _nursery: trio.Nursery
-    _closing: bool
-    _background_limiter: trio.CapacityLimiter
-    _background_pending: int
-    _background_idle: trio.Event
+class Background:
+    """Work nobody waits for (promotion, propagation, cleanup, listings), at most two at a
+    time, in the core's nursery. A dropped piece of work is a future cache miss."""
 
-    if TYPE_CHECKING:  # provided by KernelCore
-        def _count_error(self, tier: Tier, op: str, exc: BaseException | None, *,
-                         kind: str | None = None) -> None: ...
-        def _emit(self, phase: str, event_id: int, **fields: Any) -> None: ...
-        async def _lookup(self, event: Lookup, tiers: list[Tier], event_id: int,
-                          ) -> LookupResult: ...
+    def __init__(self, nursery: trio.Nursery, stats: Counter[str]) -> None:
+        self._nursery = nursery
+        self._stats = stats
+        self._limiter = trio.CapacityLimiter(2)
+        self.pending = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.closing = False
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Runs `fn(*args)` in the background. Never raises; False when the work was
+        dropped (closing, or too much queued)."""
+        if self.closing or self.pending >= _BACKGROUND_QUEUE_LIMIT:
+            self._stats["background_dropped"] += 1
+            return False
+        if self.pending == 0:
+            self._idle = trio.Event()
+        self.pending += 1
+        self._nursery.start_soon(self._run, fn, args)
+        return True
+
+    async def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            async with self._limiter:
+                await fn(*args)
+        except Exception as exc:  # background work must not take the kernel down
+            self._stats["background_errors"] += 1
+            log.warning("background %s failed: %r", getattr(fn, "__name__", fn), exc)
+        finally:
+            self.pending -= 1
+            if self.pending == 0:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Waits until the work spawned so far (and what it spawned) has finished."""
+        while self.pending:
+            await self._idle.wait()
+
+
+class Movement:
+    def __init__(self, core: KernelCore, background: Background) -> None:
+        self._core = core
+        self.stats = core.stats
+        self._spawn = background.spawn
 
     # -- store -----------------------------------------------------------------------------------
     def _required_tiers(self, tiers: list[Tier], durability: str) -> int:
@@ -57,9 +89,9 @@ class DataMovement:
                     return depth + 1
         return len(tiers)
 
-    async def _store(self, event: Store, tiers: list[Tier], event_id: int) -> StoreResult:
+    async def store(self, event: Store, tiers: list[Tier], event_id: int) -> StoreResult:
         keys, buffers = event.keys, event.buffers
-        durability = event.durability or self.config.durability
+        durability = event.durability or self._core.config.durability
         required = tiers[: self._required_tiers(tiers, durability)]
         results: dict[str, list[bool]] = {}
         errors: list[str] = []
@@ -102,14 +134,14 @@ class DataMovement:
             if more is None:
                 errors.append(str(NoCapacity("no room: the rest of the tier is pinned",
                                              driver=tier.name)))
-                self._count_error(tier, "store", None, kind="no_capacity")
+                self._core.count_error(tier, "store", None, kind="no_capacity")
                 continue
             victims.extend(more)
             reserved += need
             chosen.append(i)
         try:
             if victims:
-                await self._delete_victims(tier, victims)
+                await self.delete_victims(tier, victims)
             if not chosen:
                 return ok
             t0 = time.monotonic_ns()
@@ -117,8 +149,8 @@ class DataMovement:
                 sizes = await tier.call(priority, tier.driver.store, keys_of(keys, chosen),
                                         [buffers[i] for i in chosen])
             except DriverError as exc:
-                self._count_error(tier, "store", exc)
-                self._emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
+                self._core.count_error(tier, "store", exc)
+                self._core.emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
                            error=type(exc).__name__)
                 errors.append(str(exc))
                 return ok
@@ -129,14 +161,14 @@ class DataMovement:
                     ok[i] = True
                     nbytes += buffers[i].nbytes
                 else:
-                    self._count_error(tier, "store", None, kind="failed")
-            self._emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
+                    self._core.count_error(tier, "store", None, kind="failed")
+            self._core.emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
                        bytes=nbytes, stored=sum(1 for s in sizes if s > 0))
             return ok
         finally:
             tier.unreserve(reserved)
 
-    async def _delete_victims(self, tier: Tier, keys: list[bytes]) -> None:
+    async def delete_victims(self, tier: Tier, keys: list[bytes]) -> None:
         # The policy never names a pinned victim; checking again here keeps a promised block
         # on storage even if a race put one on this list (it is counted, to be seen).
         pinned = [k for k in keys if tier.policy.is_pinned(k)]
@@ -150,20 +182,20 @@ class DataMovement:
         try:
             await tier.call(Priority.STORE, tier.driver.delete, keys)
         except DriverError as exc:
-            self._count_error(tier, "delete", exc)
+            self._core.count_error(tier, "delete", exc)
             return
         self.stats[f"evictions.{tier.name}"] += len(keys)
-        self._emit("evict", 0, tier=tier.name, keys=len(keys))
+        self._core.emit("evict", 0, tier=tier.name, keys=len(keys))
 
     # -- prefetch, promotion and background copies ------------------------------------------------
-    async def _prefetch(self, event: Prefetch, tiers: list[Tier], event_id: int,
+    async def prefetch(self, event: Prefetch, tiers: list[Tier], event_id: int,
                         ) -> PrefetchResult:
         keys = event.keys
         top = tiers[0]
         absent = [k for k in keys if k not in top]
         if len(tiers) == 1 or not absent:
             return PrefetchResult(0, len(keys) - len(absent), 0)
-        found = await self._lookup(Lookup(absent), tiers[1:], event_id)
+        found = await self._core.lookup_in(Lookup(absent), tiers[1:], event_id)
         promoted = 0
         for tier in tiers[1:]:
             batch = [k for k, name in zip(absent, found.tiers, strict=True) if name == tier.name]
@@ -182,7 +214,7 @@ class DataMovement:
                 return size
         return default
 
-    def _promote(self, keys: Sequence[bytes], sources: Sequence[Tier | None],
+    def promote(self, keys: Sequence[bytes], sources: Sequence[Tier | None],
                  tiers: list[Tier], raw: Sequence[int] | None = None) -> None:
         """Schedules copies of blocks found below the top tier into the tiers above."""
         by_source: dict[int, list[int]] = {}
@@ -207,7 +239,7 @@ class DataMovement:
         try:
             states = await source.call(priority, source.driver.load, keys, buffers)
         except DriverError as exc:
-            self._count_error(source, "load", exc)
+            self._core.count_error(source, "load", exc)
             return 0
         good = [i for i, s in enumerate(states) if s is LoadState.OK]
         if not good:
@@ -220,32 +252,3 @@ class DataMovement:
         count = sum(1 for i in good if reached[i])
         self.stats["promoted"] += count
         return count
-
-    def _spawn(self, fn: Any, *args: Any) -> bool:
-        """Runs background work (promotion, propagation, cleanup). Never raises: a dropped
-        background copy is a future cache miss. False when the work was dropped."""
-        if self._closing or self._background_pending >= _BACKGROUND_QUEUE_LIMIT:
-            self.stats["background_dropped"] += 1
-            return False
-        if self._background_pending == 0:
-            self._background_idle = trio.Event()
-        self._background_pending += 1
-        self._nursery.start_soon(self._background, fn, args)
-        return True
-
-    async def _background(self, fn: Any, args: tuple) -> None:
-        try:
-            async with self._background_limiter:
-                await fn(*args)
-        except Exception as exc:  # background work must not take the kernel down
-            self.stats["background_errors"] += 1
-            log.warning("background %s failed: %r", getattr(fn, "__name__", fn), exc)
-        finally:
-            self._background_pending -= 1
-            if self._background_pending == 0:
-                self._background_idle.set()
-
-    async def wait_background_idle(self) -> None:
-        """Waits until promotions, propagations and cleanups have finished."""
-        while self._background_pending:
-            await self._background_idle.wait()
