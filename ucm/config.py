@@ -42,12 +42,16 @@ class _Strict(BaseModel):
 
 
 class TierConfig(_Strict):
-    driver: str
-    name: str | None = None
-    capacity: ByteSize | None = Field(default=None, description="bytes; None is unbounded")
-    codec: Literal["none", "zstd"] = "none"
-    concurrency: int = Field(default=8, ge=1, le=1024)
-    options: DriverOptions
+    driver: str = Field(description="the driver's registered name (memory, posix, s3, ...)")
+    name: str | None = Field(default=None, description="the tier's name; default: the driver's")
+    capacity: ByteSize | None = Field(
+        default=None, description="bytes the kernel lets this tier hold; null: unbounded")
+    codec: Literal["none", "zstd"] = Field(
+        default="none", description="how stored payloads are encoded; loads decode any codec")
+    concurrency: int = Field(default=8, ge=1, le=1024,
+                             description="driver calls in flight at once on this tier")
+    options: DriverOptions = Field(
+        description="the driver's own options; usually written inline in the tier")
 
     @model_validator(mode="before")
     @classmethod
@@ -67,22 +71,35 @@ class TierConfig(_Strict):
 
 
 class TraceConfig(_Strict):
-    path: Path
-    max_bytes: ByteSize = ByteSize(256 * 2**20)
-    segment_bytes: ByteSize = ByteSize(8 * 2**20)
-    ring_events: int = Field(default=65536, ge=64)
+    path: Path = Field(description="directory of the rolling trace segment files")
+    max_bytes: ByteSize = Field(default=ByteSize(256 * 2**20),
+                                description="total size of the segments; the oldest go first")
+    segment_bytes: ByteSize = Field(default=ByteSize(8 * 2**20),
+                                    description="size at which a segment file is closed")
+    ring_events: int = Field(default=65536, ge=64,
+                             description="records held between drains; when full the oldest drop")
 
 
 class UCMConfig(_Strict):
-    tiers: list[TierConfig] = Field(min_length=1)
-    durability: Durability = "local"
-    namespace: str = Field(default="default", min_length=1, max_length=255)
-    inbox_size: int = Field(default=4096, ge=1)
-    deadline: float | None = Field(default=None, gt=0, description="default seconds per event")
-    pin_ttl: float = Field(default=60.0, gt=0)
-    eviction: Literal["s3fifo", "lru"] = "s3fifo"
+    tiers: list[TierConfig] = Field(min_length=1, description="the tier stack, fastest first")
+    durability: Durability = Field(
+        default="local", description="when a store completes: in the first tier (memory), "
+        "on the first persistent tier (local), on every tier (all)")
+    namespace: str = Field(default="default", min_length=1, max_length=255,
+                           description="names the cache: in every block and storage path")
+    inbox_size: int = Field(default=4096, ge=1,
+                            description="events outstanding before submit fails with KernelBusy")
+    deadline: float | None = Field(default=None, gt=0,
+                                   description="seconds per event unless it sets its own; "
+                                   "null: none")
+    pin_ttl: float = Field(default=60.0, gt=0,
+                           description="seconds a pinning lookup keeps its blocks from eviction")
+    eviction: Literal["s3fifo", "lru"] = Field(default="s3fifo",
+                                               description="each tier's eviction policy")
     promote: bool = Field(default=True, description="copy hits from slower tiers upwards")
-    trace: TraceConfig | None = None
+    trace: TraceConfig | None = Field(default=None,
+                                      description="record every event's life; null: off "
+                                      "(unless UCM_TRACE names a directory)")
 
     @model_validator(mode="after")
     def _unique_tier_names(self) -> UCMConfig:
