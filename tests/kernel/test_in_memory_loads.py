@@ -1,5 +1,5 @@
 """Loads of blocks the fastest tier holds in memory run off the trio thread
-(`Kernel._load_in_memory`): same answers, counters and trace records as an event, the blocks
+(`ucm.kernel._fastpath`): same answers, counters and trace records as an event, the blocks
 that do not load that way go through the trio thread, and closing waits for them."""
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def test_a_caller_bound_to_one_cpu_copies_too(tmp_path):
             os.sched_setaffinity(0, {cpus[0]})
             out = [bytearray(len(d)) for d in data]
             completion = kernel.submit(Load(keys, buffers=out))
-            outcome["helped"] = completion._spread is not None
+            outcome["helped"] = completion._prepared is not None
             outcome["ok"] = completion.result(10).ok and out == data
 
         thread = threading.Thread(target=bound_caller)
@@ -238,5 +238,5 @@ def test_a_caller_bound_to_one_cpu_copies_too(tmp_path):
         assert kernel.statistics()["loads_from_memory_helped"] == 1
         out = [bytearray(len(d)) for d in data]
         completion = kernel.submit(Load(keys, buffers=out))  # this thread: not bound
-        assert completion._spread is None
+        assert completion._prepared is None
         assert completion.result(10).ok and out == data

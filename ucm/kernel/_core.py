@@ -34,6 +34,7 @@ from ucm.errors import (
     KernelClosed,
     UCMError,
 )
+from ucm.kernel._accounting import count_load, count_lookup, load_op, lookup_result, trace_fields
 from ucm.kernel._events import (
     Delete,
     DoneResult,
@@ -269,11 +270,9 @@ class KernelCore:
             for key, tier in zip(keys, found, strict=True):
                 if tier is not None:
                     tier.policy.pin(key, self.config.pin_ttl)
-        self.stats["lookup_keys"] += len(keys)
         by_tier = {tier.name: sum(1 for t in found if t is tier) for tier in tiers}
-        for name, count in by_tier.items():
-            self.stats[f"lookup_hits.{name}"] += count
-        self.emit("result", event_id, op="lookup", keys=len(keys), hits=by_tier)
+        count_lookup(self.stats, len(keys), by_tier)
+        self.emit("result", event_id, **lookup_result(len(keys), by_tier))
         if self.config.promote:
             self.movement.promote(keys, found, tiers)
         return LookupResult(hits, tuple(t.name if t else None for t in found))
@@ -315,7 +314,8 @@ class KernelCore:
         for key in keys:
             for tier in tiers:
                 tier.policy.unpin(key)
-        self._account_load(keys, buffers, states, sources, tiers)
+        count_load(self.stats, states, [t.name if t else None for t in sources],
+                   [b.nbytes for b in buffers])
         if self.config.promote:
             self.movement.promote(keys, sources, tiers, raw=[b.nbytes for b in buffers])
         return LoadResult(tuple(states), tuple(t.name if t else None for t in sources),
@@ -368,24 +368,12 @@ class KernelCore:
                 elif keys[i] in tier:
                     tier.discard(keys[i])  # the index was stale (another process removed it)
                 still.append(i)
-            self.emit("op", event_id, tier=tier.name, op="load", keys=len(pending), t0=t0,
-                       hits=len(pending) - len(still), bytes=nbytes)
+            self.emit("op", event_id, **load_op(tier.name, len(pending), t0,
+                                                len(pending) - len(still), nbytes))
             pending = still
         for i in pending:
             states[i] = (LoadState.CORRUPT if i in corrupt
                          else LoadState.FAILED if i in failed else LoadState.MISSING)
-
-    def _account_load(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
-                      states: list[LoadState], sources: list[Tier | None],
-                      tiers: list[Tier]) -> None:
-        stats = self.stats
-        stats["load_keys"] += len(keys)
-        for i, state in enumerate(states):
-            if state is LoadState.OK:
-                stats[f"load_hits.{sources[i].name}"] += 1
-                stats["bytes_loaded"] += buffers[i].nbytes
-            else:
-                stats[f"load_{state.name.lower()}"] += 1
 
     # -- delete ----------------------------------------------------------------------------------
     async def _delete(self, event: Delete, tiers: list[Tier]) -> DoneResult:
@@ -429,16 +417,6 @@ class KernelCore:
         out["background_pending"] = self.background.pending
         out["single_flight_keys"] = len(self._flights)
         return out
-
-
-def trace_fields(event: Event, *, start: bool = False) -> dict[str, Any]:
-    """The fields of an event's "submit" record, or of its "start" record (ucm-trace reads
-    both)."""
-    fields = {"type": type(event).__name__, "keys": len(event.keys),
-              "request_id": event.request_id}
-    if start:
-        fields["key"] = event.keys[0][:8].hex()
-    return fields
 
 
 def _configured_tracer(config: UCMConfig) -> Any:
