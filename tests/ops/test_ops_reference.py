@@ -1,31 +1,12 @@
-"""Torch reference ops: block gather/scatter, group quantization, block scores, top-k."""
+"""Torch reference ops: group quantization, block scores, top-k."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ucm.ops.blocks import gather_blocks, scatter_blocks
 from ucm.ops.quant import dequantize_groups, pack_int4, quantize_groups, unpack_int4
 from ucm.ops.score import box_from_bounds, mean_scores, quest_lower_scores, quest_scores, topk_rows
-
-
-def test_gather_then_scatter_round_trips_blocks():
-    g = torch.Generator().manual_seed(1)
-    cache = torch.randn(16, 2, 8, 4, generator=g).half()
-    ids = [3, 0, 11, 7]
-    staging = gather_blocks(cache, ids)
-    assert torch.equal(staging[2], cache[11])
-    target = torch.zeros_like(cache)
-    scatter_blocks(staging, target, ids)
-    assert torch.equal(target[ids], cache[ids])
-    untouched = [i for i in range(16) if i not in ids]
-    assert not target[untouched].any()
-
-
-def test_scatter_rejects_wrong_staging_shape():
-    with pytest.raises(ValueError, match="staging must be"):
-        scatter_blocks(torch.zeros(2, 3), torch.zeros(4, 4), [0, 1])
 
 
 @pytest.mark.parametrize("bits", [8, 4])

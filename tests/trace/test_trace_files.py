@@ -13,7 +13,6 @@ from ucm.trace import (
     Follower,
     Tracer,
     TraceWarning,
-    event_logger,
     list_segments,
     read_segment,
     read_trace,
@@ -148,15 +147,6 @@ def test_follower_waits_for_a_partly_written_frame(tmp_path):
         assert follower.poll() == []  # no warning: the writer may still be appending
     segment.write_bytes(data)
     assert [r.phase for r in follower.poll()] == ["a"]
-
-
-def test_log_adapter_carries_trace_ids(caplog):
-    log = event_logger(logging.getLogger("ucm.test"), event_id=7, request_id="req-1")
-    with caplog.at_level(logging.INFO, logger="ucm.test"):
-        log.info("load failed: %s", "boom")
-    [record] = caplog.records
-    assert record.getMessage() == "[ev=7 req=req-1] load failed: boom"
-    assert record.ucm_event_id == 7 and record.ucm_request_id == "req-1"
 
 
 def test_config_and_env_turn_tracing_on(tmp_path, monkeypatch):

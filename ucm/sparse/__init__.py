@@ -1,5 +1,6 @@
 """Sparse attention for ucm: block-selection methods, the per-request session, the fetcher
-that turns selections into kernel events, Blend (CacheBlend) and KV codecs for storage.
+that turns selections into kernel events, and KV codecs for storage (`codecs`: not yet in the
+store path; the compression issue wires them into it).
 
 Names resolve lazily, so `from ucm.sparse import SparseConfig` (scheduler side) does not import
 torch; everything else imports torch on first use. `python -m ucm.sparse.bench` prints the
@@ -36,11 +37,6 @@ _EXPORTS = {
     "block_mass": "attention",
     "block_token_mask": "attention",
     "mass_recall": "attention",
-    "apply_rope": "blend",
-    "rerotate": "blend",
-    "blend_prefill": "blend",
-    "BlendLayer": "blend",
-    "BlendResult": "blend",
     "LosslessCodec": "codecs",
     "QuantCodec": "codecs",
     "CodecReport": "codecs",
@@ -53,8 +49,6 @@ __all__ = [
     "GSA",
     "METHODS",
     "Adaptive",
-    "BlendLayer",
-    "BlendResult",
     "BlockFetcher",
     "BlockReps",
     "CodecReport",
@@ -70,8 +64,6 @@ __all__ = [
     "SparseMethod",
     "SparseSession",
     "StepPlan",
-    "apply_rope",
-    "blend_prefill",
     "block_mass",
     "block_token_mask",
     "decode_any",
@@ -80,7 +72,6 @@ __all__ = [
     "masked_attention",
     "mass_recall",
     "measure",
-    "rerotate",
     "select_blocks",
     "sparse_attention",
 ]
@@ -94,7 +85,6 @@ if TYPE_CHECKING:
         mass_recall,
         sparse_attention,
     )
-    from ucm.sparse.blend import BlendLayer, BlendResult, apply_rope, blend_prefill, rerotate
     from ucm.sparse.codecs import CodecReport, LosslessCodec, QuantCodec, decode_any, measure
     from ucm.sparse.config import SparseConfig
     from ucm.sparse.fetch import BlockFetcher, FetchStats, PendingLoad

@@ -23,17 +23,14 @@ from ucm.trace._reader import (
     trace_headers,
 )
 from ucm.trace._recorder import Sink, Tracer, tracer_from_config
-from ucm.trace.logs import EventLogAdapter, event_logger
 
 __all__ = [
-    "EventLogAdapter",
     "Follower",
     "Record",
     "SegmentWriter",
     "Sink",
     "TraceWarning",
     "Tracer",
-    "event_logger",
     "list_segments",
     "read_segment",
     "read_trace",

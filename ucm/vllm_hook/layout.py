@@ -11,9 +11,7 @@ target is a `Scatter` of its per-layer pieces, which the storage reads fill in o
 staging, no extra copy). Saves, and loads into a GPU cache, go through a staging buffer of
 whole ucm blocks (pinned host memory when the cache is on a GPU), and the copies between
 staging and cache go per layer segment, one torch copy per run of consecutive block ids. On
-CUDA those copies are host<->device `copy_`s; a fused gather/scatter kernel
-(`ucm.ops.blocks.*_cupy`, native/blocks.cu) would plug in at `Segment.copy_in` /
-`Segment.copy_out`.
+CUDA those copies are host<->device `copy_`s.
 """
 
 from __future__ import annotations
