@@ -19,9 +19,9 @@ from conftest import prompt
 
 pytestmark = pytest.mark.slow
 
-vllm_run = pytest.importorskip("ucm.vllm_run")
-EngineSpec, Phase, run_in_subprocess = (vllm_run.EngineSpec, vllm_run.Phase,
-                                        vllm_run.run_in_subprocess)
+engines = pytest.importorskip("ucm.bench.engines")
+EngineSpec, Phase, run_in_subprocess = (engines.EngineSpec, engines.Phase,
+                                         engines.run_in_subprocess)
 
 SINGLE = prompt(300, 1)
 DOC = prompt(256, 2)
@@ -98,8 +98,8 @@ def test_second_engine_hits_the_stored_prefix_with_identical_output(scenario):
 
 
 def test_engines_run_on_tcmalloc_where_the_system_has_it(scenario):
-    # scripts/setup.sh installs it; vLLM's CPU backend asks for it (ucm.vllm_run.TCMALLOC_PATHS)
-    expected = "tcmalloc" if vllm_run.find_tcmalloc() else "glibc"
+    # scripts/setup.sh installs it; vLLM's CPU backend asks for it (engines.TCMALLOC_PATHS)
+    expected = "tcmalloc" if engines.find_tcmalloc() else "glibc"
     assert {scenario[k]["allocator"] for k in ("base", "cold", "warm")} == {expected}
 
 
