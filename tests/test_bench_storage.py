@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ucm.bench import KiB, MiB, TierBench, run_storage_bench
+from ucm.bench.storage import KiB, MiB, TierBench, run_storage_bench
 from ucm.config import TierConfig, UCMConfig
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucm.bench_vllm import Row, _drop_bulk, _print_table, _prompts, _raw_read_bandwidth, main
+from ucm.bench.vllm import Row, _drop_bulk, _print_table, _prompts, _raw_read_bandwidth, main
 
 
 def test_raw_read_reads_as_many_files_as_the_kv_needs(tmp_path):
@@ -75,8 +75,8 @@ def test_a_temporary_work_directory_keeps_only_the_engines_log(tmp_path):
 def engine_specs(monkeypatch) -> list:
     """Engines replaced by a recorder (they are what the other vLLM tests run): the specs the
     bench started them with, in order; each phase takes 10 ms."""
-    import ucm.bench_vllm as bench
-    import ucm.vllm_run as vllm_run
+    import ucm.bench.engines as engines
+    import ucm.bench.vllm as bench
 
     specs = []
 
@@ -85,7 +85,7 @@ def engine_specs(monkeypatch) -> list:
         return {"phases": [{"name": p.name, "wall_s": [0.01], "worker_delta": {}}
                            for p in phases], "allocator": "glibc"}
 
-    monkeypatch.setattr(vllm_run, "run_in_subprocess", fake_run)
+    monkeypatch.setattr(engines, "run_in_subprocess", fake_run)
     monkeypatch.setattr(bench, "build_model", lambda path, spec: path)
     return specs
 

@@ -1,8 +1,10 @@
 """The `ucm` command.
 
-    ucm demo [...]          stored KV reused by a second vLLM engine (ucm.demo)
-    ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench_vllm)
-    ucm bench [...]         the kernel benchmark (ucm.bench)
+    ucm demo [...]          stored KV reused by a second vLLM engine (ucm.bench.demo)
+    ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
+    ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
+    ucm bench trace [...]   what tracing costs (ucm.bench.trace)
+    ucm bench [...]         the kernel benchmark, or `policy` (ucm.bench.storage)
 
 Subcommands import their modules lazily: `ucm --help` needs neither torch nor vLLM.
 """
@@ -10,7 +12,12 @@ Subcommands import their modules lazily: `ucm --help` needs neither torch nor vL
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
+# to the storage benchmark (`ucm bench`, `ucm bench storage`, `ucm bench policy`).
+BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,22 +26,21 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="cold then warm vLLM engines over a chat workload",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: `ucm bench vllm ...` or the kernel benchmark",
-                   add_help=False)
+    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace] "
+                   "...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
-        from ucm.demo import main as demo_main
+        from ucm.bench.demo import main as demo_main
 
         return int(demo_main(rest) or 0)
     if command == "bench":
-        if rest and rest[0] == "vllm":
-            from ucm.bench_vllm import main as bench_vllm_main
-
-            return int(bench_vllm_main(rest[1:]) or 0)
-        from ucm.bench import run_bench
+        if rest and rest[0] in BENCHES:
+            module = importlib.import_module(BENCHES[rest[0]])
+            return int(module.main(rest[1:]) or 0)
+        from ucm.bench.storage import run_bench
 
         return int(run_bench(rest) or 0)
     parser.parse_args(argv)  # reports the unknown command

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from ucm.bench.policy import hit_ratio, zipf_scan_trace
 from ucm.kernel import LRUPolicy, S3FIFOPolicy
-from ucm.kernel._policy_bench import hit_ratio, zipf_scan_trace
 
 
 def k(i: int) -> bytes:

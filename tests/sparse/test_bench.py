@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ucm.sparse import bench
+from ucm.bench import sparse as bench
 
 
 def test_fetched_bytes_section_runs(capsys):

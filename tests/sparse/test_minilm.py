@@ -9,8 +9,8 @@ import statistics
 import pytest
 import torch
 
-from ucm.sparse import realkv
-from ucm.sparse.evaluate import method_for, recall
+from ucm.bench import realkv
+from ucm.bench.sparse_eval import method_for, recall
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REASON = realkv.unavailable_reason()

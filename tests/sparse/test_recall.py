@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from ucm.sparse.evaluate import (
+from ucm.bench.sparse_eval import (
     focused_query,
     method_for,
     plant_needle,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ucm.sparse as sparse
+from ucm.bench.sparse_eval import method_for, selection
 from ucm.sparse import (
     SparseConfig,
     SparseSession,
@@ -15,7 +16,6 @@ from ucm.sparse import (
     select_blocks,
     sparse_attention,
 )
-from ucm.sparse.evaluate import method_for, selection
 
 ALL = ["quest", "esa", "gsa", "kvstar", "adaptive", "random"]
 

@@ -1,5 +1,5 @@
 """Fixtures for the tests on real vLLM: tiny random models built into tmp dirs, and engines
-run in fresh processes (`ucm.vllm_run.run_in_subprocess`)."""
+run in fresh processes (`ucm.bench.engines.run_in_subprocess`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def prompt(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     pytest.importorskip("vllm")
-    from ucm.models import ModelSpec, build_model
+    from ucm.bench.models import ModelSpec, build_model
 
     return str(build_model(tmp_path_factory.mktemp("tiny"), ModelSpec(max_positions=33792)))
 
@@ -24,7 +24,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_bf16_model(tmp_path_factory):
     pytest.importorskip("vllm")
-    from ucm.models import ModelSpec, build_model
+    from ucm.bench.models import ModelSpec, build_model
 
     spec = ModelSpec(dtype="bfloat16", max_positions=4096, seed=1)
     return str(build_model(tmp_path_factory.mktemp("tiny-bf16"), spec))

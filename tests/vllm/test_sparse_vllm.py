@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from conftest import prompt
 
-vllm_run = pytest.importorskip("ucm.vllm_run")
-EngineSpec, Phase, run_in_subprocess = (vllm_run.EngineSpec, vllm_run.Phase,
-                                        vllm_run.run_in_subprocess)
+engines = pytest.importorskip("ucm.bench.engines")
+EngineSpec, Phase, run_in_subprocess = (engines.EngineSpec, engines.Phase,
+                                         engines.run_in_subprocess)
 
 BS = 32
 PROMPTS = [prompt(600, 7), prompt(450, 8)]  # 18 full blocks + 24 tokens; 14 full + 2
@@ -25,7 +25,7 @@ TOP_K = 4
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from ucm.models import ModelSpec, build_model
+    from ucm.bench.models import ModelSpec, build_model
 
     root = tmp_path_factory.mktemp("sparse")
     model = str(build_model(root / "model", ModelSpec(max_positions=4096)))

@@ -11,7 +11,7 @@ from conftest import prompt
 
 pytestmark = pytest.mark.slow
 
-vllm_run = pytest.importorskip("ucm.vllm_run")
+engines = pytest.importorskip("ucm.bench.engines")
 
 
 @pytest.mark.timeout(600)
@@ -22,14 +22,14 @@ def test_tp2_engine_stores_and_hits_per_rank_shards(tiny_model, tmp_path):
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}  # vLLM's NUMA autobind
     store = str(tmp_path / "store")  # needs one NUMA node per worker; bind by hand instead
     text = prompt(600, 7)
-    phases = [vllm_run.Phase([text], max_tokens=8, name="p")]
+    phases = [engines.Phase([text], max_tokens=8, name="p")]
 
     def run(**kw) -> dict:
-        spec = vllm_run.EngineSpec(model=tiny_model, max_model_len=2048,
-                                   kv_cache_bytes=64 * 2**20, tensor_parallel_size=2,
-                                   multiprocess=True, **kw)
-        result = vllm_run.run_in_subprocess(spec, phases, env=env,
-                                            log_path=str(tmp_path / "engines.log"))
+        spec = engines.EngineSpec(model=tiny_model, max_model_len=2048,
+                                  kv_cache_bytes=64 * 2**20, tensor_parallel_size=2,
+                                  multiprocess=True, **kw)
+        result = engines.run_in_subprocess(spec, phases, env=env,
+                                           log_path=str(tmp_path / "engines.log"))
         return result["phases"][0]
 
     ucm = {"tiers": [{"driver": "posix", "path": store}]}

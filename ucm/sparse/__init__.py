@@ -3,7 +3,7 @@ that turns selections into kernel events, and KV codecs for storage (`codecs`: n
 store path; the compression issue wires them into it).
 
 Names resolve lazily, so `from ucm.sparse import SparseConfig` (scheduler side) does not import
-torch; everything else imports torch on first use. `python -m ucm.sparse.bench` prints the
+torch; everything else imports torch on first use. `ucm bench sparse` prints the
 selection latency, fetched bytes per step and the codec table.
 """
 

@@ -210,7 +210,7 @@ class WorkerSide:
             log.info("ucm: the KV cache is in CPU memory and OpenMP threads spin after each "
                      "parallel region (300,000 rounds in libgomp), which slows loads that start "
                      "just after one; GOMP_SPINCOUNT=3000 in the engine's environment avoids it "
-                     "(see ucm.vllm_run.OPENMP_SPIN)")
+                     "(`ucm demo` and `ucm bench vllm` set it for their engines)")
 
     def _reserve_snapshot_buffer(self) -> None:
         """A spare snapshot buffer for the blocks of vLLM's whole token budget per step (within

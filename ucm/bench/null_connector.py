@@ -4,7 +4,7 @@ A benchmark baseline only (`ucm bench vllm`): vLLM takes its connector code path
 hooks, connector metadata each step) with none of a connector's own work, so the all-miss cost
 splits into what vLLM's connector path costs and what ucm adds on top.
 
-    kv_connector="NullConnector", kv_connector_module_path="ucm.vllm_hook.null"
+    kv_connector="NullConnector", kv_connector_module_path="ucm.bench.null_connector"
 """
 
 from __future__ import annotations

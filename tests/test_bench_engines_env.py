@@ -4,7 +4,7 @@ where the system has it, unless the caller already chose an allocator."""
 
 from __future__ import annotations
 
-from ucm.vllm_run import OPENMP_SPIN, engine_env, find_tcmalloc
+from ucm.bench.engines import OPENMP_SPIN, engine_env, find_tcmalloc
 
 
 def test_engine_env_sets_a_short_openmp_spin_only_where_none_is_chosen():

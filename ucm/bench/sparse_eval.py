@@ -1,7 +1,7 @@
 """Measuring selection quality: recall of attention mass against the oracle top-k, on
 synthetic keys (locally smooth, optional planted needle) or on real q/k (see `realkv`).
 
-CPU, torch, seeded. Used by the tests and by `python -m ucm.sparse.bench`; not on the serving
+CPU, torch, seeded. Used by the tests and by `python -m ucm.bench.sparse`; not on the serving
 path. Recall is a ratio to the oracle: the attention mass inside the method's selection divided
 by the mass inside the best selection of the same size (same sinks and local window).
 """

@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from ucm.models import ModelSpec, build_model, sample_text
+from ucm.bench.models import ModelSpec, build_model, sample_text
 
 SPEC = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, vocab=2048, max_positions=8192,
                  dtype="float32")
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the stored blocks afterwards")
     args = ap.parse_args(argv)
 
+    from ucm.bench.engines import EngineSpec, Phase, run_in_subprocess
     from ucm.config import default_cache_dir
-    from ucm.vllm_run import EngineSpec, Phase, run_in_subprocess
 
     work = args.workdir or tempfile.mkdtemp(prefix="ucm-demo-")
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """What tracing costs: the same kernel workloads with tracing off and on, in one process.
 
-    python -m ucm.trace.bench [--rounds 7] [--seconds 0.4]
+    ucm bench trace [--rounds 7] [--seconds 0.4]      (or python -m ucm.bench.trace)
 
 Two kernels with identical memory tiers; one without a tracer, one with a `Tracer` writing
 segment files to a temporary directory (the full path: ring, drain thread, zstd, files).
@@ -113,7 +113,7 @@ def record_cost(n: int = 200_000) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="ucm bench trace", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--seconds", type=float, default=0.4, help="per cell")
     args = p.parse_args(argv)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     tracer = Tracer(os.path.join(tmp, "trace"))
     kernels = {"off": Kernel(config), "on": Kernel(config, tracer=tracer)}
     works = workloads()
-    print(f"ucm.trace.bench: {args.rounds} rounds x {args.seconds:g} s per cell, one memory "
+    print(f"ucm.bench.trace: {args.rounds} rounds x {args.seconds:g} s per cell, one memory "
           f"tier, CPUs {os.cpu_count()}; trace files in {tmp}")
     try:
         for kernel in kernels.values():

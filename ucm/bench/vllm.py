@@ -11,7 +11,8 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
                 maps: loads copied and checked in one pass)
     ucm-pmem    ucm, pmem tier with its pool file in /dev/shm (one mapping and one owner
                 process; loads as ucm-shm's)
-    null        a connector that does nothing (ucm.vllm_hook.null): vLLM's connector path alone
+    null        a connector that does nothing (ucm.bench.null_connector): vLLM's connector
+                path alone
     all-miss    ucm on, nothing stored, stores of earlier prompts running (the ucm-posix store
                 pass); against recompute, and against the null connector, which run just
                 before it. With `--miss-engines` k > 1, k - 1 more pairs of recompute and
@@ -30,7 +31,7 @@ up by its first (P - 2) // bs.
 TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request.
 Engines run on tcmalloc, as vLLM's CPU backend asks, where the system has it: with glibc's
 malloc the page faults of a long prefill's tensors moved 8K-token prefills by up to 40% in one
-engine (ucm.vllm_run.TCMALLOC_PATHS). After each store pass the files written are synced, so no
+engine (ucm.bench.engines.TCMALLOC_PATHS). After each store pass the files written are synced, so no
 writeback runs while hits are timed. Each connector's engine runs `--repeat` stored prompts,
 each twice in a row with vLLM's prefix cache on: first loaded by the connector, then vLLM's own
 hit in the same engine (the floor: nothing to load, the limit); and that `--rounds` times,
@@ -60,7 +61,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ucm.models import ModelSpec, build_model
+from ucm.bench.models import ModelSpec, build_model
 
 SPEC = ModelSpec(layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=2048,
                  max_positions=16384, dtype="bfloat16")
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="connector setups (recompute always runs)")
     args = ap.parse_args(argv)
 
-    from ucm.vllm_run import EngineSpec, Phase, run_in_subprocess
+    from ucm.bench.engines import EngineSpec, Phase, run_in_subprocess
 
     lengths = [int(x) for x in args.lengths.split(",")]
     setups = args.setups.split(",")
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes, tail=args.tail)
     print(f"engine processes' malloc: {', '.join(sorted(allocators))}"
           + ("" if allocators == {"tcmalloc"} else
-             " (vLLM on CPU asks for tcmalloc: see ucm.vllm_run.TCMALLOC_PATHS)"))
+             " (vLLM on CPU asks for tcmalloc: see ucm.bench.engines.TCMALLOC_PATHS)"))
     return 0
 
 

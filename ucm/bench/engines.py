@@ -62,7 +62,7 @@ def kv_transfer_config(spec: EngineSpec) -> Any:
                                 kv_connector_extra_config=dict(spec.extra))
     if spec.connector == "null":  # the connector path with no connector work (baseline)
         return KVTransferConfig(kv_connector="NullConnector",
-                                kv_connector_module_path="ucm.vllm_hook.null",
+                                kv_connector_module_path="ucm.bench.null_connector",
                                 kv_role="kv_both")
     if spec.connector == "ucm":
         extra = dict(spec.extra)
@@ -265,7 +265,7 @@ def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float =
     log = open(log_path, "a") if log_path else open(os.devnull, "w")  # noqa: SIM115
     # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
     # keep our pipe open, so once the result is in, the whole group is killed.
-    with log, subprocess.Popen([sys.executable, "-m", "ucm.vllm_run"], stdin=subprocess.PIPE,
+    with log, subprocess.Popen([sys.executable, "-m", "ucm.bench.engines"], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=log, text=True,
                                env=full_env, start_new_session=True) as proc:
         timer = threading.Timer(timeout, _kill_group, (proc,))

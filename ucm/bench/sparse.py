@@ -1,6 +1,6 @@
 """Benchmark of sparse selection and KV codecs on the CPU (torch reference paths).
 
-    python -m ucm.sparse.bench [--quick]
+    ucm bench sparse [--quick]      (or python -m ucm.bench.sparse)
 
 Prints, with its setup: (1) selection latency per decode step at 32K and 128K tokens for one
 layer, next to dense attention of one query in the same run; (2) bytes loaded per decode step
@@ -17,10 +17,10 @@ import time
 
 import torch
 
+from ucm.bench.sparse_eval import focused_query, smooth_keys
 from ucm.sparse.attention import dense_attention
 from ucm.sparse.codecs import LosslessCodec, QuantCodec, measure
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.evaluate import focused_query, smooth_keys
 from ucm.sparse.methods import make_method
 from ucm.sparse.session import SparseSession, select_blocks
 
@@ -123,7 +123,7 @@ def fetched_bytes(n_tokens: int, steps: int) -> None:
 
 
 def codec_table() -> None:
-    from ucm.sparse import realkv
+    from ucm.bench import realkv
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if realkv.unavailable_reason() is None:
@@ -176,13 +176,13 @@ def codec_table() -> None:
                 )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ucm bench sparse", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32K only, fewer repeats")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1: stable on a shared host)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(
@@ -193,7 +193,8 @@ def main() -> None:
         latency(n, repeat=3 if args.quick else 5)
     fetched_bytes(32 * 1024, steps=32 if args.quick else 64)
     codec_table()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,7 +11,8 @@ submitters:
   lookup of the same keys.
 
 Cells alternate kernel and baseline runs and keep each side's best of `--repeat` rounds, so a
-noisy neighbour hurts both sides alike. `ucm bench policy` compares eviction policies.
+noisy neighbour hurts both sides alike. `ucm bench policy` compares eviction policies;
+`ucm bench vllm`, `ucm bench sparse` and `ucm bench trace` are the other benchmarks.
 """
 
 from __future__ import annotations
@@ -478,7 +479,9 @@ def _parse_size(text: str) -> int:
 
 
 def run_bench(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ucm bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="ucm bench", description=__doc__.split("\n\n")[0],
+        epilog="other benchmarks: ucm bench vllm|sparse|trace --help")
     parser.add_argument("what", nargs="?", default="storage", choices=["storage", "policy"],
                         help="storage (default): drivers through the kernel; policy: eviction")
     parser.add_argument("--config", help="a ucm config file (default: the embedded default)")
@@ -495,7 +498,7 @@ def run_bench(argv: list[str] | None = None) -> int:
     parser.add_argument("--driver", action="append", help="only these tiers (by name)")
     args = parser.parse_args(argv)
     if args.what == "policy":
-        from ucm.kernel._policy_bench import run_policy_bench
+        from ucm.bench.policy import run_policy_bench
 
         return run_policy_bench(args.json)
     config = load_config(args.config)
@@ -517,7 +520,7 @@ def run_bench(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main() -> None:  # python -m ucm.bench
+def main() -> None:  # python -m ucm.bench.storage
     raise SystemExit(run_bench())
 
 

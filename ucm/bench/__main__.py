@@ -1,0 +1,10 @@
+"""`python -m ucm.bench [...]`: the same as `ucm bench [...]`."""
+
+from __future__ import annotations
+
+import sys
+
+from ucm.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", *sys.argv[1:]]))
