@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -54,10 +53,8 @@ def test_submit_never_blocks_and_a_full_inbox_fails_at_once(tmp_path):
     kernel.start()
     try:
         handles = [kernel.submit(Lookup([b"k"])) for _ in range(3)]
-        start = time.perf_counter()
         busy = kernel.submit(Lookup([b"k"]))
-        assert time.perf_counter() - start < 0.05
-        assert busy.done()
+        assert busy.done()  # resolved inside submit: it did not wait for the held kernel
         with pytest.raises(KernelBusy, match="inbox full"):
             busy.result()
         assert not any(h.done() for h in handles)

@@ -196,7 +196,6 @@ def test_hanging_storage_completes_by_recompute(scenario, listing):
     result = _run_single(scenario, ucm, index_wait=0.5)
     single = _phase(result, "single")
     assert single["tokens"] == _phase(scenario["base"], "single")["tokens"]
-    assert single["wall_s"][0] < 30
     worker = result["stats"]["worker"]
     if listing == "spared":
         assert worker["load_error_blocks"] == 9 and worker.get("loaded_blocks", 0) == 0
