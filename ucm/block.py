@@ -30,7 +30,7 @@ import struct
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, final
 
 import xxhash
 
@@ -317,6 +317,7 @@ def as_byte_view(buf: Buffer) -> memoryview:
     return view
 
 
+@final  # the kernel tells a Scatter from a buffer by `type(b) is Scatter`
 class Scatter:
     """One block's load buffer in pieces, filled in order as if it were one buffer.
 

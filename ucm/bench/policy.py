@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from typing import Any
 
 from ucm.kernel._policy import make_policy
 
@@ -34,7 +35,7 @@ def zipf_scan_trace(n: int, blocks: int, rng: random.Random) -> Iterator[int]:
 
 
 def chat_trace(n: int, blocks: int, rng: random.Random) -> Iterator[int]:
-    sessions = [[] for _ in range(200)]
+    sessions: list[list[int]] = [[] for _ in range(200)]
     next_id = 0
     emitted = 0
     while emitted < n:
@@ -69,7 +70,7 @@ def hit_ratio(policy_name: str, trace: list[int], capacity: int) -> float:
     return hits / len(trace)
 
 
-def compare(seed: int = 0, n: int = 200_000) -> list[dict]:
+def compare(seed: int = 0, n: int = 200_000) -> list[dict[str, Any]]:
     rows = []
     for name, make in (("zipf", zipf_trace), ("zipf+scan", zipf_scan_trace),
                        ("chat", chat_trace)):

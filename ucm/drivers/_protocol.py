@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, cast, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -74,7 +74,7 @@ STATISTICS: tuple[str, ...] = tuple(DriverStatistics.__annotations__)
 
 def new_statistics() -> DriverStatistics:
     """A DriverStatistics with every counter at zero."""
-    return DriverStatistics(**dict.fromkeys(STATISTICS, 0))  # type: ignore[typeddict-item]
+    return cast(DriverStatistics, dict.fromkeys(STATISTICS, 0))
 
 
 @runtime_checkable

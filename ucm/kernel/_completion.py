@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 
-class Completion(concurrent.futures.Future):
+class Completion(concurrent.futures.Future[Any]):
     def __init__(self, event: Any, event_id: int) -> None:
         super().__init__()
         self.event = event
         self.event_id = event_id
-        self._cancel_hook: Callable[[], None] | None = None
+        self._cancel_hook: Callable[[], object] | None = None
         self._cancel_requested = False
 
     def cancel(self) -> bool:
@@ -38,7 +38,7 @@ class Completion(concurrent.futures.Future):
         return self._cancel_requested
 
     # Called on the trio thread only.
-    def _set_cancel_hook(self, hook: Callable[[], None]) -> None:
+    def _set_cancel_hook(self, hook: Callable[[], object]) -> None:
         with self._condition:
             self._cancel_hook = hook
             requested = self._cancel_requested

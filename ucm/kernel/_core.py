@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -102,8 +102,8 @@ class KernelCore:
                             await core._close_driver(tier)
                         core.tiers = []
 
-    async def attach(self, tier_config: TierConfig | dict, *, position: int | None = None,
-                     ) -> str:
+    async def attach(self, tier_config: TierConfig | dict[str, Any], *,
+                     position: int | None = None) -> str:
         """Opens a driver and adds it as a tier (at `position`, default last)."""
         if isinstance(tier_config, dict):
             tier_config = TierConfig.model_validate(tier_config)
@@ -124,17 +124,17 @@ class KernelCore:
             # asks the driver, which finds it.
             self._listings += 1
             self.indexed.clear()
-            if not self.background.spawn(self._index_stored_blocks, tier):
+            if not self.background.spawn(self._index_stored_blocks, tier, driver):
                 self._listing_done()
         self.emit("attach", 0, tier=name)
         return name
 
-    async def _index_stored_blocks(self, tier: Tier) -> None:
+    async def _index_stored_blocks(self, tier: Tier, lister: Listing) -> None:
         try:
             with self._using([tier]):
                 tier.indexing = True
                 try:
-                    async for key, size in tier.driver.list_blocks():
+                    async for key, size in lister.list_blocks():
                         if key not in tier and key not in tier.removed_while_indexing:
                             tier.add(key, size, None)
                 finally:
@@ -175,7 +175,7 @@ class KernelCore:
         raise InvalidRequest(f"no tier named {name!r}")
 
     @contextmanager
-    def _using(self, tiers: list[Tier]):
+    def _using(self, tiers: list[Tier]) -> Iterator[list[Tier]]:
         for tier in tiers:
             tier.enter()
         try:
@@ -243,7 +243,7 @@ class KernelCore:
         """Where each key of `event` is, looked for in `tiers` (fastest first)."""
         keys = event.keys
         found: list[Tier | None] = [None] * len(keys)
-        pending = range(len(keys))
+        pending: Sequence[int] = range(len(keys))
         for tier in tiers:
             ask = []
             index = tier.policy.index
@@ -253,23 +253,23 @@ class KernelCore:
                 else:
                     ask.append(i)
             if ask:
-                hits = await self._driver_lookup(tier, keys_of(keys, ask), event_id)
-                for i, hit in zip(ask, hits, strict=True):
+                asked = await self._driver_lookup(tier, keys_of(keys, ask), event_id)
+                for i, hit in zip(ask, asked, strict=True):
                     if hit:
                         found[i] = tier
             pending = [i for i in ask if found[i] is None]
             if not pending:
                 break
         if event.prefix:
-            for i, tier in enumerate(found):
-                if tier is None:
+            for i, where in enumerate(found):
+                if where is None:
                     found[i:] = [None] * (len(found) - i)
                     break
         hits = tuple(t is not None for t in found)
         if event.pin:
-            for key, tier in zip(keys, found, strict=True):
-                if tier is not None:
-                    tier.policy.pin(key, self.config.pin_ttl)
+            for key, where in zip(keys, found, strict=True):
+                if where is not None:
+                    where.policy.pin(key, self.config.pin_ttl)
         by_tier = {tier.name: sum(1 for t in found if t is tier) for tier in tiers}
         count_lookup(self.stats, len(keys), by_tier)
         self.emit("result", event_id, **lookup_result(len(keys), by_tier))
@@ -332,8 +332,12 @@ class KernelCore:
                 return
             t0 = time.monotonic_ns()
             targets = [buffers[i] for i in pending]
-            staged = None if tier.scatter else _stage_scatters(targets)
-            load = tier.driver.load_scatter if tier.scatter else tier.driver.load
+            scatter_loader = tier.scatter_loader
+            load: Callable[..., Awaitable[list[LoadState]]]
+            if scatter_loader is not None:
+                staged, load = None, scatter_loader.load_scatter
+            else:
+                staged, load = _stage_scatters(targets), tier.driver.load
             try:
                 result = await tier.call(Priority.LOAD, load, keys_of(keys, pending),
                                          staged or targets)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ucm.block import MAX_KEY_BYTES, Scatter, as_buffer_view, as_byte_view, check_key
 from ucm.drivers import LoadState
@@ -40,7 +40,7 @@ def _check_keys(keys: Sequence[bytes]) -> tuple[bytes, ...]:
     return keys
 
 
-def _check_buffers(keys: tuple[bytes, ...], buffers: Sequence, *, writable: bool,
+def _check_buffers(keys: tuple[bytes, ...], buffers: Sequence[Any], *, writable: bool,
                    ) -> tuple[memoryview | Scatter, ...]:
     if len(buffers) != len(keys):
         raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")

@@ -27,7 +27,7 @@ from ucm.drivers import InMemoryLoads, LoadState, MemoryLoad
 from ucm.errors import KernelError, UCMError
 from ucm.kernel._accounting import count_load, count_lookup, load_op, lookup_result, trace_fields
 from ucm.kernel._completion import Completion
-from ucm.kernel._events import Load, LoadResult, Lookup, LookupResult, _Event
+from ucm.kernel._events import Event, Load, LoadResult, Lookup, LookupResult
 
 if TYPE_CHECKING:
     from ucm.kernel._kernel import Kernel
@@ -51,14 +51,13 @@ class FastPath:
         self._touched: deque[tuple[Tier, list[bytes], list[int]]] = deque(
             maxlen=_TOUCH_BACKLOG)
 
-    def submit(self, event: _Event) -> Completion | None:
+    def submit(self, event: Event) -> Completion | None:
         """A Completion for `event` served off the trio thread, or None: then the caller
         hands it to the trio thread."""
-        kind = type(event)
-        if kind is Lookup and not event.pin:
-            return self._lookup(event)
-        if kind is Load:
+        if type(event) is Load:
             return self._load(event)
+        if type(event) is Lookup and not event.pin:
+            return self._lookup(event)
         return None
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -137,7 +136,10 @@ class FastPath:
         try:
             event = completion.event
             n = len(event.keys)
-            states = done.outcome if done.error is None else [LoadState.FAILED] * n
+            states: list[LoadState | None] | None = (
+                done.outcome if done.error is None else [LoadState.FAILED] * n)
+            if states is None:  # a driver bug: resolved as an internal error below
+                raise KernelError("an in-memory load finished without its outcome")
             ok = [i for i, s in enumerate(states) if s is LoadState.OK]
             sizes = [done.views[i].nbytes for i in ok]
             with self._lock:
@@ -173,7 +175,7 @@ class FastPath:
         sub = self._kernel._submit_to_core(follow)
         completion._set_cancel_hook(sub.cancel)
 
-        def merge(sub: concurrent.futures.Future) -> None:  # on the resolving thread
+        def merge(sub: concurrent.futures.Future[Any]) -> None:  # on the resolving thread
             if sub.cancelled():
                 self._trace_done(completion, "cancelled")
                 completion._finish_cancelled()
@@ -184,7 +186,7 @@ class FastPath:
                 completion._resolve(exc=exc)
                 return
             result = sub.result()
-            merged = [LoadState.OK if s is LoadState.OK else None for s in states]
+            merged = [LoadState.OK] * len(states)  # the rest is overwritten below
             sources = [tier_name if s is LoadState.OK else None for s in states]
             for j, i in enumerate(rest):
                 merged[i], sources[i] = result.states[j], result.tiers[j]

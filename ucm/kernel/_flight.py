@@ -7,8 +7,10 @@ into every follower's buffer, so no buffer is written after its event has comple
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
+from typing import Final
 
 import trio
 
@@ -28,13 +30,17 @@ class Flight:
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.followers: list[memoryview] = []
+        self.followers: list[memoryview | Scatter] = []
         self.frozen = False  # the followers list is closed: the leader is copying into them
         self.state = LoadState.FAILED
         self.tier: str | None = None
 
 
-_ABSENT = object()
+class _Absent(enum.Enum):
+    ABSENT = 0
+
+
+_ABSENT: Final = _Absent.ABSENT  # no flight for the key (None: one without followers yet)
 
 
 class FlightTable:
@@ -44,7 +50,7 @@ class FlightTable:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def join(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
+    def join(self, keys: Sequence[bytes], buffers: Sequence[memoryview | Scatter],
              ) -> tuple[list[int], list[tuple[int, Flight]]]:
         """Splits a batch into the indices this event leads and the flights it follows.
         A led key holds a bare marker until a follower arrives: most loads have none, and
@@ -64,13 +70,13 @@ class FlightTable:
             followers.append((i, flight))
         return leaders, followers
 
-    async def land(self, keys: Sequence[bytes], buffers: Sequence[memoryview],
+    async def land(self, keys: Sequence[bytes], buffers: Sequence[memoryview | Scatter],
                    leaders: list[int], states: Sequence[LoadState],
                    tiers: Sequence[str | None]) -> None:
         """Ends the leader's flights: copies good blocks to followers, then wakes them.
         Call it shielded: followers wait on it."""
-        copies: list[tuple[memoryview, memoryview]] = []
-        landed = []
+        copies: list[tuple[memoryview | Scatter, memoryview | Scatter]] = []
+        landed: list[Flight] = []
         for i in leaders:
             flight = self._flights.pop(keys[i])
             if flight is None:  # nobody followed
@@ -96,7 +102,7 @@ class FlightTable:
                 flight.done.set()
 
     @staticmethod
-    async def follow(flight: Flight, buffer: memoryview) -> None:
+    async def follow(flight: Flight, buffer: memoryview | Scatter) -> None:
         """Waits for the leader. If cancelled after the leader has started copying into this
         buffer, waits (shielded) for the copy to end, so the buffer is quiet on return."""
         try:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -25,18 +25,20 @@ from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UC
 from ucm.kernel._accounting import trace_fields
 from ucm.kernel._completion import Completion
 from ucm.kernel._core import KernelCore, _configured_tracer
-from ucm.kernel._events import _Event
+from ucm.kernel._events import Event, _Event
 from ucm.kernel._fastpath import FastPath
 from ucm.kernel._tier import Tier
 
 log = logging.getLogger("ucm.kernel")
 
+_Work = Callable[[KernelCore, int], Awaitable[Any]]  # what the trio thread runs for an event
+
 
 class Kernel:
     """One per process. Starts lazily on the first `submit` (or `start()`), after any fork."""
 
-    def __init__(self, config: UCMConfig | dict | str | os.PathLike | None = None, *,
-                 tracer: Any = None, drain_timeout: float = 30.0) -> None:
+    def __init__(self, config: UCMConfig | dict[str, Any] | str | os.PathLike[str] | None = None,
+                 *, tracer: Any = None, drain_timeout: float = 30.0) -> None:
         self.config = load_config(config)
         self.drain_timeout = drain_timeout
         if tracer is None:  # config.trace or UCM_TRACE; the core runs its writer task
@@ -65,13 +67,15 @@ class Kernel:
         with self._lock:
             if self._closing:
                 raise KernelClosed("the kernel was closed")
-            first = self._thread is None
-            if first:
+            thread = self._thread
+            first = thread is None
+            if thread is None:
                 self._ready = threading.Event()
                 self._pid = os.getpid()
-                self._thread = threading.Thread(target=trio.run, args=(self._main, self._ready),
-                                                name="ucm-kernel", daemon=True)
-                self._thread.start()
+                thread = self._thread = threading.Thread(
+                    target=trio.run, args=(self._main, self._ready), name="ucm-kernel",
+                    daemon=True)
+                thread.start()
         self._check_process()
         self._ready.wait()
         if not first:
@@ -79,7 +83,7 @@ class Kernel:
                 raise KernelClosed("the kernel failed to start")
             return
         if self._start_error is not None:
-            self._thread.join()
+            thread.join()
             error, self._start_error = self._start_error, None
             with self._lock:
                 self._thread = None
@@ -120,10 +124,10 @@ class Kernel:
                 thread = self._thread
             else:
                 self._closing = True
-                thread = self._thread
-                if thread is not None and self._token is not None:
+                thread, token, stop = self._thread, self._token, self._stop
+                if thread is not None and token is not None and stop is not None:
                     try:
-                        self._token.run_sync_soon(self._stop.set)
+                        token.run_sync_soon(stop.set)
                     except trio.RunFinishedError:
                         pass
         if thread is not None:
@@ -139,7 +143,7 @@ class Kernel:
         self.close()
 
     # -- submission ------------------------------------------------------------------------------
-    def submit(self, event: _Event) -> Completion:
+    def submit(self, event: Event) -> Completion:
         """Hands an event to the kernel; never blocks once the kernel runs. The returned
         Completion resolves to the event's result or raises its error."""
         if not isinstance(event, _Event):
@@ -151,7 +155,7 @@ class Kernel:
             return completion
         return self._submit_to_core(event)
 
-    def _submit_to_core(self, event: _Event) -> Completion:
+    def _submit_to_core(self, event: Event) -> Completion:
         """Hands `event` to the trio thread."""
         return self._submit(event, lambda core, eid: core.run(event, event_id=eid))
 
@@ -173,7 +177,8 @@ class Kernel:
         tier = tiers[0] if tiers else None
         return None if tier is None or tier.detaching else tier
 
-    def attach(self, tier: TierConfig | dict, *, position: int | None = None) -> Completion:
+    def attach(self, tier: TierConfig | dict[str, Any], *, position: int | None = None,
+               ) -> Completion:
         """Adds a tier to the running kernel; resolves to its name."""
         if self._token is None:
             self.start()
@@ -185,12 +190,13 @@ class Kernel:
             self.start()
         return self._submit(None, lambda core, _: core.detach(name))
 
-    def _submit(self, event: Any, work: Callable[[KernelCore, int], Any]) -> Completion:
+    def _submit(self, event: Any, work: _Work) -> Completion:
         event_id = next(self._ids)
         completion = Completion(event, event_id)
         with self._lock:
             self._check_process()
-            if self._closing:
+            token = self._token  # set by start(), which every caller has run
+            if self._closing or token is None:
                 completion._resolve(exc=KernelClosed("the kernel is closed"))
                 return completion
             if self._outstanding >= self.config.inbox_size:
@@ -204,7 +210,7 @@ class Kernel:
         if tracer is not None and event is not None:
             tracer.emit("submit", event_id, trace_fields(event))
         try:
-            self._token.run_sync_soon(self._accept, completion, work)
+            token.run_sync_soon(self._accept, completion, work)
         except trio.RunFinishedError:
             self._finished(started=False)
             completion._resolve(exc=KernelClosed("the kernel has stopped"))
@@ -217,7 +223,7 @@ class Kernel:
                 self._queued -= 1
 
     # Runs on the trio thread: must never raise.
-    def _accept(self, completion: Completion, work: Callable) -> None:
+    def _accept(self, completion: Completion, work: _Work) -> None:
         if self._fast.touches_pending:
             self._fast.apply_touches()
         events = self._events
@@ -227,12 +233,13 @@ class Kernel:
             return
         events.start_soon(self._run, completion, work)
 
-    async def _run(self, completion: Completion, work: Callable) -> None:
+    async def _run(self, completion: Completion, work: _Work) -> None:
         with self._lock:
             self._queued -= 1
         try:
+            core, token = self._core, self._token
+            assert core is not None and token is not None  # set before events are accepted
             with trio.CancelScope() as scope:
-                token = self._token
 
                 def cancel_soon() -> None:
                     try:
@@ -242,7 +249,7 @@ class Kernel:
 
                 completion._set_cancel_hook(cancel_soon)
                 try:
-                    result = await work(self._core, completion.event_id)
+                    result = await work(core, completion.event_id)
                 except trio.Cancelled:
                     if not (scope.cancel_called and completion.cancel_requested):
                         completion._resolve(exc=KernelClosed(

@@ -55,7 +55,7 @@ class Background:
         self._nursery.start_soon(self._run, fn, args)
         return True
 
-    async def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+    async def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
             async with self._limiter:
                 await fn(*args)
@@ -195,12 +195,12 @@ class Movement:
         absent = [k for k in keys if k not in top]
         if len(tiers) == 1 or not absent:
             return PrefetchResult(0, len(keys) - len(absent), 0)
-        found = await self._core.lookup_in(Lookup(absent), tiers[1:], event_id)
+        found = await self._core.lookup_in(Lookup(tuple(absent)), tiers[1:], event_id)
         promoted = 0
         for tier in tiers[1:]:
             batch = [k for k, name in zip(absent, found.tiers, strict=True) if name == tier.name]
-            sized = [(k, self._raw_size(k, tiers, event.block_bytes)) for k in batch]
-            sized = [(k, s) for k, s in sized if s is not None]
+            raw = [(k, self._raw_size(k, tiers, event.block_bytes)) for k in batch]
+            sized = [(k, s) for k, s in raw if s is not None]
             if sized:
                 promoted += await self._copy([k for k, _ in sized], [s for _, s in sized],
                                              tier, [top], priority=Priority.PREFETCH)

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator, Mapping
 class Policy:
     """Base: size accounting and pins. Subclasses order the victims."""
 
-    def __init__(self, capacity: int | None, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, capacity: int | None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity = capacity
         self.used = 0
         self._clock = clock
@@ -142,8 +143,9 @@ class Policy:
 
 
 class LRUPolicy(Policy):
-    def __init__(self, capacity: int | None, **kw) -> None:
-        super().__init__(capacity, **kw)
+    def __init__(self, capacity: int | None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(capacity, clock=clock)
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
     def _on_insert(self, key: bytes) -> None:
@@ -168,8 +170,9 @@ class S3FIFOPolicy(Policy):
     SMALL_FRACTION = 0.1
     MAX_FREQ = 3
 
-    def __init__(self, capacity: int | None, **kw) -> None:
-        super().__init__(capacity, **kw)
+    def __init__(self, capacity: int | None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(capacity, clock=clock)
         self._small: OrderedDict[bytes, None] = OrderedDict()
         self._main: OrderedDict[bytes, None] = OrderedDict()
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
@@ -241,9 +244,10 @@ class S3FIFOPolicy(Policy):
             self._ghost.popitem(last=False)
 
 
-def make_policy(name: str, capacity: int | None, **kw) -> Policy:
+def make_policy(name: str, capacity: int | None, *,
+                clock: Callable[[], float] = time.monotonic) -> Policy:
     if name == "lru":
-        return LRUPolicy(capacity, **kw)
+        return LRUPolicy(capacity, clock=clock)
     if name == "s3fifo":
-        return S3FIFOPolicy(capacity, **kw)
+        return S3FIFOPolicy(capacity, clock=clock)
     raise ValueError(f"unknown eviction policy {name!r}; choose lru or s3fifo")

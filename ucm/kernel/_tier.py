@@ -23,7 +23,9 @@ class Tier:
         self.name = config.name or config.driver
         self.driver = driver
         self.persistent = bool(driver.persistent)
-        self.scatter = isinstance(driver, ScatterLoads)  # loads into a Scatter itself
+        # Loads into a Scatter itself; others get a contiguous stand-in (_core).
+        self.scatter_loader: ScatterLoads | None = (
+            driver if isinstance(driver, ScatterLoads) else None)
         # Loads of blocks it holds in memory may run off the trio thread (_fastpath).
         self.in_memory: InMemoryLoads | None = (
             driver if isinstance(driver, InMemoryLoads) else None)
