@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -41,6 +41,11 @@ from ucm.config import UCMConfig, load_config
 from ucm.errors import ConfigError
 from ucm.sparse.config import SparseConfig
 from ucm.vllm_hook.keys import make_namespace, model_identity
+
+if TYPE_CHECKING:
+    from ucm.kernel import Kernel
+    from ucm.vllm_hook.metadata import BlockTransfer
+    from ucm.vllm_hook.worker import WorkerSide
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -164,10 +169,10 @@ class HookSettings:
     early_loads: bool = _DEFAULTS.early_loads
     hugepages: bool = _DEFAULTS.hugepages
     lookup_wait: float = _DEFAULTS.lookup_wait
-    lookup_timeout: float = 5.0
+    lookup_timeout: float = 5.0  # HookOptions' None without a ucm deadline
     start_timeout: float = _DEFAULTS.start_timeout
     index_wait: float = _DEFAULTS.index_wait
-    load_timeout: float = 30.0
+    load_timeout: float = 30.0  # HookOptions' None without a ucm deadline
     max_store_bytes: int = int(_DEFAULTS.max_store_bytes)
     step_tokens: int | None = None  # vLLM's max_num_batched_tokens: what one step can save
     save_generated: bool = _DEFAULTS.save_generated
@@ -295,7 +300,7 @@ def _lookup_only(tier: Any) -> Any:
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def start_kernel(config: UCMConfig) -> Any:
+def start_kernel(config: UCMConfig) -> Kernel:
     """A Kernel for `config`, starting in the background: opening a tier can be slow or hang
     (an unreachable backend), and vLLM's start-up must not wait for it. Until `kernel.running`
     the hook treats every block as a miss."""
@@ -330,11 +335,11 @@ class SharedKernel:
     process-local memory tier) and hands the worker each step's loads as soon as it has
     planned them."""
 
-    def __init__(self, kernel: Any, worker: Any) -> None:
+    def __init__(self, kernel: Kernel, worker: WorkerSide | None) -> None:
         self.kernel = kernel
         self._worker = worker  # the WorkerSide that owns the kernel; None once released
 
-    def load_early(self, loads: list[Any]) -> bool:
+    def load_early(self, loads: list[BlockTransfer]) -> bool:
         """Starts a step's loads on the worker side (`WorkerSide.load_early`); False when they
         did not start there (the worker has moved on to another kernel, or declined)."""
         worker = self._worker
@@ -354,7 +359,7 @@ class ProcessKernels:
     def _key(config: UCMConfig) -> tuple[int, str]:
         return os.getpid(), json.dumps(config.model_dump(mode="json"), sort_keys=True)
 
-    def acquire(self, config: UCMConfig, worker: Any) -> SharedKernel:
+    def acquire(self, config: UCMConfig, worker: WorkerSide | None) -> SharedKernel:
         """Starts a kernel for `config` (`start_kernel`) owned by `worker` (a WorkerSide; None
         for a kernel shared without one) and makes it findable. Its owner closes it, after
         `release`."""
