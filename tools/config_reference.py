@@ -53,6 +53,11 @@ SECTIONS: list[Section] = [
             "The top level of a config (YAML, JSON or a dict). A tier's keys other than "
             "`driver`, `name`, `capacity`, `codec`, `concurrency` and `options` are its "
             "driver's options (below). Unknown keys and bad values are errors naming the key."),
+    Section("The vLLM connector", "ucm.vllm_hook.settings:HookOptions",
+            "kv_connector_extra_config.",
+            "The connector's own keys, beside `ucm` in vLLM's `kv_connector_extra_config`. "
+            "Checked when the engine starts: an unknown key or a bad value is an error naming "
+            "it."),
 ]
 
 
@@ -91,7 +96,9 @@ def render(sections: list[Section] | None = None) -> str:
         if intro:
             out += [intro, ""]
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
-        out += [_row(*row) for row in _rows(model, section.prefix)]
+        # A model that has a section of its own is not expanded again inside another.
+        others = {resolve(s.model) for s in sections if s is not section}
+        out += [_row(*row) for row in _rows(model, section.prefix, others)]
     return "\n".join(out) + "\n"
 
 
@@ -107,7 +114,8 @@ def resolve(model: type[BaseModel] | str) -> type[BaseModel]:
     return obj
 
 
-def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
+def _rows(model: type[BaseModel], prefix: str, elsewhere: set[type[BaseModel]] = frozenset(),
+          ) -> list[tuple[str, str, str, str]]:
     rows = []
     notes = _source_notes(model)
     for name, field in model.model_fields.items():
@@ -115,8 +123,8 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
         nested, many = _nested_model(field.annotation)
         rows.append((key, type_name(field.annotation, name, field),
                      _default(field), _meaning(field, notes.get(name, ""))))
-        if nested is not None and nested.model_fields:
-            rows += _rows(nested, key + ("[]." if many else "."))
+        if nested is not None and nested.model_fields and nested not in elsewhere:
+            rows += _rows(nested, key + ("[]." if many else "."), elsewhere)
     return rows
 
 

@@ -14,12 +14,7 @@ from ucm.config import load_config
 from ucm.kernel import Delete, Kernel, Store
 from ucm.vllm_hook.keys import chain_digests, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.scheduler import SchedulerSide
-from ucm.vllm_hook.settings import (
-    HookSettings,
-    acquire_kernel,
-    kv_layer_count,
-    release_kernel,
-)
+from ucm.vllm_hook.settings import HookSettings, kernels, kv_layer_count
 
 BS = 4
 
@@ -58,7 +53,8 @@ def _answer(side: SchedulerSide, req, computed: int = 0, wait: float = 5.0):
 
 def test_prefix_hit_never_claims_the_last_token():
     settings = _settings({"tiers": [{"driver": "memory"}]})
-    kernel = _wait_running(acquire_kernel(settings.ucm_config, register=True))  # shared
+    shared = kernels.acquire(settings.ucm_config, None)  # as a worker side in this process
+    kernel = _wait_running(shared.kernel)
     try:
         tokens = list(range(16))  # 4 full blocks
         _store(kernel, tokens, 4)
@@ -67,13 +63,14 @@ def test_prefix_hit_never_claims_the_last_token():
         assert _answer(side, _request("b", tokens), computed=8) == (4, False)
         assert _answer(side, _request("c", tokens[:9] + [99] * 7)) == (8, False)
     finally:
-        release_kernel(kernel)
+        kernels.release(shared)
         kernel.close()
 
 
 def test_tp_hit_needs_every_rank():
     settings = _settings({"tiers": [{"driver": "memory"}]}, tp_size=2)
-    kernel = _wait_running(acquire_kernel(settings.ucm_config, register=True))
+    shared = kernels.acquire(settings.ucm_config, None)
+    kernel = _wait_running(shared.kernel)
     try:
         tokens = list(range(17))
         _store(kernel, tokens, 4, rank=0, size=2)
@@ -81,7 +78,7 @@ def test_tp_hit_needs_every_rank():
         side = SchedulerSide(settings)
         assert _answer(side, _request("a", tokens)) == (8, False)
     finally:
-        release_kernel(kernel)
+        kernels.release(shared)
         kernel.close()
 
 
@@ -90,7 +87,8 @@ def test_layerwise_hit_needs_every_layer_of_a_block(tp_size):
     """Layerwise, each layer of a block is a key of its own: a block whose later layer was
     evicted is not claimed (it would only fail to load and be recomputed)."""
     settings = _settings({"tiers": [{"driver": "memory"}]}, layerwise=True, tp_size=tp_size)
-    kernel = _wait_running(acquire_kernel(settings.ucm_config, register=True))
+    shared = kernels.acquire(settings.ucm_config, None)
+    kernel = _wait_running(shared.kernel)
     try:
         tokens = list(range(21))  # 5 full blocks
         digests = chain_digests(chain_seed("test-ns"), tokens, BS, 5)
@@ -105,7 +103,7 @@ def test_layerwise_hit_needs_every_layer_of_a_block(tp_size):
         # Without the layer count only the first layer is looked up (and a warning says so).
         assert _answer(SchedulerSide(settings), _request("c", tokens)) == (20, False)
     finally:
-        release_kernel(kernel)
+        kernels.release(shared)
         kernel.close()
 
 

@@ -4,6 +4,7 @@ recompute, and snapshot buffers are reused once their stores end."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from ucm.config import load_config  # noqa: E402
 from ucm.kernel import Delete, Lookup  # noqa: E402
 from ucm.vllm_hook.keys import layer_key  # noqa: E402
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata  # noqa: E402
-from ucm.vllm_hook.settings import HookSettings, wait_running  # noqa: E402
+from ucm.vllm_hook.settings import HookSettings, kernels, wait_running  # noqa: E402
 from ucm.vllm_hook.worker import WorkerSide  # noqa: E402
 
 
@@ -303,3 +304,23 @@ def test_the_scheduler_side_starts_the_steps_loads_through_the_worker_in_its_pro
         assert worker.stats["loaded_blocks"] == 3 and "early_loads_unused" not in worker.stats
     finally:
         worker.shutdown()
+
+
+def test_a_scheduler_side_finds_the_workers_kernel_while_the_worker_owns_it(monkeypatch):
+    """By config, in this process only (a forked child starts its own), and it hands the
+    worker no more loads once the worker has shut down."""
+    worker, caches = _worker("ws-shared")
+    config = worker.settings.ucm_config
+    digest = b"\x01" * 16
+    try:
+        shared = kernels.find(config)
+        assert shared is not None and shared.kernel is worker.kernel
+        with monkeypatch.context() as m:
+            m.setattr(os, "getpid", lambda: -1)
+            assert kernels.find(config) is None
+        _save(worker, caches, BlockTransfer("a", [4], [digest]))
+    finally:
+        worker.shutdown()
+    assert kernels.find(config) is None
+    assert not shared.load_early([BlockTransfer("b", [5], [digest])])
+    assert "early_loads" not in worker.stats

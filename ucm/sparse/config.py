@@ -25,24 +25,28 @@ class SparseConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: MethodName = "quest"
-    budget: float | int = Field(default=1 / 8)
-    block_size: int = Field(default=32, ge=1)
-    sink_blocks: int = Field(default=1, ge=0)
-    local_blocks: int = Field(default=2, ge=0)
+    method: MethodName = Field(default="quest", description="the block-selection method")
+    budget: float | int = Field(default=1 / 8, description=(
+        "blocks kept per step beyond sinks and window: a fraction in (0, 1] or a count"))
+    block_size: int = Field(default=32, ge=1, description="tokens per block (the engine's)")
+    sink_blocks: int = Field(default=1, ge=0, description="leading blocks always resident")
+    local_blocks: int = Field(default=2, ge=0,
+                              description="most recent blocks always resident")
     stride: int = Field(default=8, ge=1, description="re-select every `stride` decode steps")
     # KVStar
     vote_queries: int = Field(default=8, ge=1, description="recent queries that vote (kvstar)")
     channel_fraction: float = Field(default=0.25, gt=0, le=1, description="kvstar channels")
     sub_block: int = Field(default=2, ge=1, description="tokens per sub-representative (kvstar)")
     # GSA-style prefetch (any method; on by default for "gsa")
-    prefetch: bool | None = None
+    prefetch: bool | None = Field(default=None, description=(
+        "predict and load the next selection early; null: on for gsa only"))
     prefetch_lead: int = Field(default=2, ge=1, description="steps before a refresh to predict")
     prefetch_margin: float = Field(default=0.25, ge=0, description="extra predicted blocks")
     # adaptive budget
-    mass_target: float = Field(default=0.9, gt=0, le=1)
-    min_budget: int = Field(default=1, ge=0)
-    seed: int = 0
+    mass_target: float = Field(default=0.9, gt=0, le=1, description=(
+        "adaptive: the estimated attention mass the chosen blocks must reach"))
+    min_budget: int = Field(default=1, ge=0, description="adaptive: blocks chosen at least")
+    seed: int = Field(default=0, description="seed of the random method")
 
     @model_validator(mode="after")
     def _check(self) -> SparseConfig:

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
-from ucm.vllm_hook.sparse import SparseAttention, sparse_config
+from ucm.vllm_hook.sparse import SparseAttention
 
 if TYPE_CHECKING:
     import torch
@@ -56,9 +56,8 @@ class UCMConnector(KVConnectorBase_V1):
             self.worker = WorkerSide(self.settings)
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._layers = kv_layer_count(kv_cache_config)
-            config = sparse_config(self.settings.extra, self.settings.block_size)
-            if config is not None:  # wraps vLLM's CPU attention (ucm.vllm_hook.sparse)
-                self.sparse = SparseAttention(config, self.worker)
+            if self.settings.sparse is not None:  # wraps vLLM's CPU attention (.sparse)
+                self.sparse = SparseAttention(self.settings.sparse, self.worker)
                 self.sparse.activate()
         _live.add(self)
 

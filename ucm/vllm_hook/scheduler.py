@@ -24,10 +24,10 @@ from ucm.vllm_hook.keys import RequestChain, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
     HookSettings,
-    acquire_kernel,
-    find_kernel,
-    find_worker,
+    SharedKernel,
+    kernels,
     scheduler_config,
+    start_kernel,
 )
 
 log = logging.getLogger("ucm.vllm_hook")
@@ -63,18 +63,18 @@ class SchedulerSide:
         self.stats: Counter[str] = Counter()
         self._reqs: dict[str, _RequestState] = {}
         self._kernel: Any = None
+        self._shared: SharedKernel | None = None  # the worker's kernel, in one-process mode
         self._own_kernel = False
         self._kernel_wait_since: float | None = None
 
     # -- the kernel ------------------------------------------------------------------------------
     def _get_kernel(self) -> Any:
         if self._kernel is None:
-            shared = find_kernel(self.settings.ucm_config)  # the worker's, in one-process mode
-            if shared is not None:
-                self._kernel = shared
+            self._shared = kernels.find(self.settings.ucm_config)
+            if self._shared is not None:
+                self._kernel = self._shared.kernel
             else:
-                self._kernel = acquire_kernel(scheduler_config(self.settings.ucm_config),
-                                              register=False)
+                self._kernel = start_kernel(scheduler_config(self.settings.ucm_config))
                 self._own_kernel = True
         return self._kernel
 
@@ -210,10 +210,9 @@ class SchedulerSide:
             save = self._plan_save(st, computed_before[req_id] + n_scheduled)
             if save is not None:
                 meta.saves.append(save)
-        if meta.loads and self.settings.early_loads and not self._own_kernel:
-            worker = find_worker(self._kernel)  # the worker side is in this process
-            if worker is not None and worker.load_early(meta.loads):
-                self.stats["early_loads"] += 1
+        shared = self._shared  # the worker side's kernel: that side is in this process
+        if meta.loads and self.settings.early_loads and shared and shared.load_early(meta.loads):
+            self.stats["early_loads"] += 1
         return meta
 
     def _plan_save(self, st: _RequestState, computed_after: int) -> BlockTransfer | None:
@@ -248,7 +247,7 @@ class SchedulerSide:
                 self._kernel.close(timeout=10.0)
             except UCMError as exc:
                 log.warning("ucm: kernel close: %s", exc)
-        self._kernel = None
+        self._kernel = self._shared = None
 
 
 def _leading(hits: Any) -> int:

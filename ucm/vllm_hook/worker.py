@@ -40,13 +40,7 @@ from ucm.vllm_hook.hugepages import collapse_cache
 from ucm.vllm_hook.keys import layer_key, rank_key
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
-from ucm.vllm_hook.settings import (
-    HookSettings,
-    acquire_kernel,
-    register_worker,
-    release_kernel,
-    wait_running,
-)
+from ucm.vllm_hook.settings import HookSettings, SharedKernel, kernels, wait_running
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -167,6 +161,7 @@ class WorkerSide:
         self.stats: Counter[str] = Counter()
         self.layout: BlockLayout | None = None
         self._kernel: Any = None
+        self._shared: SharedKernel | None = None  # the kernel, as a scheduler side finds it
         self._load_staging: torch.Tensor | None = None
         self._layerwise: _LayerwiseLoad | None = None
         self._early: tuple[tuple, concurrent.futures.Future] | None = None  # load_early's
@@ -194,8 +189,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
                            num_blocks: int | None = None) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
-        self._kernel = acquire_kernel(self.settings.ucm_config, register=True)
-        register_worker(self._kernel, self)
+        self._shared = kernels.acquire(self.settings.ucm_config, self)
+        self._kernel = self._shared.kernel
         if self.layout.scatters and self.settings.hugepages:
             regions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                        for t in kv_caches.values()}
@@ -555,12 +550,12 @@ class WorkerSide:
         self._drop_early()
         if not self.wait_for_stores(60.0):
             log.warning("ucm: stores still running at shutdown; closing the kernel anyway")
-        release_kernel(self._kernel)
+        kernels.release(self._shared)
         try:
             self._kernel.close(timeout=30.0)
         except UCMError as exc:  # a driver that hangs even its close
             log.warning("ucm: kernel close: %s", exc)
-        self._kernel = None
+        self._kernel = self._shared = None
 
 
 def _plan(loads: list[BlockTransfer]) -> tuple:
