@@ -60,17 +60,6 @@ _original_forward: Any = None
 _active: SparseAttention | None = None
 
 
-def sparse_config(extra: dict[str, Any], block_size: int) -> SparseConfig | None:
-    """The SparseConfig that `kv_connector_extra_config["sparse"]` asks for, or None."""
-    raw = extra.get("sparse")
-    if not raw:
-        return None
-    raw = dict(raw)
-    if raw.setdefault("block_size", block_size) != block_size:
-        raise ValueError(f"sparse block_size {raw['block_size']} must be vLLM's ({block_size})")
-    return SparseConfig(**raw)
-
-
 def install() -> None:
     """Wraps CPUAttentionBackendImpl.forward once; refuses other vLLM versions and platforms."""
     global _original_forward
