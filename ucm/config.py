@@ -26,9 +26,11 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
+from ucm.block import MAX_NAMESPACE_BYTES
 from ucm.drivers import DriverOptions, get_driver_class
 from ucm.errors import ConfigError
 
@@ -45,7 +47,7 @@ class TierConfig(_Strict):
     driver: str = Field(description="the driver's registered name (memory, posix, s3, ...)")
     name: str | None = Field(default=None, description="the tier's name; default: the driver's")
     capacity: ByteSize | None = Field(
-        default=None, description="bytes the kernel lets this tier hold; null: unbounded")
+        default=None, description="bytes the kernel lets this tier hold (> 0); null: unbounded")
     codec: Literal["none", "zstd"] = Field(
         default="none", description="how stored payloads are encoded; loads decode any codec")
     concurrency: int = Field(default=8, ge=1, le=1024,
@@ -69,6 +71,13 @@ class TierConfig(_Strict):
         common["options"] = factory.Options(**own)
         return common
 
+    @field_validator("capacity")
+    @classmethod
+    def _positive_capacity(cls, capacity: ByteSize | None) -> ByteSize | None:
+        if capacity is not None and capacity <= 0:
+            raise ValueError("must be > 0 bytes (leave it out for an unbounded tier)")
+        return capacity
+
 
 class TraceConfig(_Strict):
     path: Path = Field(description="directory of the rolling trace segment files")
@@ -85,13 +94,14 @@ class UCMConfig(_Strict):
     durability: Durability = Field(
         default="local", description="when a store completes: in the first tier (memory), "
         "on the first persistent tier (local), on every tier (all)")
-    namespace: str = Field(default="default", min_length=1, max_length=255,
-                           description="names the cache: in every block and storage path")
+    namespace: str = Field(default="default", min_length=1,
+                           description="names the cache: in every block and storage path "
+                           f"(at most {MAX_NAMESPACE_BYTES} bytes as UTF-8)")
     inbox_size: int = Field(default=4096, ge=1,
                             description="events outstanding before submit fails with KernelBusy")
-    deadline: float | None = Field(default=None, gt=0,
-                                   description="seconds per event unless it sets its own; "
-                                   "null: none")
+    deadline: float = Field(default=30.0, gt=0,
+                            description="seconds an event may take unless it sets its own: "
+                            "every event is bounded")
     pin_ttl: float = Field(default=60.0, gt=0,
                            description="seconds a pinning lookup keeps its blocks from eviction")
     eviction: Literal["s3fifo", "lru"] = Field(default="s3fifo",
@@ -100,6 +110,14 @@ class UCMConfig(_Strict):
     trace: TraceConfig | None = Field(default=None,
                                       description="record every event's life; null: off "
                                       "(unless UCM_TRACE names a directory)")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_bytes(cls, namespace: str) -> str:
+        size = len(namespace.encode())
+        if size > MAX_NAMESPACE_BYTES:  # a file name and a block header field hold it
+            raise ValueError(f"is {size} bytes as UTF-8; the limit is {MAX_NAMESPACE_BYTES}")
+        return namespace
 
     @model_validator(mode="after")
     def _unique_tier_names(self) -> UCMConfig:
@@ -129,7 +147,7 @@ def _format_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if p not in ("options",)) or "config"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         lines.append(f"{loc}: {msg}")

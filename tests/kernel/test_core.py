@@ -3,6 +3,7 @@ capacity with pins, deadlines, single-flight, corrupt fallback, hot-plug."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -196,7 +197,9 @@ async def test_deadline_reaches_a_hanging_driver(tmp_path, autojump_clock):
 
 async def test_concurrent_loads_of_one_key_read_storage_once(tmp_path, autojump_clock):
     keys, data = blocks(1)
-    cfg = load_config({"tiers": [faulty_posix(tmp_path, latency=1.0)], "promote": False})
+    # No deadline: on virtual time the clock leaps to any finite one while a posix thread works.
+    cfg = load_config({"tiers": [faulty_posix(tmp_path, latency=1.0)], "promote": False,
+                       "deadline": math.inf})
     async with KernelCore.open(cfg) as core:
         await core.run(Store(keys, buffers=data))
         inner = core.tiers[0].driver.inner
@@ -321,10 +324,20 @@ def test_bad_events_fail_in_the_callers_thread():
     ({"tiers": [{"driver": "memory"}], "durability": "disk"}, "durability"),
     ({"tiers": [{"driver": "memory"}, {"driver": "memory"}]}, "unique"),
     ({"tiers": [{"driver": "posix"}]}, r"tiers\.0.*path"),
+    # capacity 0 once meant unbounded: now it is refused, and null is unbounded
+    ({"tiers": [{"driver": "memory", "capacity": 0}]}, r"^tiers\.0\.capacity: must be > 0"),
+    # counted in bytes: 130 two-byte characters would pass a 255-character limit
+    ({"tiers": [{"driver": "memory"}], "namespace": "é" * 130},
+     r"^namespace: is 260 bytes as UTF-8; the limit is 255"),
+    ({"tiers": [{"driver": "memory"}], "deadline": None}, r"^deadline: "),
 ])
 def test_bad_config_names_the_key(config, message):
     with pytest.raises(ConfigError, match=message):
         load_config(config)
+
+
+def test_every_event_is_bounded_by_default():
+    assert load_config({"tiers": [{"driver": "memory"}]}).deadline == 30.0
 
 
 def test_config_from_yaml_and_default(tmp_path):

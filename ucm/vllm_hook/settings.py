@@ -82,7 +82,7 @@ class HookOptions(BaseModel):
         "before it answers 'ask again later'")
     lookup_timeout: float | None = Field(
         default=None, ge=0, description="seconds after which an unanswered lookup counts as "
-        "a miss; None: the ucm config's deadline, else 5")
+        "a miss; None: the ucm config's deadline where it sets one, else 5")
     start_timeout: float = Field(
         default=30.0, ge=0, description="seconds lookups and loads wait for the kernel to "
         "open its tiers (it lists what a persistent tier holds); then misses until it runs")
@@ -91,7 +91,7 @@ class HookOptions(BaseModel):
         "index the blocks storage already holds; 0: not at all")
     load_timeout: float | None = Field(
         default=None, ge=0, description="seconds a worker waits for a load before it "
-        "recomputes the blocks instead; None: the ucm config's deadline, else 30")
+        "recomputes the blocks instead; None: the ucm config's deadline where it sets one, else 30")
     max_store_bytes: ByteSize = Field(
         default=ByteSize(1 << 30), description="snapshots of saved blocks waiting to be "
         "written; beyond it a save is dropped (a future miss, never a stall)")
@@ -201,6 +201,8 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         model_id=str(options.model_id or model_identity(hf_dict)),
         dtype=dtype, block_size=block_size, kv_layout=kv_layout_tag(vllm_config))
     parallel = vllm_config.parallel_config
+    # The hook's own timeouts follow the ucm deadline only where the config sets one.
+    configured_deadline = base.deadline if "deadline" in base.model_fields_set else None
     return HookSettings(
         ucm_config=base.model_copy(update={"namespace": namespace}),
         namespace=namespace,
@@ -212,10 +214,10 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         early_loads=options.early_loads and _steps_in_turn(vllm_config),
         hugepages=options.hugepages,
         lookup_wait=options.lookup_wait,
-        lookup_timeout=_or(options.lookup_timeout, base.deadline or 5.0),
+        lookup_timeout=_or(options.lookup_timeout, configured_deadline or 5.0),
         start_timeout=options.start_timeout,
         index_wait=options.index_wait,
-        load_timeout=_or(options.load_timeout, base.deadline or 30.0),
+        load_timeout=_or(options.load_timeout, configured_deadline or 30.0),
         max_store_bytes=int(options.max_store_bytes),
         step_tokens=int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0)
                         or 0) or None,
