@@ -17,12 +17,11 @@ import trio
 
 from ucm.drivers import STATISTICS, Driver, Listing, LoadState
 from ucm.errors import InvalidRequest, StorageUnavailable
-from ucm.testing._fixtures import driver, scratch, spec
+from ucm.testing._fixtures import _capability, driver, requires, scratch, spec
 from ucm.testing._spec import DriverSpec, Scratch, call_hook, open_driver
 
 pytestmark = pytest.mark.trio
 
-PROCESS_LOCAL = "process-local driver (the spec does not set cross_process)"
 SIZES = [1, 4095, 4096, 64 * 1024, 2 * 2**20 + 1]
 
 
@@ -105,9 +104,8 @@ async def test_list_blocks_matches_stores(driver):
     assert listed == dict(zip(keys, sizes, strict=True))
 
 
+@requires("corrupt")
 async def test_flipped_payload_byte_is_corrupt(spec: DriverSpec, driver):
-    if spec.corrupt is None:
-        pytest.skip("no corrupt hook in the spec")
     keys, datas = blocks([4096, 64 * 1024], seed=7)
     await driver.store(keys, views(datas))
     await call_hook(spec.corrupt, driver, keys[1])
@@ -118,9 +116,8 @@ async def test_flipped_payload_byte_is_corrupt(spec: DriverSpec, driver):
     assert outs[0] == datas[0]
 
 
+@requires("truncate")
 async def test_truncated_block_is_corrupt(spec: DriverSpec, driver):
-    if spec.truncate is None:
-        pytest.skip("no truncate hook in the spec")
     keys, datas = blocks([64 * 1024], seed=8)
     await driver.store(keys, views(datas))
     await call_hook(spec.truncate, driver, keys[0])
@@ -196,9 +193,8 @@ async def test_closed_driver_refuses_work(spec: DriverSpec, scratch: Scratch):
         await drv.lookup([b"a"])
 
 
+@requires("outlives_instance")
 async def test_restart_finds_blocks(spec: DriverSpec, scratch: Scratch):
-    if not (spec.cross_process or spec.is_persistent()):
-        pytest.skip("blocks do not outlive the driver instance (not persistent, not shared)")
     keys, datas = blocks([4096, 70000, 2 * 2**20 + 1], seed=10)
     first = await open_driver(spec, scratch)
     sizes = await first.store(keys, views(datas))
@@ -216,9 +212,8 @@ async def test_restart_finds_blocks(spec: DriverSpec, scratch: Scratch):
         await second.aclose()
 
 
+@requires("cross_process")
 async def test_namespaces_are_separate(spec: DriverSpec, scratch: Scratch):
-    if not spec.cross_process:
-        pytest.skip(PROCESS_LOCAL)
     a = await open_driver(spec, scratch, namespace="ns-a")
     b = await open_driver(spec, scratch, namespace="ns/b")
     try:
@@ -258,9 +253,8 @@ async def read_lines(proc: trio.Process, count: int) -> list[str]:
 
 
 @pytest.mark.timeout(60)
+@requires("cross_process")
 async def test_two_writer_processes_one_key(spec: DriverSpec, driver, scratch: Scratch):
-    if not spec.cross_process:
-        pytest.skip(PROCESS_LOCAL)
     key, size = b"shared-key", 512 * 1024
     patterns = [random.Random(seed).randbytes(size) for seed in (1, 2)]
     procs = [await start_worker(worker_job(spec, scratch, mode="hammer", key=key.hex(),
@@ -288,10 +282,9 @@ async def test_two_writer_processes_one_key(spec: DriverSpec, driver, scratch: S
 
 
 @pytest.mark.timeout(60)
+@requires("cross_process")
 async def test_writer_killed_mid_write_leaves_no_partial_block(spec: DriverSpec,
                                                                scratch: Scratch):
-    if not spec.cross_process:
-        pytest.skip(PROCESS_LOCAL)
     size = 3 * 2**20 + 5
     proc = await start_worker(worker_job(spec, scratch, mode="flood", prefix="f1", size=size))
     try:
@@ -348,5 +341,5 @@ def _roots(spec: DriverSpec, scratch: Scratch) -> list[Path]:
     return [Path(p) / "contract" for p in paths]
 
 
-__all__ = ["driver", "pytestmark", "scratch", "spec",
+__all__ = ["_capability", "driver", "pytestmark", "scratch", "spec",
            *(name for name in globals() if name.startswith("test_"))]

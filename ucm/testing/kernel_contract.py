@@ -17,7 +17,7 @@ from ucm.config import load_config
 from ucm.drivers import LoadState
 from ucm.errors import DeadlineExceeded
 from ucm.kernel import KernelCore, Load, Lookup, Store
-from ucm.testing._fixtures import scratch, spec
+from ucm.testing._fixtures import _capability, scratch, spec
 from ucm.testing._spec import DriverSpec, Scratch, call_hook
 
 pytestmark = pytest.mark.trio
@@ -163,5 +163,5 @@ async def test_deadline_and_cancellation_reach_the_driver(spec, scratch):
         assert (await core.run(Load(keys, buffers=[out]))).ok and bytes(out) == blocks[0]
 
 
-__all__ = ["pytestmark", "scratch", "spec",
+__all__ = ["_capability", "pytestmark", "scratch", "spec",
            *(name for name in globals() if name.startswith("test_"))]
