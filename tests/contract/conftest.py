@@ -1,7 +1,6 @@
-"""The driver contract suite: every test in this directory runs against every driver spec.
-
-One fixture, `spec`, is parametrized over SPECS. To add a driver (S3, NFS, Mooncake, PMEM...),
-append one DriverSpec:
+"""The contract suite (shipped as `ucm.testing`) against every built-in driver: one
+`ucm_driver_spec` fixture, parametrized over SPECS. To add a built-in driver, append one
+DriverSpec (see `ucm.testing.DriverSpec`):
 
     DriverSpec(
         id="s3",                                   # the pytest id
@@ -13,32 +12,18 @@ append one DriverSpec:
         available=lambda: ...,                     # optional: False skips (server missing)
     )
 
-`open_driver(spec, scratch)` opens one instance (a second call on the same Scratch is a
-"restart" or another client of the same storage). The `driver` fixture opens one and closes it
-after the test. Hooks get the driver as opened, so a wrapper (faulty) unwraps itself.
+Hooks get the driver as opened, so a wrapper (faulty) unwraps itself.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from ucm.drivers import Driver, get_driver_class
-
-
-@dataclass(frozen=True)
-class Scratch:
-    """Fresh per-test places: `disk` on the test's tmp_path (ext4 here), `shm` on /dev/shm."""
-
-    disk: Path
-    shm: Path
+from ucm.testing import DriverSpec
 
 
 def _unwrap(driver: Any) -> Any:
@@ -79,22 +64,6 @@ def flip_record_byte(driver: Any, key: bytes) -> None:
     """Flips a byte of the process-local memory driver's private copy."""
     payload = _unwrap(driver).backend.records[key].payload
     payload[len(payload) // 2] ^= 0x40
-
-
-@dataclass(frozen=True)
-class DriverSpec:
-    id: str
-    driver: str
-    options: Callable[[Scratch], dict[str, Any]]
-    corrupt: Callable[[Any, bytes], Awaitable[None] | None]
-    codec: str = "none"
-    cross_process: bool = False
-    persistent: bool = False
-    truncate: Callable[[Any, bytes], Awaitable[None] | None] | None = None
-    available: Callable[[], bool] = field(default=lambda: True)
-    # Local paths of the namespace directories of a file-backed driver that takes no `path`
-    # option (nfs): the writer-killed test checks them for temp files left behind.
-    roots: Callable[[Scratch], list[Path]] | None = None
 
 
 SPECS: list[DriverSpec] = [
@@ -175,40 +144,6 @@ SPECS += [
 ]
 
 
-async def open_driver(spec: DriverSpec, scratch: Scratch, *, namespace: str = "contract",
-                      name: str | None = None) -> Driver:
-    factory = get_driver_class(spec.driver)
-    options = factory.Options(**spec.options(scratch))
-    return await factory.open(options, name=name or spec.id, namespace=namespace,
-                              codec=spec.codec)
-
-
-async def call_hook(hook: Callable[[Any, bytes], Any], driver: Driver, key: bytes) -> None:
-    result = hook(driver, key)
-    if isinstance(result, Awaitable):
-        await result
-
-
 @pytest.fixture(params=SPECS, ids=[s.id for s in SPECS])
-def spec(request: pytest.FixtureRequest) -> DriverSpec:
-    spec: DriverSpec = request.param
-    if not spec.available():
-        pytest.skip(f"{spec.id}: backend not available here")
-    return spec
-
-
-@pytest.fixture
-def scratch(tmp_path: Path):
-    shm = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
-    yield Scratch(disk=tmp_path, shm=shm)
-    shutil.rmtree(shm, ignore_errors=True)
-
-
-@pytest.fixture
-async def driver(spec: DriverSpec, scratch: Scratch):
-    drv = await open_driver(spec, scratch)
-    try:
-        yield drv
-    finally:
-        await drv.aclose()
-
+def ucm_driver_spec(request: pytest.FixtureRequest) -> DriverSpec:
+    return request.param

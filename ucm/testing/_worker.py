@@ -1,10 +1,10 @@
-"""A writer process for the cross-process contract tests (run as a script, not collected).
+"""A writer process for the cross-process contract checks (run as a module, not collected).
 
-    python _worker.py '<json>'
+    python -m ucm.testing._worker '<json>'
 
-JSON: driver, options, codec, namespace, mode, size, and for mode "hammer" (store one key's
-own full pattern `count` times) key + seed; for mode "flood" (store fresh large blocks until
-killed, printing each stored batch's key hexes) prefix.
+JSON: driver (a registered name or "module:Class"), options, codec, namespace, mode, size, and
+for mode "hammer" (store one key's own full pattern `count` times) key + seed; for mode "flood"
+(store fresh large blocks until killed, printing each stored batch's key hexes) prefix.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import sys
 
 import trio
 
-from ucm.drivers import get_driver_class
+from ucm.testing._spec import driver_class
 
 
 async def main(job: dict) -> None:
-    factory = get_driver_class(job["driver"])
+    factory = driver_class(job["driver"])
     drv = await factory.open(factory.Options(**job["options"]), name="worker",
                              namespace=job["namespace"], codec=job["codec"])
     size = job["size"]

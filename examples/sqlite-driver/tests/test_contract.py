@@ -1,0 +1,3 @@
+"""The whole ucm driver contract suite, against the specs of conftest.py."""
+
+from ucm.testing.contract import *  # noqa: F403
