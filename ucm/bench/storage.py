@@ -190,7 +190,7 @@ class TierBench:
         import glob
         import shutil
 
-        from ucm.drivers._files import safe_dir_name
+        from ucm.drivers.kit import safe_dir_name
         from ucm.drivers.memory import SHM_ROOT
 
         options = self.tier.options.model_dump()

@@ -65,9 +65,8 @@ from ucm.block import (
     key_digest,
     madvise,
 )
-from ucm.drivers._files import Backend, pid_alive, size_mismatch
 from ucm.drivers._mapped import populate
-from ucm.drivers._protocol import LoadState
+from ucm.drivers.kit import Backend, LoadState, pid_alive, size_mismatch
 from ucm.errors import BlockCorrupt, ConfigError
 
 log = logging.getLogger(__name__)

@@ -48,17 +48,19 @@ from typing import Any, Self
 import trio
 from pydantic import ByteSize, Field
 
-from ucm.block import (
-    PAYLOAD_OFFSET,
-    Codec,
-    as_byte_view,
-    encode_header,
-    encode_payload,
-)
 from ucm.drivers._extents import Extents
-from ucm.drivers._files import Backend, parse_codec, safe_dir_name
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, verify_into
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.kit import (
+    PAYLOAD_OFFSET,
+    Backend,
+    Codec,
+    LoadState,
+    RemoteDriver,
+    frame_block,
+    parse_codec,
+    safe_dir_name,
+    unframe_into,
+)
 from ucm.errors import ConfigError, NoCapacity, StorageUnavailable
 
 # Mooncake's ErrorCode values the driver acts on.
@@ -170,8 +172,7 @@ class MooncakeBlocks(Backend):
         staged: list[tuple[int, int, int]] = []  # (index, offset, nbytes)
         try:
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-                payload = as_byte_view(encode_payload(self.codec, view))
-                header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+                header, payload = frame_block(key, self.namespace, self.codec, view)
                 total = PAYLOAD_OFFSET + payload.nbytes
                 offset = self.pool.alloc(total)
                 if offset is None:  # no staging room now: the byte API, one copy more
@@ -245,7 +246,7 @@ class MooncakeBlocks(Backend):
         if n < 0:
             self.counters[f"load_error_{-n}"] = self.counters.get(f"load_error_{-n}", 0) + 1
             return LoadState.FAILED
-        state = verify_into(key, self.pool.view[offset:offset + n], out)
+        state = unframe_into(key, self.pool.view[offset:offset + n], out)
         if state is LoadState.CORRUPT:
             # An upsert by another client can replace the object under a read in progress: a
             # torn read fails its checksum. Read once more before calling the block corrupt.
@@ -264,7 +265,7 @@ class MooncakeBlocks(Backend):
         if found == 1:
             data = self.client.get(name)
             if data:
-                return verify_into(key, memoryview(data), out)
+                return unframe_into(key, memoryview(data), out)
             found = self.client.is_exist(name)
         if found <= RPC_FAIL:
             raise self._unreachable(found)
@@ -274,7 +275,7 @@ class MooncakeBlocks(Backend):
         data = self.client.get(self.name_of(key))
         if not data:
             return LoadState.MISSING
-        return verify_into(key, memoryview(data), out)
+        return unframe_into(key, memoryview(data), out)
 
     def close(self) -> None:
         client, self._client = self._client, None

@@ -50,27 +50,20 @@ from typing import Any, Literal, Self
 import trio
 from pydantic import Field, model_validator
 
-from ucm.block import (
-    PAYLOAD_OFFSET,
-    Codec,
-    as_byte_view,
-    decode_header,
-    encode_header,
-    encode_payload,
-)
-from ucm.drivers._files import (
+from ucm.block import PAYLOAD_OFFSET, Codec, decode_header
+from ucm.drivers._blockfiles import BlockFiles, FileLayout, is_dead_writers_temp, tmp_name
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.kit import (
     Backend,
-    BlockFiles,
-    FileLayout,
+    LoadState,
+    RemoteDriver,
     ThreadedDriver,
-    _tmp_name,
-    is_dead_writers_temp,
+    frame_block,
     os_error,
     parse_codec,
     safe_dir_name,
+    unframe_into,
 )
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, verify_into
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 
@@ -196,15 +189,14 @@ class NfsBlocks(Backend):
         return [self._store_one(k, v) for k, v in zip(keys, views, strict=True)]
 
     def _store_one(self, key: bytes, view: memoryview) -> int:
-        payload = as_byte_view(encode_payload(self.codec, view))
+        header, payload = frame_block(key, self.namespace, self.codec, view)
         total = PAYLOAD_OFFSET + payload.nbytes
         block = _scratch.get(total)
-        block[:PAYLOAD_OFFSET] = encode_header(key, self.namespace, self.codec, payload,
-                                               view.nbytes)
+        block[:PAYLOAD_OFFSET] = header
         block[PAYLOAD_OFFSET:] = payload
         final = self.path_for(key)
         parent = final.rsplit("/", 1)[0]
-        tmp = f"{parent}/{_tmp_name()}"  # next to the block: a rename inside one directory
+        tmp = f"{parent}/{tmp_name()}"  # next to the block: a rename inside one directory
 
         def write(client: Any) -> None:
             with client.open(tmp, "wb") as f:  # returns once the bytes are durable
@@ -244,7 +236,7 @@ class NfsBlocks(Backend):
             n = self._call(read)
         except (FileNotFoundError, NotADirectoryError):
             return LoadState.MISSING
-        return verify_into(key, stage[:n], out)
+        return unframe_into(key, stage[:n], out)
 
     # listing
 
@@ -424,7 +416,7 @@ class RawNfs:
 
     def store(self, keys: list[bytes], bufs: list[memoryview]) -> None:
         for key, buf in zip(keys, bufs, strict=True):
-            tmp = f"{self.dir}/{_tmp_name()}"
+            tmp = f"{self.dir}/{tmp_name()}"
             with self.client.open(tmp, "wb") as f:
                 f.write(self.header + buf)
             self.client.rename(tmp, f"{self.dir}/{key.hex()}")

@@ -66,11 +66,12 @@ from ucm.block import (
     key_digest,
 )
 from ucm.drivers._extents import Extents
-from ucm.drivers._files import (
-    CHUNK_BYTES,
-    PARALLEL,
-    SPLIT_BYTES,
+from ucm.drivers._mapped import populate
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers._pump import Spread, chunks, wide
+from ucm.drivers.kit import (
     Backend,
+    LoadState,
     ScatterLoading,
     ThreadedDriver,
     os_error,
@@ -78,9 +79,7 @@ from ucm.drivers._files import (
     safe_dir_name,
     size_mismatch,
 )
-from ucm.drivers._mapped import populate
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._pump import Spread, chunks, wide
+from ucm.drivers.kit._threaded import CHUNK_BYTES, PARALLEL, SPLIT_BYTES
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 PAGE = 4096
@@ -609,11 +608,10 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
         return spread.outcome
 
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
-                   views: list[memoryview]) -> list[Any]:
+                   views: list[memoryview], *, store: bool = False) -> list[Any]:
         """Parts of at most CHUNK_BYTES (stores: every part costs three barriers, so parts are
         large) or PARALLEL * CHUNK_BYTES (loads), so a cancel lands within one part; inside a
         part PARALLEL threads share the blocks (Spread)."""
-        store = fn == self._backend.store
         part_fn = self._store_part if store else self._load_part
         results: list[Any] = []
         try:

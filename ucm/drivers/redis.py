@@ -43,16 +43,18 @@ from urllib.parse import urlsplit
 import trio
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from ucm.block import (
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.kit import (
     PAYLOAD_OFFSET,
+    Backend,
     Codec,
-    as_byte_view,
-    encode_header,
-    encode_payload,
+    LoadState,
+    RemoteDriver,
+    frame_block,
+    parse_codec,
+    safe_dir_name,
+    unframe_into,
 )
-from ucm.drivers._files import Backend, parse_codec, safe_dir_name
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, verify_into
 from ucm.errors import ConfigError, StorageUnavailable
 
 _SCAN_COUNT = 1000
@@ -212,8 +214,7 @@ class RedisBlocks(Backend):
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
         values = []
         for key, view in zip(keys, views, strict=True):
-            payload = as_byte_view(encode_payload(self.codec, view))
-            header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+            header, payload = frame_block(key, self.namespace, self.codec, view)
             values.append(header + payload)  # one value, one SET: atomic for readers
         replies = self._pipeline(
             lambda p: [p.set(self.name_of(k), v) for k, v in zip(keys, values, strict=True)])
@@ -242,7 +243,7 @@ class RedisBlocks(Backend):
     def _verify(key: bytes, value: bytes | None, out: memoryview) -> LoadState:
         if value is None:
             return LoadState.MISSING
-        return verify_into(key, memoryview(value), out)
+        return unframe_into(key, memoryview(value), out)
 
     # listing
 

@@ -59,7 +59,10 @@ from ucm.block import (
     encode_payload,
     verify_payload,
 )
-from ucm.drivers._files import (
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call, ConnectionPool
+from ucm.drivers.kit import (
+    LoadState,
     check_batch,
     check_keys,
     count_loads,
@@ -68,8 +71,6 @@ from ucm.drivers._files import (
     safe_dir_name,
     size_mismatch,
 )
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call, ConnectionPool
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 log = logging.getLogger(__name__)
