@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from ucm.drivers import Listing, LoadState, _files
+from ucm.drivers import Listing, LoadState
+from ucm.drivers.kit import _threaded
 from ucm.drivers.memory import SHM_ROOT, MemoryDriver
 from ucm.errors import ConfigError
 
@@ -105,14 +106,14 @@ async def test_small_local_ops_stay_on_the_trio_thread(monkeypatch):
         hops.append(fn)
         return await real(fn, *args, **kwargs)
 
-    real_idle = _files.run_idle
+    real_idle = _threaded.run_idle
 
     async def counting_idle(fn, *args):
         hops.append(fn)
         return await real_idle(fn, *args)
 
     monkeypatch.setattr(trio.to_thread, "run_sync", counting)
-    monkeypatch.setattr(_files, "run_idle", counting_idle)  # stores: idle-priority threads
+    monkeypatch.setattr(_threaded, "run_idle", counting_idle)  # stores: idle-priority threads
     drv = await MemoryDriver.open({}, name="m", namespace="ns")
     await drv.store([b"k"], [memoryview(b"v" * 100)])
     await drv.lookup([b"k"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ucm.config import load_config
-from ucm.drivers import LoadState, _files, _mapped
+from ucm.drivers import LoadState, _blockfiles, _mapped
 from ucm.drivers.posix import PosixDriver
 from ucm.errors import ConfigError, NoCapacity, StorageUnavailable
 
@@ -61,7 +61,7 @@ async def test_open_sweeps_only_dead_writers_temp_files(tmp_path: Path):
     tmp = tmp_path / "ns" / ".tmp"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    host = _files._HOST
+    host = _blockfiles._HOST
     dead_file = tmp / f"{host}.{dead.stdout.strip()}.1.abc.tmp"
     live_file = tmp / f"{host}.{os.getppid()}.1.abc.tmp"
     other_host = tmp / f"elsewhere.{dead.stdout.strip()}.1.abc.tmp"
@@ -83,7 +83,7 @@ async def test_direct_rejects_filesystems_without_o_direct(tmp_path: Path, monke
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(_files.os, "open", no_direct)
+    monkeypatch.setattr(_blockfiles.os, "open", no_direct)
     with pytest.raises(ConfigError,
                        match=rf"^{option}: the filesystem of {tmp_path}/ns does not.*"
                              rf"set {option}: false"):
@@ -151,12 +151,12 @@ async def test_unusable_path_is_storage_unavailable(tmp_path: Path):
 
 async def test_enospc_is_no_capacity(tmp_path: Path, monkeypatch):
     drv = await open_posix(str(tmp_path))
-    real_write_all = _files._write_all
+    real_write_all = _blockfiles._write_all
 
     def full(fd, parts, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_files, "_write_all", full)
+    monkeypatch.setattr(_blockfiles, "_write_all", full)
     with pytest.raises(NoCapacity, match="no space left"):
         await drv.store([b"a", b"b"], [memoryview(b"1"), memoryview(b"2")])
     assert list((tmp_path / "ns" / ".tmp").iterdir()) == []  # temp files cleaned up
@@ -168,7 +168,7 @@ async def test_enospc_is_no_capacity(tmp_path: Path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write_all(fd, parts, offset)
 
-    monkeypatch.setattr(_files, "_write_all", full_once)
+    monkeypatch.setattr(_blockfiles, "_write_all", full_once)
     sizes = await drv.store([b"a", b"b"], [memoryview(b"1"), memoryview(b"2")])
     assert sizes == [0, 4097]
     assert drv.statistics()["store_failed"] == 1  # the raised batch counts nothing
@@ -179,17 +179,17 @@ async def test_read_errors_are_failed_and_vanished_files_missing(tmp_path: Path,
     drv = await open_posix(str(tmp_path))
     await drv.store([b"a", b"b"], [memoryview(b"1"), memoryview(b"2")])
     os.unlink(drv.block_path(b"a"))  # deleted between lookup and load
-    real_read = _files._read_into
+    real_read = _blockfiles._read_into
 
     def eio(fd, parts, offset, *, once=False):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(_files, "_read_into", eio)
+    monkeypatch.setattr(_blockfiles, "_read_into", eio)
     outs = [memoryview(bytearray(1)), memoryview(bytearray(1))]
     assert await drv.load([b"a", b"b"], outs) == [LoadState.MISSING, LoadState.FAILED]
     with pytest.raises(StorageUnavailable, match="all 1 reads failed"):
         await drv.load([b"b"], outs[1:])
-    monkeypatch.setattr(_files, "_read_into", real_read)
+    monkeypatch.setattr(_blockfiles, "_read_into", real_read)
     assert await drv.load([b"b"], outs[1:]) == [LoadState.OK]
     assert drv.statistics()["failed"] == 2
     await drv.aclose()
@@ -198,7 +198,7 @@ async def test_read_errors_are_failed_and_vanished_files_missing(tmp_path: Path,
 async def test_fsync_option_syncs_file_and_directory(tmp_path: Path, monkeypatch):
     synced = []
     real_fsync = os.fsync
-    monkeypatch.setattr(_files.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    monkeypatch.setattr(_blockfiles.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     drv = await open_posix(str(tmp_path), fsync=True)
     await drv.store([b"k"], [memoryview(b"v")])
     assert len(synced) == 2
@@ -229,7 +229,7 @@ def _no_reads(monkeypatch) -> None:
     def fail(*args):
         raise AssertionError("read the file instead of the mapping")
 
-    monkeypatch.setattr(_files.BlockFiles, "_load_fd", fail)
+    monkeypatch.setattr(_blockfiles.BlockFiles, "_load_fd", fail)
 
 
 async def test_listed_blocks_in_the_page_cache_load_from_their_mappings(tmp_path: Path,

@@ -131,14 +131,14 @@ def test_a_torn_entry_reads_as_absent_and_is_cleared_at_recovery(shm_dir: Path):
     arena = open_arena(shm_dir)
     arena.store([b"a", b"b"], [memoryview(b"x" * 5000), memoryview(b"y" * 5000)])
     slot, _ = arena._find(key_digest(b"a"))
-    arena.view[arena._entry_at(slot) + 20] ^= 1  # the entry's `first page` field
+    arena.view[arena._table.at(slot) + 20] ^= 1  # the entry's `first page` field
     assert arena.lookup([b"a", b"b"]) == [False, True]
     assert load(arena, b"a", 5000)[0] is LoadState.MISSING
     arena.close()
     again = open_arena(shm_dir)  # alone with the arena: recovery
     try:
         assert again.statistics()["recovered_dropped"] == 1
-        assert not any(again._entry_bytes(slot))
+        assert not any(again._table.raw(slot))
         assert again.lookup([b"a", b"b"]) == [False, True]
         assert load(again, b"b", 5000) == (LoadState.OK, b"y" * 5000)
     finally:

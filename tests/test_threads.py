@@ -11,7 +11,7 @@ import time
 import pytest
 import trio
 
-from ucm.drivers import _files, _pump
+from ucm.drivers import _blockfiles, _pump
 from ucm.drivers._idle import IdleThreads, run_idle
 from ucm.drivers.posix import PosixDriver
 
@@ -29,7 +29,7 @@ async def test_stores_run_on_idle_priority_threads_and_nothing_else_does():
 @linux
 async def test_a_posix_store_writes_on_an_idle_thread_and_a_load_does_not(tmp_path, monkeypatch):
     seen: dict[str, set[int]] = {"store": set(), "load": set()}
-    real_store, real_load = _files.BlockFiles.store, _files.BlockFiles.load_one
+    real_store, real_load = _blockfiles.BlockFiles.store, _blockfiles.BlockFiles.load_one
 
     def store(self, keys, views):
         seen["store"].add(os.sched_getscheduler(0))
@@ -39,8 +39,8 @@ async def test_a_posix_store_writes_on_an_idle_thread_and_a_load_does_not(tmp_pa
         seen["load"].add(os.sched_getscheduler(0))
         return real_load(self, key, view)
 
-    monkeypatch.setattr(_files.BlockFiles, "store", store)
-    monkeypatch.setattr(_files.BlockFiles, "load_one", load_one)
+    monkeypatch.setattr(_blockfiles.BlockFiles, "store", store)
+    monkeypatch.setattr(_blockfiles.BlockFiles, "load_one", load_one)
     drv = await PosixDriver.open({"path": str(tmp_path)}, name="p", namespace="ns")
     blocks = [os.urandom(2**20) for _ in range(8)]  # split over parts: the threaded path
     keys = [b"k%d" % i for i in range(8)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ucm.block import PAYLOAD_OFFSET
-from ucm.drivers import _files
+from ucm.drivers import _blockfiles
 from ucm.drivers._protocol import LoadState
 from ucm.drivers.nfs import NfsDriver, NfsOptions
 from ucm.errors import StorageUnavailable
@@ -66,8 +66,8 @@ async def test_store_renames_within_the_block_directory_and_listing_sweeps_dead_
         assert not (shard.parent.parent / ".tmp").exists()  # the namespace (shard depth 2)
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True).stdout.strip()
-        dead_file = shard / f"{_files._HOST}.{dead}.1.abc.tmp"
-        live_file = shard / f"{_files._HOST}.{os.getppid()}.1.abc.tmp"
+        dead_file = shard / f"{_blockfiles._HOST}.{dead}.1.abc.tmp"
+        live_file = shard / f"{_blockfiles._HOST}.{os.getppid()}.1.abc.tmp"
         other_host = shard / f"elsewhere.{dead}.1.abc.tmp"
         for f in (dead_file, live_file, other_host):
             f.write_bytes(b"partial")

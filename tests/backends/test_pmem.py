@@ -280,7 +280,7 @@ trio.run(main)
 
 
 def test_next_fit_moves_round_the_pool():
-    from ucm.drivers.pmem import _NextFit
+    from ucm.drivers._pmem_pool import _NextFit
 
     free = _NextFit([(0, 100)])
     assert [free.allocate(10) for _ in range(3)] == [0, 10, 20]

@@ -198,7 +198,7 @@ def test_paused_then_killed_server(own_redis, tmp_path):
 
 
 def test_raw_baseline_moves_the_bytes_the_driver_moves(redis_options):
-    from ucm.drivers.redis import raw_baseline
+    from ucm.bench.baselines.redis import raw_baseline
 
     raw = raw_baseline(redis_options, "bench")
     try:

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"event trace: {trace_dir} (read it with: ucm-trace summary {trace_dir})")
     print(f"engine logs: {log}; total {time.perf_counter() - t0:.0f} s")
     if not args.keep and ns:
-        from ucm.drivers._files import safe_dir_name
+        from ucm.drivers.kit import safe_dir_name
 
         shutil.rmtree(store / safe_dir_name(ns), ignore_errors=True)
     return 0

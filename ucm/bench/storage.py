@@ -140,17 +140,20 @@ class _DirectDriver:
 
 
 def _raw_baseline(tier: TierConfig, namespace: str) -> Any:
-    """The driver module's own raw client (`raw_baseline(options, namespace)`: an object with
-    label, store(keys, bufs), load(keys, outs, batch), delete(keys), close()), or None."""
+    """The driver's raw client from `ucm.bench.baselines` (`raw_baseline(options, namespace)`:
+    an object with label, store(keys, bufs), load(keys, outs, batch), delete(keys), close()),
+    or None where the driver has none."""
     import importlib
-
-    from ucm.drivers import available_drivers
 
     if tier.codec != "none":
         return None
-    module = importlib.import_module(available_drivers()[tier.driver].partition(":")[0])
-    factory = getattr(module, "raw_baseline", None)
-    return factory(tier.options.model_dump(), namespace) if factory else None
+    try:
+        module = importlib.import_module(f"ucm.bench.baselines.{tier.driver}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"ucm.bench.baselines.{tier.driver}":
+            raise
+        return None
+    return module.raw_baseline(tier.options.model_dump(), namespace)
 
 
 class TierBench:
@@ -190,7 +193,7 @@ class TierBench:
         import glob
         import shutil
 
-        from ucm.drivers._files import safe_dir_name
+        from ucm.drivers.kit import safe_dir_name
         from ucm.drivers.memory import SHM_ROOT
 
         options = self.tier.options.model_dump()

@@ -49,7 +49,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ucm.block import (
     MADV_POPULATE_WRITE,
@@ -65,9 +64,18 @@ from ucm.block import (
     key_digest,
     madvise,
 )
-from ucm.drivers._files import Backend, pid_alive, size_mismatch
 from ucm.drivers._mapped import populate
-from ucm.drivers._protocol import LoadState
+from ucm.drivers._slots import (
+    DIGEST_OFFSET,
+    ENTRY_SIZE,
+    Entry,
+    SlotTable,
+    names_block,
+    parse_entry,
+    seal,
+    unseal,
+)
+from ucm.drivers.kit import Backend, LoadState, pid_alive, size_mismatch
 from ucm.errors import BlockCorrupt, ConfigError
 
 log = logging.getLogger(__name__)
@@ -77,10 +85,7 @@ WAYS = 8
 _HEAD = struct.Struct("<8sIIQQQQQQ")  # magic, version, ways, pages, buckets, table, owners,
 _HEAD_MAGIC, _VERSION = b"UCMSHMA1", 1  # data, file size
 _SEQ_AT, _CURSOR_AT = 512, 520  # the mutable words (u64 each), outside the checksummed part
-_ENTRY = struct.Struct("<IIQQQ16s")  # magic, pages, seq, first page, length, key digest
-_ENTRY_SIZE = 64
-_ENTRY_MAGIC = 0x41534355  # "UCSA"
-_CRC = struct.Struct("<I")
+_ENTRY_MAGIC = 0x41534355  # "UCSA"; an entry's word: pages, its place: the first page
 _U64 = struct.Struct("<Q")
 IN_FLIGHT = 0x8000_0000  # owners value: IN_FLIGHT | pid of the writer
 def _pages(length: int) -> int:
@@ -92,7 +97,7 @@ def geometry(size: int) -> tuple[int, int, int, int, int]:
     bytes: two entries per 64 KiB of the file, rounded to whole buckets."""
     buckets = max(16, size // (64 * 1024) * 2 // WAYS)
     table = PAGE
-    owners = table + buckets * WAYS * _ENTRY_SIZE
+    owners = table + buckets * WAYS * ENTRY_SIZE
     # owners take 4 bytes per data page; solve for the pages that fit after them
     pages = (size - owners) // (PAGE + 4)
     data = -(-(owners + pages * 4) // PAGE) * PAGE
@@ -172,14 +177,14 @@ class ShmArena(Backend):
             raise ConfigError(f"size: {self.size} bytes leaves no room for blocks")
         head = _HEAD.pack(_HEAD_MAGIC, _VERSION, WAYS, pages, buckets, table, owners, data,
                           self.size)
-        self.view[:_HEAD.size + 4] = head + _CRC.pack(xxhash.xxh32_intdigest(head))
+        self.view[:_HEAD.size + 4] = seal(head)
         self._set_geometry(pages, buckets, table, owners, data)
 
     def _check_header(self) -> None:
-        head = bytes(self.view[:_HEAD.size])
-        (crc,) = _CRC.unpack_from(self.view, _HEAD.size)
-        magic, version, ways, pages, buckets, table, owners, data, size = _HEAD.unpack(head)
-        if magic != _HEAD_MAGIC or crc != xxhash.xxh32_intdigest(head):
+        head = unseal(self.view, _HEAD.size)
+        magic, version, ways, pages, buckets, table, owners, data, size = _HEAD.unpack(
+            head or bytes(_HEAD.size))
+        if head is None or magic != _HEAD_MAGIC:
             raise ConfigError(f"{self.path} is not a ucm shared-memory arena")
         if version != _VERSION or ways != WAYS or size != self.size:
             raise ConfigError(f"{self.path} has arena format {version} ({ways} ways, {size} "
@@ -191,6 +196,7 @@ class ShmArena(Backend):
         self.pages, self.buckets = pages, buckets
         self.table_offset, self.data_offset = table, data
         self.owners = np.frombuffer(self._mm, dtype=np.uint32, count=pages, offset=owners)
+        self._table = SlotTable(self.view, table, _ENTRY_MAGIC)
 
     def _recover(self) -> None:
         """Alone with the arena (and under the lock): clears torn or stale entries and
@@ -198,28 +204,24 @@ class ShmArena(Backend):
         owners = self.owners
         owners[:] = 0
         for slot in np.flatnonzero(self._table_words().any(axis=1)).tolist():
-            entry = self._parse(self._entry_bytes(slot))
+            entry = self._table.read(slot)
             if entry is None or not self._block_matches(entry):
-                self._clear(slot)
+                self._table.clear(slot)
                 self.recovered_dropped += 1
                 continue
             _, npages, _, first, _ = entry
             if owners[first:first + npages].any():  # overlaps a block already kept
-                self._clear(slot)
+                self._table.clear(slot)
                 self.recovered_dropped += 1
                 continue
             owners[first:first + npages] = slot + 1
 
-    def _block_matches(self, entry: tuple[bytes, int, int, int, int]) -> bool:
+    def _block_matches(self, entry: Entry) -> bool:
         digest, npages, _, first, length = entry
         if first + npages > self.pages or _pages(length) != npages or length < PAYLOAD_OFFSET:
             return False
         start = self.data_offset + first * PAGE
-        try:
-            header = decode_header(self.view[start:start + PAYLOAD_OFFSET])
-        except BlockCorrupt:
-            return False
-        return header.stored_len == length and key_digest(header.key) == digest
+        return names_block(self.view, start, digest, length) is not None
 
     def _populate(self) -> None:
         """Maps the stored blocks' pages into this process (`_mapped.populate`), so the first
@@ -234,49 +236,26 @@ class ShmArena(Backend):
 
     def _table_words(self) -> np.ndarray:
         """The table as one row of 16 u32 words per entry (word 0: the magic)."""
-        return np.frombuffer(self._mm, dtype=np.uint32, count=self.buckets * WAYS * 16,
-                             offset=self.table_offset).reshape(-1, 16)
+        return np.frombuffer(self._mm, dtype=np.uint32,
+                             count=self.buckets * WAYS * ENTRY_SIZE // 4,
+                             offset=self.table_offset).reshape(-1, ENTRY_SIZE // 4)
 
     def _locked(self) -> _ArenaLock:
         return _ArenaLock(self._thread_lock, self._lock_fd)
 
-    def _entry_at(self, slot: int) -> int:
-        return self.table_offset + slot * _ENTRY_SIZE
-
-    def _entry_bytes(self, slot: int) -> bytes:
-        at = self._entry_at(slot)
-        return bytes(self.view[at:at + _ENTRY.size + 4])
-
-    @staticmethod
-    def _parse(raw: bytes) -> tuple[bytes, int, int, int, int] | None:
-        """(digest, pages, seq, first page, length) of a valid entry, else None."""
-        magic, npages, seq, first, length, digest = _ENTRY.unpack_from(raw)
-        if magic != _ENTRY_MAGIC:
-            return None
-        if _CRC.unpack_from(raw, _ENTRY.size)[0] != xxhash.xxh32_intdigest(raw[:_ENTRY.size]):
-            return None  # torn: being written or cleared right now
-        return digest, npages, seq, first, length
-
-    def _find(self, digest: bytes) -> tuple[int, tuple[bytes, int, int, int, int]] | None:
+    def _find(self, digest: bytes) -> tuple[int, Entry] | None:
         """The slot and entry holding `digest`; lock-free, so a racing writer can hide it."""
         bucket = int.from_bytes(digest[:8], "little") % self.buckets
-        at = self._entry_at(bucket * WAYS)
-        raw = bytes(self.view[at:at + WAYS * _ENTRY_SIZE])
+        at = self._table.at(bucket * WAYS)
+        raw = bytes(self.view[at:at + WAYS * ENTRY_SIZE])
         for way in range(WAYS):
-            offset = way * _ENTRY_SIZE
-            if raw[offset + 32:offset + 48] != digest:  # the digest field, cheap to compare
+            offset = way * ENTRY_SIZE
+            if raw[offset + DIGEST_OFFSET:offset + DIGEST_OFFSET + 16] != digest:  # cheap
                 continue
-            entry = self._parse(raw[offset:offset + _ENTRY.size + 4])
-            if entry is not None and entry[0] == digest:
+            entry = parse_entry(raw[offset:offset + ENTRY_SIZE], _ENTRY_MAGIC)
+            if entry is not None and entry.digest == digest:
                 return bucket * WAYS + way, entry
         return None
-
-    def _seq(self, slot: int) -> int:
-        return _U64.unpack_from(self.view, self._entry_at(slot) + 8)[0]
-
-    def _clear(self, slot: int) -> None:
-        at = self._entry_at(slot)
-        self.view[at:at + _ENTRY_SIZE] = bytes(_ENTRY_SIZE)
 
     # -- allocation (with the lock held) ----------------------------------------------------
 
@@ -288,8 +267,8 @@ class ShmArena(Backend):
     def _drop(self, slot: int) -> None:
         """Evicts or deletes the block in `slot`: the entry is cleared before its pages are
         free, so a reader that still sees the entry knows the pages are the block's."""
-        entry = self._parse(self._entry_bytes(slot))
-        self._clear(slot)
+        entry = self._table.read(slot)
+        self._table.clear(slot)
         if entry is not None:
             _, npages, _, first, _ = entry
             run = self.owners[first:first + npages]
@@ -330,7 +309,7 @@ class ShmArena(Backend):
         if not (run == (IN_FLIGHT | self._pid)).all():
             return False
         bucket = int.from_bytes(digest[:8], "little") % self.buckets
-        ways = [(slot, self._parse(self._entry_bytes(slot)))
+        ways = [(slot, self._table.read(slot))
                 for slot in range(bucket * WAYS, (bucket + 1) * WAYS)]
         slot = next((s for s, e in ways if e is not None and e[0] == digest), -1)
         if slot >= 0:  # a replace: the old block goes
@@ -341,10 +320,9 @@ class ShmArena(Backend):
                 slot = min(ways, key=lambda way: way[1][2])[0]  # type: ignore[index]
                 self._drop(slot)
                 self.evicted += 1
-        body = _ENTRY.pack(_ENTRY_MAGIC, npages, self._next_seq(), first, length, digest)
-        at = self._entry_at(slot)
+        seq = self._next_seq()
         run[:] = slot + 1
-        self.view[at:at + _ENTRY.size + 4] = body + _CRC.pack(xxhash.xxh32_intdigest(body))
+        self._table.write(slot, npages, seq, first, length, digest)
         return True
 
     def _release(self, first: int, npages: int) -> None:
@@ -373,7 +351,7 @@ class ShmArena(Backend):
             if header.stored_len != length:
                 raise BlockCorrupt("header and entry disagree on the block's length")
             if header.raw_len != out.nbytes:
-                if self._seq(slot) != seq:
+                if self._table.seq(slot) != seq:
                     return LoadState.MISSING
                 raise size_mismatch(out, header)
             # codec NONE: checked and copied in one pass (copy_verified)
@@ -382,7 +360,7 @@ class ShmArena(Backend):
         except BlockCorrupt:
             state = LoadState.CORRUPT
         # Unchanged entry: its pages were never free during the copy, so they held the block.
-        return state if self._seq(slot) == seq else LoadState.MISSING
+        return state if self._table.seq(slot) == seq else LoadState.MISSING
 
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
         placed: list[tuple[bytes, int, int, int] | None] = []
@@ -451,16 +429,13 @@ class ShmArena(Backend):
     def list_units(self) -> list[list[tuple[bytes, int]]]:
         blocks = []
         for slot in np.flatnonzero(self._table_words()[:, 0] == _ENTRY_MAGIC).tolist():
-            entry = self._parse(self._entry_bytes(slot))
+            entry = self._table.read(slot)
             if entry is None:
                 continue
-            start = self.data_offset + entry[3] * PAGE
-            try:
-                header = decode_header(self.view[start:start + PAYLOAD_OFFSET])
-            except BlockCorrupt:
-                continue  # replaced or evicted while listing
-            if key_digest(header.key) == entry[0] and self._seq(slot) == entry[2]:
-                blocks.append((header.key, entry[1] * PAGE))
+            start = self.data_offset + entry.place * PAGE
+            key = names_block(self.view, start, entry.digest)  # None: replaced while listing
+            if key is not None and self._table.seq(slot) == entry.seq:
+                blocks.append((key, entry.word * PAGE))
         return [blocks]
 
     def list_unit(self, unit: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:

@@ -36,8 +36,11 @@ from ucm.block import (
     decode_payload_into,
     encode_payload,
 )
-from ucm.drivers._files import (
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers._shm_arena import ShmArena
+from ucm.drivers.kit import (
     Backend,
+    LoadState,
     ScatterLoading,
     ThreadedDriver,
     os_error,
@@ -45,8 +48,6 @@ from ucm.drivers._files import (
     safe_dir_name,
     size_mismatch,
 )
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._shm_arena import ShmArena
 from ucm.errors import BlockCorrupt, ConfigError
 
 SHM_ROOT = "/dev/shm/ucm"

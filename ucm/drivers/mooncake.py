@@ -48,17 +48,19 @@ from typing import Any, Self
 import trio
 from pydantic import ByteSize, Field
 
-from ucm.block import (
-    PAYLOAD_OFFSET,
-    Codec,
-    as_byte_view,
-    encode_header,
-    encode_payload,
-)
 from ucm.drivers._extents import Extents
-from ucm.drivers._files import Backend, parse_codec, safe_dir_name
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, verify_into
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.kit import (
+    PAYLOAD_OFFSET,
+    Backend,
+    Codec,
+    LoadState,
+    RemoteDriver,
+    frame_block,
+    parse_codec,
+    safe_dir_name,
+    unframe_into,
+)
 from ucm.errors import ConfigError, NoCapacity, StorageUnavailable
 
 # Mooncake's ErrorCode values the driver acts on.
@@ -170,8 +172,7 @@ class MooncakeBlocks(Backend):
         staged: list[tuple[int, int, int]] = []  # (index, offset, nbytes)
         try:
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-                payload = as_byte_view(encode_payload(self.codec, view))
-                header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+                header, payload = frame_block(key, self.namespace, self.codec, view)
                 total = PAYLOAD_OFFSET + payload.nbytes
                 offset = self.pool.alloc(total)
                 if offset is None:  # no staging room now: the byte API, one copy more
@@ -245,7 +246,7 @@ class MooncakeBlocks(Backend):
         if n < 0:
             self.counters[f"load_error_{-n}"] = self.counters.get(f"load_error_{-n}", 0) + 1
             return LoadState.FAILED
-        state = verify_into(key, self.pool.view[offset:offset + n], out)
+        state = unframe_into(key, self.pool.view[offset:offset + n], out)
         if state is LoadState.CORRUPT:
             # An upsert by another client can replace the object under a read in progress: a
             # torn read fails its checksum. Read once more before calling the block corrupt.
@@ -264,7 +265,7 @@ class MooncakeBlocks(Backend):
         if found == 1:
             data = self.client.get(name)
             if data:
-                return verify_into(key, memoryview(data), out)
+                return unframe_into(key, memoryview(data), out)
             found = self.client.is_exist(name)
         if found <= RPC_FAIL:
             raise self._unreachable(found)
@@ -274,7 +275,7 @@ class MooncakeBlocks(Backend):
         data = self.client.get(self.name_of(key))
         if not data:
             return LoadState.MISSING
-        return verify_into(key, memoryview(data), out)
+        return unframe_into(key, memoryview(data), out)
 
     def close(self) -> None:
         client, self._client = self._client, None
@@ -406,65 +407,3 @@ def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: st
         store.close()
         raise
     return store
-
-
-class RawMooncake:
-    """For `ucm bench`: the Mooncake store API called directly, at its best: blocks in
-    registered memory (as a KV cache registered once would be), moved with
-    batch_upsert_from / batch_get_into; no header, no checksum, no staging copy."""
-
-    label = "raw mooncake batch_upsert_from/get_into"
-
-    def __init__(self, options: dict[str, Any], namespace: str) -> None:
-        opts = MooncakeDriver.Options.model_validate(options)
-        self.client = _open_client(opts, StagingPool(2**20), name="raw")
-        self.prefix = f"ucm-raw/{safe_dir_name(namespace)}/"
-        self._local = threading.local()
-        self._arenas: list[StagingPool] = []  # registered for good: never reused memory
-
-    def _arena(self, kind: str, size: int) -> tuple[StagingPool, dict[int, Any]]:
-        arena, sources = getattr(self._local, kind, (None, {}))
-        if arena is None or arena.size < size:
-            arena, sources = StagingPool(-(-size // _ALIGN) * _ALIGN), {}
-            assert self.client.register_buffer(arena.addr, arena.size) == 0
-            self._arenas.append(arena)
-            setattr(self._local, kind, (arena, sources))
-        return arena, sources
-
-    def store(self, keys: list[bytes], bufs: list[memoryview]) -> None:
-        size = bufs[0].nbytes
-        batch = max(1, min(64, (16 * 2**20) // max(1, size)))
-        arena, sources = self._arena("put", batch * size)
-        for i in range(0, len(keys), batch):
-            part = bufs[i:i + batch]
-            for j, buf in enumerate(part):  # every bench block has the same bytes: placed once
-                if j not in sources:
-                    arena.view[j * size:(j + 1) * size] = buf
-                    sources[j] = True
-            rcs = self.client.batch_upsert_from(
-                [self.prefix + k.hex() for k in keys[i:i + batch]],
-                [arena.addr + j * size for j in range(len(part))], [size] * len(part))
-            if any(rcs):
-                raise RuntimeError(f"raw mooncake store failed: {rcs}")
-
-    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
-        size = outs[0].nbytes  # read into registered memory, never copied out: at its best
-        arena, _ = self._arena("get", batch * size)
-        for i in range(0, len(keys), batch):
-            part = keys[i:i + batch]
-            got = self.client.batch_get_into([self.prefix + k.hex() for k in part],
-                                             [arena.addr + j * size for j in range(len(part))],
-                                             [size] * len(part))
-            if any(n != size for n in got):
-                raise RuntimeError(f"raw mooncake load failed: {got}")
-
-    def delete(self, keys: list[bytes]) -> None:
-        self.client.batch_remove([self.prefix + k.hex() for k in keys], True)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def raw_baseline(options: dict[str, Any], namespace: str) -> RawMooncake:
-    """For `ucm bench`: the raw client next to which the driver is measured."""
-    return RawMooncake(options, namespace)

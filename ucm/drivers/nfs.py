@@ -50,27 +50,20 @@ from typing import Any, Literal, Self
 import trio
 from pydantic import Field, model_validator
 
-from ucm.block import (
-    PAYLOAD_OFFSET,
-    Codec,
-    as_byte_view,
-    decode_header,
-    encode_header,
-    encode_payload,
-)
-from ucm.drivers._files import (
+from ucm.block import PAYLOAD_OFFSET, Codec, decode_header
+from ucm.drivers._blockfiles import BlockFiles, FileLayout, is_dead_writers_temp, tmp_name
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.kit import (
     Backend,
-    BlockFiles,
-    FileLayout,
+    LoadState,
+    RemoteDriver,
     ThreadedDriver,
-    _tmp_name,
-    is_dead_writers_temp,
+    frame_block,
     os_error,
     parse_codec,
     safe_dir_name,
+    unframe_into,
 )
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, verify_into
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 
@@ -196,15 +189,14 @@ class NfsBlocks(Backend):
         return [self._store_one(k, v) for k, v in zip(keys, views, strict=True)]
 
     def _store_one(self, key: bytes, view: memoryview) -> int:
-        payload = as_byte_view(encode_payload(self.codec, view))
+        header, payload = frame_block(key, self.namespace, self.codec, view)
         total = PAYLOAD_OFFSET + payload.nbytes
         block = _scratch.get(total)
-        block[:PAYLOAD_OFFSET] = encode_header(key, self.namespace, self.codec, payload,
-                                               view.nbytes)
+        block[:PAYLOAD_OFFSET] = header
         block[PAYLOAD_OFFSET:] = payload
         final = self.path_for(key)
         parent = final.rsplit("/", 1)[0]
-        tmp = f"{parent}/{_tmp_name()}"  # next to the block: a rename inside one directory
+        tmp = f"{parent}/{tmp_name()}"  # next to the block: a rename inside one directory
 
         def write(client: Any) -> None:
             with client.open(tmp, "wb") as f:  # returns once the bytes are durable
@@ -244,7 +236,7 @@ class NfsBlocks(Backend):
             n = self._call(read)
         except (FileNotFoundError, NotADirectoryError):
             return LoadState.MISSING
-        return verify_into(key, stage[:n], out)
+        return unframe_into(key, stage[:n], out)
 
     # listing
 
@@ -401,52 +393,3 @@ class NfsMountDriver(ThreadedDriver):
 
     def block_path(self, key: bytes) -> str:
         return self.files.path_for(key)
-
-
-class RawNfs:
-    """For `ucm bench`: nfs-rs called directly doing the driver's transfers (client mode):
-    a write of a 4 KiB header plus the payload to a temp name and a rename; a read of the
-    whole file into a buffer. No checksums, no copies into the caller's buffer."""
-
-    label = "raw nfs-rs write+rename/readinto"
-
-    def __init__(self, options: dict[str, Any], namespace: str) -> None:
-        from nfs_rs import Client
-
-        opts = NfsOptions.model_validate(options)
-        if opts.mode != "client":
-            raise ConfigError("the raw nfs baseline needs client mode")
-        self.client = Client.connect(opts.url, operation_timeout=opts.timeout,
-                                     connect_timeout=opts.connect_timeout)
-        self.dir = f"{opts.root.strip('/')}/raw-{safe_dir_name(namespace)}"
-        self.client.mkdir(self.dir, parents=True, exist_ok=True)
-        self.header = bytes(PAYLOAD_OFFSET)
-
-    def store(self, keys: list[bytes], bufs: list[memoryview]) -> None:
-        for key, buf in zip(keys, bufs, strict=True):
-            tmp = f"{self.dir}/{_tmp_name()}"
-            with self.client.open(tmp, "wb") as f:
-                f.write(self.header + buf)
-            self.client.rename(tmp, f"{self.dir}/{key.hex()}")
-
-    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
-        # Header and payload in one read, as the driver reads them; the network bounds both.
-        size = outs[0].nbytes
-        staged = [memoryview(bytearray(PAYLOAD_OFFSET + size)) for _ in range(batch)]
-        for i, key in enumerate(keys):
-            with self.client.open(f"{self.dir}/{key.hex()}", "rb") as f:
-                f.readinto(staged[i % batch])
-
-    def delete(self, keys: list[bytes]) -> None:
-        for key in keys:
-            self.client.remove(f"{self.dir}/{key.hex()}", missing_ok=True)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def raw_baseline(options: dict[str, Any], namespace: str) -> RawNfs | None:
-    """For `ucm bench`: the raw client next to which the driver is measured."""
-    if options.get("mode", "client") != "client":
-        return None
-    return RawNfs(options, namespace)

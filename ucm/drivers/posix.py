@@ -9,7 +9,7 @@
       map_bytes: 1GiB                 # blocks listed at start kept mapped; 0: off
 
 Blocks are published by temp file + rename, so they survive restarts (`persistent`) and a
-writer killed mid-block leaves nothing visible. The work happens in `_files.BlockFiles`.
+writer killed mid-block leaves nothing visible. The work happens in `_blockfiles.BlockFiles`.
 
 When a kernel starts, the listing of stored blocks also maps them, up to `map_bytes`, and
 reads in what the page cache lacks (see `_mapped`): a restarted engine then loads them at
@@ -39,16 +39,9 @@ from typing import Self
 import trio
 from pydantic import ByteSize, Field, field_validator
 
-from ucm.drivers._files import (
-    BlockFiles,
-    FileLayout,
-    ScatterLoading,
-    ThreadedDriver,
-    os_error,
-    parse_codec,
-    safe_dir_name,
-)
+from ucm.drivers._blockfiles import BlockFiles, FileLayout
 from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.kit import ScatterLoading, ThreadedDriver, os_error, parse_codec, safe_dir_name
 
 
 class PosixDriver(ScatterLoading, ThreadedDriver):

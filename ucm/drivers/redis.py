@@ -43,16 +43,17 @@ from urllib.parse import urlsplit
 import trio
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from ucm.block import (
-    PAYLOAD_OFFSET,
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.kit import (
+    Backend,
     Codec,
-    as_byte_view,
-    encode_header,
-    encode_payload,
+    LoadState,
+    RemoteDriver,
+    frame_block,
+    parse_codec,
+    safe_dir_name,
+    unframe_into,
 )
-from ucm.drivers._files import Backend, parse_codec, safe_dir_name
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._remote import RemoteDriver, verify_into
 from ucm.errors import ConfigError, StorageUnavailable
 
 _SCAN_COUNT = 1000
@@ -212,8 +213,7 @@ class RedisBlocks(Backend):
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
         values = []
         for key, view in zip(keys, views, strict=True):
-            payload = as_byte_view(encode_payload(self.codec, view))
-            header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+            header, payload = frame_block(key, self.namespace, self.codec, view)
             values.append(header + payload)  # one value, one SET: atomic for readers
         replies = self._pipeline(
             lambda p: [p.set(self.name_of(k), v) for k, v in zip(keys, values, strict=True)])
@@ -242,7 +242,7 @@ class RedisBlocks(Backend):
     def _verify(key: bytes, value: bytes | None, out: memoryview) -> LoadState:
         if value is None:
             return LoadState.MISSING
-        return verify_into(key, memoryview(value), out)
+        return unframe_into(key, memoryview(value), out)
 
     # listing
 
@@ -362,51 +362,3 @@ def _check_server(backend: RedisBlocks, name: str, source: str) -> None:
     except errors.RedisError as exc:
         raise StorageUnavailable(f"cannot reach redis at {where}: {exc}", driver=name
                                  ) from None
-
-
-# -- `ucm bench` baseline ----------------------------------------------------------------------
-
-
-class RawRedis:
-    """redis-py called directly doing the driver's transfers: per batch a pipeline of SETs of a
-    4 KiB header plus the payload, and one MGET copied into the caller's buffers. No
-    checksums."""
-
-    label = "raw redis-py pipeline SET/MGET"
-
-    def __init__(self, options: dict[str, Any], namespace: str) -> None:
-        opts = RedisOptions.model_validate(options)
-        kwargs, _, _ = _address(opts)
-        self.client = _client(opts, kwargs)
-        prefix = (f"{opts.prefix}:" if opts.prefix else "") + "raw-" + safe_dir_name(namespace)
-        self.prefix = (prefix + ":").encode()
-        self.header = bytes(PAYLOAD_OFFSET)
-
-    def store(self, keys: list[bytes], bufs: list[memoryview]) -> None:
-        batch = max(1, min(64, (16 * 2**20) // max(1, bufs[0].nbytes)))
-        for i in range(0, len(keys), batch):
-            pipe = self.client.pipeline(transaction=False)
-            for key, buf in zip(keys[i:i + batch], bufs[i:i + batch], strict=True):
-                pipe.set(self.prefix + key.hex().encode(), self.header + buf)
-            if not all(r is True for r in pipe.execute()):
-                raise RuntimeError("raw redis store failed")
-
-    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
-        for i in range(0, len(keys), batch):
-            values = self.client.mget([self.prefix + k.hex().encode()
-                                       for k in keys[i:i + batch]])
-            for out, value in zip(outs[i:i + batch], values, strict=True):
-                out[:] = memoryview(value)[PAYLOAD_OFFSET:]
-
-    def delete(self, keys: list[bytes]) -> None:
-        for i in range(0, len(keys), _SCAN_COUNT):
-            self.client.unlink(*[self.prefix + k.hex().encode()
-                                 for k in keys[i:i + _SCAN_COUNT]])
-
-    def close(self) -> None:
-        self.client.connection_pool.disconnect()
-
-
-def raw_baseline(options: dict[str, Any], namespace: str) -> RawRedis:
-    """For `ucm bench`: the raw client next to which the driver is measured."""
-    return RawRedis(options, namespace)

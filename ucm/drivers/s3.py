@@ -36,13 +36,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import os
-import random
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Self
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 from xml.etree import ElementTree
 
 import trio
@@ -52,197 +49,45 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     BlockHeader,
     Codec,
-    as_byte_view,
     decode_header,
     decode_payload_into,
-    encode_header,
-    encode_payload,
     verify_payload,
 )
-from ucm.drivers._files import (
+from ucm.drivers._protocol import DriverOptions
+from ucm.drivers._s3_client import (
+    XML_NS,
+    Retryable,
+    S3Client,
+    S3Error,
+    answer_error,
+    check_bucket,
+    drain,
+    object_size,
+    query,
+    read_body,
+    resolve,
+    transport_text,
+    xml_escape,
+    xml_text,
+)
+from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call
+from ucm.drivers.kit import (
+    LoadState,
     check_batch,
     check_keys,
     count_loads,
     count_stores,
+    frame_block,
+    new_statistics,
     parse_codec,
     safe_dir_name,
     size_mismatch,
 )
-from ucm.drivers._protocol import DriverOptions, LoadState
-from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call, ConnectionPool
-from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
+from ucm.errors import BlockCorrupt, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-_UNSIGNED = "UNSIGNED-PAYLOAD"
-_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _HEX = re.compile(r"^(?:[0-9a-f]{2})+$")
-
-
-class S3Error(Exception):
-    """An S3 request failed for good (after retries, or with a status that is not retried)."""
-
-    def __init__(self, message: str, status: int | None = None, code: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    endpoint: str
-    bucket: str
-    region: str
-    virtual: bool
-
-    @property
-    def origin(self) -> str:
-        if not self.virtual:
-            return self.endpoint
-        scheme, netloc = self.endpoint.split("://", 1)
-        return f"{scheme}://{self.bucket}.{netloc}"
-
-    def url(self, object_key: str = "", query: str = "") -> str:
-        path = quote(object_key, safe="/-_.~")
-        if self.virtual:
-            url = f"{self.origin}/{path}"
-        else:
-            url = f"{self.endpoint}/{self.bucket}" + (f"/{path}" if object_key else "")
-        return f"{url}?{query}" if query else url
-
-
-def _query(**params: str) -> str:
-    """A query string encoded the way SigV4 signs it (sorted, RFC 3986)."""
-    return "&".join(f"{quote(k.replace('_', '-'), safe='-_.~')}={quote(v, safe='-_.~')}"
-                    for k, v in sorted((k.replace("_", "-"), v) for k, v in params.items()))
-
-
-class S3Client:
-    """A small SigV4-signed S3 client on one pooled httpx.AsyncClient, with bounded retries.
-
-    Every method is a checkpoint and cancellable. Statuses in `expect` are returned; others
-    raise S3Error (after retries for throttling, 5xx and transport errors).
-    """
-
-    def __init__(self, target: _Target, credentials: Any, *, connect_timeout: float,
-                 read_timeout: float, max_connections: int, max_attempts: int,
-                 backoff_base: float, backoff_max: float, verify_tls: bool) -> None:
-        import httpx
-        from botocore.auth import SigV4Auth
-
-        self.target = target
-        self._credentials = credentials
-        self._sigv4 = SigV4Auth
-        self._httpx = httpx
-        self.max_attempts = max_attempts
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
-        self.retries = 0
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=max_connections),
-            verify=verify_tls, follow_redirects=False)
-        # Block GETs and PUTs: worker threads move bodies to and from the block buffers.
-        self.pool = ConnectionPool(target.origin, connect_timeout=connect_timeout,
-                                   read_timeout=read_timeout, max_connections=max_connections,
-                                   verify_tls=verify_tls)
-        # Requests in flight, bounded here rather than queued in httpcore's pool: its queue
-        # is rescanned against every connection (a poll() per idle one) on each assignment.
-        self._slots = trio.CapacityLimiter(max_connections)
-
-    def _signed_headers(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
-        from botocore.awsrequest import AWSRequest
-
-        headers = {"x-amz-content-sha256": _UNSIGNED, **headers}
-        request = AWSRequest(method=method, url=url, headers=headers)
-        frozen = self._credentials.get_frozen_credentials()
-        self._sigv4(frozen, "s3", self.target.region).add_auth(request)
-        return dict(request.headers.items())
-
-    async def _backoff(self, attempt: int) -> None:
-        self.retries += 1
-        await trio.sleep(random.uniform(0, min(self.backoff_max, self.backoff_base * 2**attempt)))
-
-    async def request(self, method: str, object_key: str = "", *, query: str = "",
-                      headers: dict[str, str] | None = None, content: Any = None,
-                      expect: tuple[int, ...] = (200,)) -> Any:
-        """Sends a request with retries; returns the (read) response for statuses in expect."""
-        url = self.target.url(object_key, query)
-
-        async def attempt() -> Any:
-            signed = self._signed_headers(method, url, headers or {})
-            try:
-                async with self._slots:
-                    response = await self.client.request(method, url, headers=signed,
-                                                         content=content)
-            except self._httpx.TransportError as exc:
-                raise _Retryable(_transport_text(exc)) from None
-            if response.status_code in expect:
-                return response
-            error = _status_error(method, response)
-            raise _Retryable(error.args[0]) if response.status_code in _RETRY_STATUS else error
-
-        return await self.retried(method, attempt)
-
-    async def retried(self, method: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args), again after a backoff while it raises _Retryable, max_attempts in all."""
-        last = "no attempt"
-        for attempt in range(self.max_attempts):
-            try:
-                return await fn(*args)
-            except _Retryable as exc:
-                last = str(exc)
-            if attempt + 1 < self.max_attempts:
-                await self._backoff(attempt)
-        raise S3Error(f"{method} failed after {self.max_attempts} attempts: {last}")
-
-    async def aclose(self) -> None:
-        self.pool.close()
-        await self.client.aclose()
-
-
-class _Retryable(Exception):
-    pass
-
-
-def _transport_text(exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"
-
-
-def _status_error(method: str, response: Any) -> S3Error:
-    return _error_for(method, response.status_code, response.content)
-
-
-def _error_for(method: str, status: int, body: bytes) -> S3Error:
-    match = re.search(rb"<Code>([^<]+)</Code>", body)
-    code = match.group(1).decode() if match else ""
-    text = f"{method} -> HTTP {status}" + (f" {code}" if code else "")
-    return S3Error(text, status, code)
-
-
-def _drain(call: Call) -> bytes:
-    """Worker thread: the rest of an answer's body (so its connection can be reused)."""
-    try:
-        return call.body()
-    except TRANSPORT_ERRORS:
-        return b""
-
-
-def _answer_error(call: Call, method: str, status: int) -> Exception:
-    """Worker thread: the error for an unexpected answer (its body names the S3 code)."""
-    error = _error_for(method, status, _drain(call))
-    return _Retryable(error.args[0]) if status in _RETRY_STATUS else error
-
-
-def _read(call: Call, response: Any, view: memoryview) -> int:
-    try:
-        return call.read_into(response, view)
-    except TRANSPORT_ERRORS as exc:
-        raise _Retryable(_transport_text(exc)) from None
-
 
 def _check_into(header: BlockHeader, stored: memoryview, out: memoryview) -> None:
     """Verifies a payload read in place, or decodes a compressed one into `out`."""
@@ -250,13 +95,6 @@ def _check_into(header: BlockHeader, stored: memoryview, out: memoryview) -> Non
         verify_payload(header, out)
     else:
         decode_payload_into(header, stored, out)
-
-
-def _xml_text(node: ElementTree.Element, tag: str) -> str | None:
-    found = node.find(_NS + tag)
-    if found is None:
-        found = node.find(tag)
-    return None if found is None else found.text
 
 
 class S3Driver:
@@ -295,10 +133,8 @@ class S3Driver:
         prefix = options.prefix.strip("/")
         self.key_prefix = (f"{prefix}/" if prefix else "") + safe_dir_name(namespace) + "/"
         self._closed = False
-        self._stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "hits", "loads", "loaded", "missing", "corrupt", "failed",
-             "bytes_read", "stores", "stored", "bytes_written", "store_failed", "deletes",
-             "multipart_puts", "ranged_gets", "etag_races"), 0)
+        self._stats: dict[str, int] = {**new_statistics(), "multipart_puts": 0,
+                                       "ranged_gets": 0, "etag_races": 0}
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -308,14 +144,14 @@ class S3Driver:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
-        target, credentials, source = await trio.to_thread.run_sync(_resolve, options)
+        target, credentials, source = await trio.to_thread.run_sync(resolve, options)
         client = S3Client(target, credentials, connect_timeout=options.connect_timeout,
                           read_timeout=options.read_timeout,
                           max_connections=options.max_connections,
                           max_attempts=options.max_attempts, backoff_base=options.backoff_base,
                           backoff_max=options.backoff_max, verify_tls=options.verify_tls)
         try:
-            await _check_bucket(client, name, source)
+            await check_bucket(client, name, source)
         except BaseException:
             await client.aclose()
             raise
@@ -468,8 +304,7 @@ class S3Driver:
     # -- one block ----------------------------------------------------------------------------
 
     async def _store_one(self, key: bytes, view: memoryview) -> int:
-        payload = as_byte_view(encode_payload(self.codec, view))
-        header = encode_header(key, self.namespace, self.codec, payload, view.nbytes)
+        header, payload = frame_block(key, self.namespace, self.codec, view)
         size = PAYLOAD_OFFSET + payload.nbytes
         name = self.object_key(key)
         if size > self.options.multipart_threshold:
@@ -485,12 +320,12 @@ class S3Driver:
         are (no joined copy)."""
         response = self._send(call, "PUT", name, {}, (header, payload))
         if response.status != 200:
-            raise _answer_error(call, "PUT", response.status)
+            raise answer_error(call, "PUT", response.status)
 
     async def _multipart_put(self, name: str, body: memoryview) -> None:
         client = self.client
         response = await client.request("POST", name, query="uploads=")
-        upload_id = _xml_text(ElementTree.fromstring(response.content), "UploadId")
+        upload_id = xml_text(ElementTree.fromstring(response.content), "UploadId")
         if not upload_id:
             raise S3Error("multipart upload: no UploadId in the answer")
         part = int(self.options.part_size)
@@ -501,7 +336,7 @@ class S3Driver:
         async def upload(_: int, item: tuple[int, int, int]) -> None:
             number, start, end = item
             answer = await client.request(
-                "PUT", name, query=_query(partNumber=str(number), uploadId=upload_id),
+                "PUT", name, query=query(partNumber=str(number), uploadId=upload_id),
                 content=bytes(body[start:end]))
             etags[number] = answer.headers.get("etag", "")
 
@@ -510,14 +345,14 @@ class S3Driver:
             parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{etags[n]}</ETag></Part>"
                             for n in sorted(etags))
             done = await client.request(
-                "POST", name, query=_query(uploadId=upload_id),
+                "POST", name, query=query(uploadId=upload_id),
                 content=f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode())
             if b"<Error>" in done.content[:512]:  # S3 may report failure inside a 200
                 raise S3Error(f"complete multipart upload: {done.content[:200]!r}")
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 try:
-                    await client.request("DELETE", name, query=_query(uploadId=upload_id),
+                    await client.request("DELETE", name, query=query(uploadId=upload_id),
                                          expect=(204, 200, 404))
                 except S3Error:
                     pass  # the bucket's lifecycle rules reap abandoned uploads
@@ -554,16 +389,16 @@ class S3Driver:
         if response.status == 416:  # a range from byte 0: the object is empty
             # SeaweedFS shows an empty object under the name of a PUT whose client died
             # mid-body (a store never reported as done): no block is there.
-            _drain(call)
+            drain(call)
             return LoadState.MISSING
         if response.status not in (200, 206):
-            raise _answer_error(call, "GET", response.status)
-        total = _object_size(response.status, response.getheader)
+            raise answer_error(call, "GET", response.status)
+        total = object_size(response.status, response.getheader)
         head = memoryview(bytearray(PAYLOAD_OFFSET))
-        filled = _read(call, response, head)
+        filled = read_body(call, response, head)
         if filled < PAYLOAD_OFFSET:
             if filled < total:
-                raise _Retryable(f"GET body ended after {filled} of {total} bytes")
+                raise Retryable(f"GET body ended after {filled} of {total} bytes")
             raise BlockCorrupt(f"object is {filled} bytes, shorter than a block header")
         header = decode_header(head, expect_key=key)
         if header.raw_len != out.nbytes:
@@ -576,9 +411,9 @@ class S3Driver:
         want = min(header.payload_len, first - PAYLOAD_OFFSET)
         if direct:
             call.writing()
-        got = _read(call, response, target[:want])
+        got = read_body(call, response, target[:want])
         if got < want:
-            raise _Retryable(f"GET body ended after {PAYLOAD_OFFSET + got} of {total} bytes")
+            raise Retryable(f"GET body ended after {PAYLOAD_OFFSET + got} of {total} bytes")
         if want == header.payload_len:
             if not direct:
                 call.writing()
@@ -596,7 +431,7 @@ class S3Driver:
             return call.send(method, path.path + (f"?{path.query}" if path.query else ""),
                              signed, body)
         except TRANSPORT_ERRORS as exc:
-            raise _Retryable(_transport_text(exc)) from None
+            raise Retryable(transport_text(exc)) from None
 
     async def _get_ranges(self, name: str, etag: str, target: memoryview, start: int) -> None:
         part = int(self.options.part_size)
@@ -609,15 +444,15 @@ class S3Driver:
             response = self._send(call, "GET", name, headers)
             if response.status in (404, 412):  # replaced or deleted since the first part
                 self._stats["etag_races"] += 1
-                raise _Retryable("the block changed during a ranged load")
+                raise Retryable("the block changed during a ranged load")
             if response.status != 206:
-                raise _answer_error(call, "GET", response.status)
+                raise answer_error(call, "GET", response.status)
             if response.length != hi - lo:
-                raise _Retryable(f"ranged GET answered {response.length} bytes, not {hi - lo}")
+                raise Retryable(f"ranged GET answered {response.length} bytes, not {hi - lo}")
             call.writing()
-            got = lo + _read(call, response, target[lo:hi])
+            got = lo + read_body(call, response, target[lo:hi])
             if got != hi:
-                raise _Retryable(f"ranged GET ended at {got} of {hi}")
+                raise Retryable(f"ranged GET ended at {got} of {hi}")
 
         await self._each(lambda _, span: self.client.pool.run(get, *span), ranges)
 
@@ -630,14 +465,14 @@ class S3Driver:
             if token:
                 params["continuation_token"] = token
             try:
-                response = await self.client.request("GET", query=_query(**params))
+                response = await self.client.request("GET", query=query(**params))
             except S3Error as exc:
                 raise StorageUnavailable(f"list failed: {exc}", driver=self.name) from None
             root = ElementTree.fromstring(response.content)
-            for item in root.iter(_NS + "Contents"):
-                yield _xml_text(item, "Key") or "", int(_xml_text(item, "Size") or 0)
-            token = _xml_text(root, "NextContinuationToken")
-            if (_xml_text(root, "IsTruncated") or "false").lower() != "true" or not token:
+            for item in root.iter(XML_NS + "Contents"):
+                yield xml_text(item, "Key") or "", int(xml_text(item, "Size") or 0)
+            token = xml_text(root, "NextContinuationToken")
+            if (xml_text(root, "IsTruncated") or "false").lower() != "true" or not token:
                 return
 
     async def _delete_objects(self, names: list[str]) -> None:
@@ -646,7 +481,7 @@ class S3Driver:
             return
 
         async def bulk(_: int, chunk: list[str]) -> None:
-            objects = "".join(f"<Object><Key>{_xml_escape(n)}</Key></Object>" for n in chunk)
+            objects = "".join(f"<Object><Key>{xml_escape(n)}</Key></Object>" for n in chunk)
             body = f"<Delete><Quiet>true</Quiet>{objects}</Delete>".encode()
             md5 = base64.b64encode(hashlib.md5(body).digest()).decode()
             response = await self.client.request("POST", query="delete=", content=body,
@@ -671,137 +506,3 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
         if not isinstance(exc, trio.Cancelled):
             return exc
     return leaves[0]
-
-
-def _object_size(status: int, header: Callable[[str, str], str]) -> int:
-    if status == 206:
-        total = header("content-range", "").rpartition("/")[2]
-        if total.isdigit():
-            return int(total)
-    length = header("content-length", "")
-    if not length.isdigit():
-        raise _Retryable("GET answer without a length")
-    return int(length)
-
-
-def _xml_escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-# -- configuration ---------------------------------------------------------------------------
-
-
-def _resolve(options: S3Driver.Options) -> tuple[_Target, Any, str]:
-    """Endpoint, region and credentials from the options and the AWS environment. Runs in a
-    worker thread: botocore reads ~/.aws files. Returns a description of where the
-    credentials came from (never the credentials)."""
-    try:
-        import botocore.session
-        from botocore.credentials import Credentials
-    except ImportError as exc:
-        raise ConfigError(f"s3 driver needs botocore and httpx ({exc}); install it with: "
-                          "pip install 'ucm[s3]'") from None
-    try:
-        session = botocore.session.Session(profile=options.profile)
-        region = (options.region or session.get_config_variable("region")
-                  or os.environ.get("AWS_REGION") or "us-east-1")
-    except Exception as exc:  # botocore.exceptions.ProfileNotFound and kin
-        raise ConfigError(f"profile: {exc}") from None
-    if options.access_key_id or options.secret_access_key:
-        if not (options.access_key_id and options.secret_access_key):
-            raise ConfigError("access_key_id and secret_access_key must be given together")
-        token = options.session_token.get_secret_value() if options.session_token else None
-        credentials = Credentials(options.access_key_id,
-                                  options.secret_access_key.get_secret_value(), token)
-        source = "the driver options"
-    else:
-        try:
-            credentials = session.get_credentials()
-        except Exception as exc:
-            raise ConfigError(f"credentials: {exc}") from None
-        if credentials is None:
-            raise ConfigError("credentials: none found; set access_key_id/secret_access_key, "
-                              "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a profile in "
-                              "~/.aws/credentials")
-        source = f"the AWS {getattr(credentials, 'method', 'default')} credentials"
-        if options.profile:
-            source += f" of profile {options.profile!r}"
-    endpoint = (options.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL") or f"https://s3.{region}.amazonaws.com")
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"endpoint: {endpoint!r} is not an http(s) URL")
-    target = _Target(endpoint.rstrip("/"), options.bucket, region,
-                     options.addressing_style == "virtual")
-    return target, credentials, source
-
-
-async def _check_bucket(client: S3Client, name: str, source: str) -> None:
-    """HEAD the bucket, so bad settings fail at start-up with the reason."""
-    target = client.target
-    where = f"bucket {target.bucket!r} at {target.endpoint}"
-    try:
-        response = await client.request("HEAD", expect=(200, 301, 400, 403, 404))
-    except S3Error as exc:
-        raise StorageUnavailable(f"cannot reach {where}: {exc}", driver=name) from None
-    status = response.status_code
-    if status == 403:
-        raise ConfigError(f"access denied to {where} with {source}: check the access key, "
-                          "the secret and the bucket policy")
-    if status == 404:
-        raise ConfigError(f"bucket: {where} does not exist")
-    if status in (301, 400):
-        raise ConfigError(f"region: {where} refused region {target.region!r} "
-                          f"(HTTP {status}); set region to the bucket's region")
-
-
-# -- `ucm bench` baseline ----------------------------------------------------------------------
-
-
-class RawS3:
-    """boto3 called directly (one client, urllib3 pool) doing the driver's transfers: a PUT of
-    a 4 KiB header plus the payload, a GET copied into the caller's buffer. No checksums."""
-
-    label = "raw boto3 put/get"
-
-    def __init__(self, options: dict[str, Any], namespace: str) -> None:
-        import boto3
-        from botocore.config import Config
-
-        opts = S3Driver.Options.model_validate(options)
-        target, credentials, _ = _resolve(opts)
-        frozen = credentials.get_frozen_credentials()
-        self.client = boto3.client(
-            "s3", endpoint_url=target.endpoint, region_name=target.region,
-            aws_access_key_id=frozen.access_key, aws_secret_access_key=frozen.secret_key,
-            aws_session_token=frozen.token,
-            config=Config(s3={"addressing_style": opts.addressing_style},
-                          max_pool_connections=opts.max_connections,
-                          retries={"max_attempts": opts.max_attempts, "mode": "standard"}))
-        self.bucket = target.bucket
-        self.prefix = f"{opts.prefix.strip('/')}/raw-{safe_dir_name(namespace)}/"
-        self.header = bytes(PAYLOAD_OFFSET)
-
-    def store(self, keys: list[bytes], bufs: list[memoryview]) -> None:
-        for key, buf in zip(keys, bufs, strict=True):
-            self.client.put_object(Bucket=self.bucket, Key=self.prefix + key.hex(),
-                                   Body=self.header + buf)
-
-    def load(self, keys: list[bytes], outs: list[memoryview], batch: int) -> None:
-        for key, out in zip(keys, outs, strict=True):
-            body = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key.hex())
-            out[:] = memoryview(body["Body"].read())[PAYLOAD_OFFSET:]
-
-    def delete(self, keys: list[bytes]) -> None:
-        for i in range(0, len(keys), 1000):
-            objects = [{"Key": self.prefix + k.hex()} for k in keys[i:i + 1000]]
-            self.client.delete_objects(Bucket=self.bucket,
-                                       Delete={"Objects": objects, "Quiet": True})
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def raw_baseline(options: dict[str, Any], namespace: str) -> RawS3:
-    """For `ucm bench`: the raw client next to which the driver is measured."""
-    return RawS3(options, namespace)

@@ -7,36 +7,45 @@ Framing        frame_block, unframe_into: a block in the self-describing `ucm.bl
                (header with key, namespace, codec, lengths and checksum; payload after it)
 Errors         os_error: an OSError that failed a batch, as the ucm exception tree
 Threaded base  Backend + ThreadedDriver: write a synchronous, batched Backend; ThreadedDriver
-               validates each call, runs it on worker threads, counts and translates errors
+               validates each call, runs it on worker threads, counts and translates errors;
+               ScatterLoading adds `load_scatter` for a backend that reads into a Scatter
                RemoteDriver: the same for servers that can stall (calls a deadline abandons)
 Statistics     new_statistics, count_loads, count_stores (see `DriverStatistics`)
-Naming         safe_dir_name: a directory name for a namespace
+Naming         safe_dir_name: a directory name for a namespace; pid_alive: whether a writer
+               sharing the store from another process of this host still runs
 
+Modules by job: `_checks` (validation, errors, naming), `_framing` (block format, the gate of
+abandonable calls), `_threaded` (Backend, ThreadedDriver), `_remote` (RemoteDriver).
 docs/writing-a-driver.md walks through a complete driver built on it.
 """
 
 from __future__ import annotations
 
-from ucm.block import PAYLOAD_OFFSET, Codec, Scatter, encode_header, encode_payload
-from ucm.drivers._files import (
-    Backend,
-    ThreadedDriver,
-    check_batch,
-    check_keys,
-    count_loads,
-    count_stores,
-    os_error,
-    parse_codec,
-    safe_dir_name,
-    size_mismatch,
-)
+from ucm.block import PAYLOAD_OFFSET, Codec, Scatter
 from ucm.drivers._protocol import (
     STATISTICS,
     DriverStatistics,
     LoadState,
     new_statistics,
 )
-from ucm.drivers._remote import RemoteDriver, verify_into
+from ucm.drivers.kit._checks import (
+    check_batch,
+    check_keys,
+    os_error,
+    parse_codec,
+    pid_alive,
+    safe_dir_name,
+    size_mismatch,
+)
+from ucm.drivers.kit._framing import frame_block, unframe_into
+from ucm.drivers.kit._remote import RemoteDriver
+from ucm.drivers.kit._threaded import (
+    Backend,
+    ScatterLoading,
+    ThreadedDriver,
+    count_loads,
+    count_stores,
+)
 
 __all__ = [
     "PAYLOAD_OFFSET",
@@ -47,6 +56,7 @@ __all__ = [
     "LoadState",
     "RemoteDriver",
     "Scatter",
+    "ScatterLoading",
     "ThreadedDriver",
     "check_batch",
     "check_keys",
@@ -56,21 +66,8 @@ __all__ = [
     "new_statistics",
     "os_error",
     "parse_codec",
+    "pid_alive",
     "safe_dir_name",
     "size_mismatch",
     "unframe_into",
 ]
-
-
-def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview,
-                ) -> tuple[bytes, memoryview]:
-    """A block as stored: its header (PAYLOAD_OFFSET bytes) and its payload (`raw` encoded
-    with `codec`; `raw` itself for Codec.NONE). Store the two back to back."""
-    payload = memoryview(encode_payload(codec, raw)).cast("B")
-    return encode_header(key, namespace, codec, payload, raw.nbytes), payload
-
-
-def unframe_into(key: bytes, stored: memoryview, out: memoryview) -> LoadState:
-    """Checks a stored block (header + payload) against `key` and its checksum and decodes
-    its raw bytes into `out`: OK or CORRUPT. A buffer of the wrong size is InvalidRequest."""
-    return verify_into(key, stored, out)

@@ -1,0 +1,91 @@
+"""Arguments checked as the driver contract says, and failures named in the ucm error tree."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ucm.block import BlockHeader, Codec, Scatter, as_byte_view, check_key
+from ucm.errors import ConfigError, DriverError, InvalidRequest, NoCapacity, StorageUnavailable
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """The keys as a list, or InvalidRequest naming the first problem."""
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise InvalidRequest("keys must be a sequence of bytes keys, not a single key")
+    keys = list(keys)
+    if not keys:
+        raise InvalidRequest("empty batch: pass at least one key")
+    for key in keys:
+        check_key(key)
+    return keys
+
+
+def check_batch(
+    keys: Sequence[bytes], buffers: Sequence[Any], *, writable: bool
+) -> tuple[list[bytes], list[memoryview]]:
+    """Validated keys and flat byte views of their buffers (one per key)."""
+    keys = check_keys(keys)
+    buffers = list(buffers)
+    if len(buffers) != len(keys):
+        raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
+    views = []
+    for i, buf in enumerate(buffers):
+        if writable and type(buf) is Scatter:
+            views.append(buf)
+            continue
+        try:
+            view = as_byte_view(buf)
+        except TypeError:
+            raise InvalidRequest(f"buffer {i} is a {type(buf).__name__}, not a buffer") from None
+        if writable and view.readonly:
+            raise InvalidRequest(f"buffer {i} is read-only; a load needs a writable buffer")
+        views.append(view)
+    return keys, views
+
+
+def size_mismatch(view: memoryview, header: BlockHeader) -> InvalidRequest:
+    """The error for a load buffer whose size differs from the stored block's."""
+    return InvalidRequest(f"buffer is {view.nbytes} bytes; the block holds {header.raw_len}")
+
+
+def os_error(exc: OSError, driver: str) -> DriverError:
+    """Translates an OSError that failed a whole batch into the ucm tree."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        why = f": {exc.strerror}" if exc.strerror != os.strerror(exc.errno) else ""
+        return NoCapacity(f"no space left{why}{where}", driver=driver)
+    return StorageUnavailable(f"{exc.strerror or exc}{where}", driver=driver)
+
+
+def parse_codec(codec: str | Codec) -> Codec:
+    """A codec option parsed, or ConfigError."""
+    try:
+        return Codec.parse(codec)
+    except InvalidRequest as exc:
+        raise ConfigError(f"codec: {exc}") from None
+
+
+
+def safe_dir_name(namespace: str) -> str:
+    """A directory name for a namespace: itself when it is plain, else a readable prefix plus
+    a digest, so two namespaces never share a directory."""
+    plain = "".join(c if c.isalnum() or c in "-_." else "_" for c in namespace)
+    if plain == namespace and not namespace.startswith("."):
+        return namespace
+    digest = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+    return f"{plain.lstrip('.')[:64]}-{digest}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host is alive (for stores shared between processes)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
