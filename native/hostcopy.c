@@ -1,12 +1,9 @@
 /* ucm._hostcopy: copy a block and take its xxh3-64 in one pass over the source.
  *
  * A verified load used to read a block twice: xxh3 over the source, then memmove. Here each
- * 64 KiB chunk is hashed (which brings it into the CPU cache) and then copied out of the cache
- * with non-temporal stores (hostcopy_impl.h). For 2 MiB blocks on the 2-vCPU development VM:
- * 15.9-16.6 GB/s on 2 threads, against 12.5-12.7 for xxh3 then memmove and 13.9-14.2 for
- * memmove alone. On CPUs with AVX2 the loop compiled for it (hostcopy_avx2.c) is used: 32 blocks
- * of 2 MiB into 16 pieces each, on a 2-vCPU AMD EPYC VM, took 2.26-2.45 ms on 2 threads against
- * 3.33-3.45 ms for the SSE2 loop (4.1-4.3 against 6.4-7.3 ms on one thread).
+ * 64 KiB chunk is copied with non-temporal stores and then hashed from the cache
+ * (hostcopy_impl.h); on CPUs with AVX2 the loop compiled for it (hostcopy_avx2.c) is used
+ * (figures: docs/performance.md, Copy and checksum in one pass).
  *
  * The digest is the one `xxhash.xxh3_64_intdigest` gives (seed 0), whichever loop runs.
  *

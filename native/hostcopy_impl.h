@@ -5,11 +5,10 @@
  * Each 64 KiB chunk is copied with non-temporal stores, which write the destination without
  * first reading it into the CPU cache, and then hashed: the copy's loads have brought the chunk
  * into the cache, so the hash reads it from there. Copying first lets the copy's independent
- * loads overlap the memory latency; hashing first left that to the hash's loads, and it was
- * slower: 32 blocks of 2 MiB into 16 pieces each on 2 threads took 2.8-3.1 ms against
- * 3.5-4.0 ms (the copy alone, 2.5-2.9 ms). The caller guarantees that nothing writes the
- * source during the call: a chunk is hashed right after it is copied, so a concurrent write
- * could make the copy differ from what was hashed. */
+ * loads overlap the memory latency; hashing first left that to the hash's loads and was slower
+ * (figures: docs/performance.md, Copy and checksum in one pass). The caller guarantees that
+ * nothing writes the source during the call: a chunk is hashed right after it is copied, so a
+ * concurrent write could make the copy differ from what was hashed. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

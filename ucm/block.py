@@ -95,10 +95,11 @@ def check_key(key: object) -> bytes:
 
 # -- copies outside the GIL ---------------------------------------------------------------------
 #
-# A memoryview slice assignment holds the GIL while it copies, so a 2 MiB copy (about 150 us
-# here) stops every other Python thread: loader threads, the kernel's trio thread, a vLLM
-# step. ctypes releases the GIL around a foreign call, so large copies go through memmove.
-# (python-xxhash already hashes inputs over 64 KiB with the GIL released.)
+# A memoryview slice assignment holds the GIL while it copies, stopping every other Python
+# thread (loader threads, the kernel's trio thread, a vLLM step) for a 2 MiB copy; ctypes
+# releases the GIL around a foreign call, so large copies go through memmove (figures:
+# docs/performance.md, Python-side copies). python-xxhash already hashes inputs over 64 KiB
+# with the GIL released.
 
 NATIVE_MIN = 64 * 1024  # smaller copies: a ctypes call costs more than the GIL it frees
 
@@ -115,9 +116,9 @@ _np = None
 def buffer_address(view: memoryview) -> int:
     """The address of a contiguous byte view, read-only ones included."""
     global _np
-    if not view.readonly:  # ctypes is ~7x cheaper than numpy (0.2 vs 1.5 us a call)
+    if not view.readonly:  # ctypes is several times cheaper than numpy here
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    if _np is None:  # imported once: an import statement per call cost 4 us more
+    if _np is None:  # imported once: an import statement per call is not free
         import numpy
 
         _np = numpy

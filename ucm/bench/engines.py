@@ -6,7 +6,7 @@ or in a fresh one, and reports what happened: the shared runner of `ucm demo`,
 
 A fresh process per engine is what "a second engine" means: nothing but storage is shared.
 Inside it vLLM runs in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), which
-starts in about 2 s instead of 15 on a small CPU machine.
+starts much faster on a small CPU machine (figures: docs/performance.md, Engine environment).
 """
 
 from __future__ import annotations
@@ -203,24 +203,19 @@ def _preemptions(llm: Any) -> int | None:
     return None
 
 
-# OpenMP threads that finish a parallel region spin before they sleep: 300,000 rounds by
-# default in libgomp (torch's OpenMP), several milliseconds here. A KV load that starts just
-# after one (vLLM calls start_load_kv after its own tensor work) shared the CPUs with them: a
-# 62 MiB load from the page cache waited 10.3 ms (median of 8) inside a step against 6.6 ms
-# outside one. GOMP_SPINCOUNT=3000 keeps the spin between the regions of a forward pass and
-# ends it soon after: the load waited 7.7 ms, with recompute (3987 vs 4102 ms) and prefix-hit
-# (193 vs 199 ms) TTFT unchanged at 4K tokens. OMP_WAIT_POLICY=PASSIVE (no spin) made the
-# prefix-hit step 10% slower. Every engine the runner starts gets it, with or without a
-# connector, unless the environment already says how OpenMP should wait.
+# OpenMP threads that finish a parallel region spin before they sleep (300,000 rounds by
+# default in libgomp, torch's OpenMP) and slow a KV load that starts just after one (vLLM
+# calls start_load_kv after its own tensor work); GOMP_SPINCOUNT=3000 keeps the spin inside a
+# forward pass and ends it soon after (figures: docs/performance.md, Engine environment).
+# Every engine the runner starts gets it, with or without a connector, unless the environment
+# already says how OpenMP should wait.
 OPENMP_SPIN = "3000"
 
 # vLLM's CPU backend asks for tcmalloc in LD_PRELOAD ("libtcmalloc is not found in LD_PRELOAD"
-# in its log, and its CPU install guide). With glibc's malloc, the tensors of a long prefill
-# (an 8K-token prompt's MLP activations are 46-92 MiB, above glibc's 32 MiB mmap ceiling) are
-# mapped and unmapped every forward pass: 160,000 to 900,000 page faults per prompt, 0.3-2.9 s
-# of system time, and 8K-token prefills that took 5.2 to 7.2 s in one engine. With tcmalloc,
-# which keeps freed memory for the next pass, five prompts took 5.09-5.20 s and 0.1 s of
-# system time each. Every engine the runner starts gets it where the system has it
+# in its log, and its CPU install guide): with glibc's malloc a long prefill's tensors (above
+# its mmap ceiling) are mapped and faulted in again every forward pass; tcmalloc keeps freed
+# memory for the next pass (figures: docs/performance.md, Engine environment). Every engine
+# the runner starts gets it where the system has it
 # (`libtcmalloc-minimal4`, which scripts/setup.sh installs), unless LD_PRELOAD already names an
 # allocator or UCM_ENGINE_MALLOC=system asks for glibc's.
 TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",

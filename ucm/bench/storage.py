@@ -63,8 +63,8 @@ class Record:
 
 # Bytes per Load/Store event. The vLLM hook posts one Load per engine step with every hit block
 # of the step's requests: 62 MiB for one 4K-token prompt of `ucm bench vllm`'s model. Events
-# of 16 MiB measure per-event hand-offs (caller -> kernel thread -> copy threads and back,
-# 0.2-0.3 ms in all on this 2-vCPU VM) more than transfers: `--batch 16MiB` shows them.
+# of 16 MiB measure per-event hand-offs (caller -> kernel thread -> copy threads and back) more
+# than transfers: `--batch 16MiB` shows them.
 DEFAULT_BATCH_BYTES = 64 * MiB
 
 

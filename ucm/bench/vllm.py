@@ -17,21 +17,21 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
                 pass); against recompute, and against the null connector, which run just
                 before it. With `--miss-engines` k > 1, k - 1 more pairs of recompute and
                 all-miss engines run at the end, the second pair all-miss first, the third
-                recompute first, and so on (engines here drift by several percent over a run:
-                in turn, a steady drift favours neither side), and both sides are medians over
+                recompute first, and so on (whole engines drift over a run: in turn, a
+                steady drift favours neither side), and both sides are medians over
                 all their engines' prompts
 A prompt of length n is n KV tokens (`--lengths`, whole blocks) and then `--tail` more (2 by
 default), so every setup loads or finds the same n tokens and computes only the tail: the floor
 is a 2-token step, not a recomputed block (vLLM always computes a prompt's last token, so a
-block-aligned prompt recomputes its whole last block: 128 tokens, about 190 ms at 4K here, whose
-run-to-run noise was larger than the overheads measured). A tail of 1 would make
+block-aligned prompt recomputes its whole last block, whose run-to-run noise is larger than
+the overheads measured). A tail of 1 would make
 ExampleConnector miss: it names a stored prompt by its first (P - 1) // bs blocks and looks it
 up by its first (P - 2) // bs.
 
 TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request.
 Engines run on tcmalloc, as vLLM's CPU backend asks, where the system has it: with glibc's
-malloc the page faults of a long prefill's tensors moved 8K-token prefills by up to 40% in one
-engine (ucm.bench.engines.TCMALLOC_PATHS). After each store pass the files written are synced, so no
+malloc the page faults of a long prefill's tensors make prefill times unreadable
+(ucm.bench.engines.TCMALLOC_PATHS). After each store pass the files written are synced, so no
 writeback runs while hits are timed. Each connector's engine runs `--repeat` stored prompts,
 each twice in a row with vLLM's prefix cache on: first loaded by the connector, then vLLM's own
 hit in the same engine (the floor: nothing to load, the limit); and that `--rounds` times,
@@ -45,7 +45,8 @@ the page cache warm. A closing line says how each ucm engine's kernel ran its Lo
 The floor is the same prompt again right after the loaded one: its forward pass reads KV and
 weights that the previous one left in the CPU's caches, and a loaded prompt's does not (ucm
 writes the cache past the CPU caches). On this machine, flushing the caches before the floor
-took away the 0.6-1 ms by which a loaded step's forward pass had been slower.
+removed the difference between a loaded step's forward pass and the floor's. (Figures behind
+these choices: docs/performance.md, How the benchmarks are built.)
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(vLLM's own prefix cache emptied before each load)")
     ap.add_argument("--miss-engines", type=int, default=4,
                     help="engines that time all-miss prefills, with no connector and with ucm "
-                         "each, in pairs of alternating order (whole engines differ by up to "
-                         "10%% here)")
+                         "each, in pairs of alternating order (whole engines differ by several "
+                         "percent)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--workdir", default=None,
                     help="where the model, the stored blocks and engines.log go, all kept "
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def baselines() -> None:
             # Right before ucm-posix's store pass (its all-miss engine) when it runs: whole
-            # engines here drift by several percent over a run, so the pair runs together.
+            # engines drift over a run, so the pair runs together.
             recompute = recompute_pass("recompute")
             for n in lengths:
                 miss_walls["recompute"][n] += walls(recompute, "miss", n)
@@ -269,9 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "ucm-posix":
                 baselines()
             cold = run(f"{name} store pass", store_pass(), **kw)
-            # Write the stored files back now: otherwise the kernel flushes them (1 GiB at
-            # --repeat 5) while the next engine's hits are timed, and on 2 CPUs that
-            # writeback doubled the posix tier's load waits (6 ms -> 12-16 ms for 62 MiB).
+            # Write the stored files back now: writeback during the timed hits slows the
+            # posix tier's loads.
             os.sync()
             if name == "ucm-posix":
                 for n in lengths:
@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("ucm"):
                 _say(f"  {name}: {_load_paths(r)}")
         if "ucm-posix" in setups:
-            # More all-miss engines (one engine's prefills run up to 10% faster or slower than
-            # another's here), in turn: the first pair ran recompute first, the second runs
+            # More all-miss engines (whole engines differ by several percent), in turn: the
+            # first pair ran recompute first, the second runs
             # all-miss first, and so on, so that a steady drift favours neither side.
             for k in range(2, args.miss_engines + 1):
                 scratch = posix_tier(os.path.join(work, f"ucm-miss-{k}"))

@@ -5,9 +5,11 @@ A Lookup whose every key the fastest tier's index holds is answered on the calle
 its answer is the one the trio thread would give without any I/O, and the two thread hand-offs
 it saves are most of a lookup's cost. A Load of such keys whose blocks the tier's driver holds
 in memory (`InMemoryLoads`: mapped block files, the shm arena) is copied by the driver's copy
-threads and the waiting caller, and resolved by whichever finishes; blocks that do not load
-that way go through the trio thread as a Load of their own, which tries the lower tiers and
-removes corrupt blocks. Everything else goes to the trio thread.
+threads and the waiting caller, and resolved by whichever finishes, which saves the trio
+thread's wake-ups; blocks that do not load that way go through the trio thread as a Load of
+their own, which tries the lower tiers and removes corrupt blocks. Everything else goes to the
+trio thread. (Figures: docs/performance.md, Lookups answered from the index; Loads of in-memory
+blocks off the trio thread.)
 
 Counters and trace records come from `_accounting`, as on the trio thread. Blocks loaded here
 count as used in their tier's eviction policy: the trio thread applies those marks

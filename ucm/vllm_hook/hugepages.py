@@ -1,25 +1,22 @@
-"""Backs a host-memory KV cache with transparent huge pages, in the background.
+"""Backs a host-memory KV cache with transparent huge pages.
 
 vLLM on CPU allocates its KV cache as ordinary 4 KiB pages (transparent huge pages are
 "madvise" on many hosts, and nothing asks for them). A load copies each block into the cache,
-and with 4 KiB pages every page of the copy misses the TLB: reading 64 MiB of block files into
-ordinary pages ran at 8.2-9.5 GB/s here, into huge pages at 11.4-12.3 GB/s, and a 4K-token hit
-inside vLLM waited 7.7 ms for its load instead of 10.7 (medians of 8).
+and with 4 KiB pages every page of the copy misses the TLB, so copies into huge pages run
+faster (figures: docs/performance.md, Huge pages for the KV cache).
 
 The cache already holds its pages when the connector sees it, so they are collapsed in place
-(`MADV_COLLAPSE`, Linux 6.1+): the contents stay, the page tables change. That costs about
-2.6 s of CPU a GiB, paid once while the worker registers its cache, before it serves: the first
+(`MADV_COLLAPSE`, Linux 6.1+): the contents stay, the page tables change. That costs seconds of
+CPU per GiB, paid once while the worker registers its cache, before it serves: the first
 COLLAPSE_LIMIT bytes (vLLM hands out low block ids first). `MADV_HUGEPAGE` on the whole cache
 lets the kernel's khugepaged collapse the rest over time. Collapsing in a background thread was
 not chosen: at low priority it can be preempted while holding the process's memory-map lock,
 stalling the engine's own allocations, and at normal priority it takes the cores from the
 first requests. A kernel without these calls leaves the cache as it was.
 
-Off by default (`"hugepages": true` turns it on): in `ucm bench vllm`, whose store pass writes
-the block files from another engine just before, the posix load waits with it on were 28 and
-25 ms at 4K tokens against 15.5 ms without (one run each, noisy). Making 2 GiB of huge pages
-free can compact memory and reclaim page cache, the block files included, so a host whose
-storage tier lives in the page cache may lose more than the copies gain.
+Off by default (`"hugepages": true` turns it on): making huge pages free can compact memory and
+reclaim page cache, the block files included, so a host whose storage tier lives in the page
+cache may lose more than the copies gain.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ log = logging.getLogger("ucm.vllm_hook")
 
 HUGE = 2 << 20
 STEP = 32 << 20  # bytes collapsed per call
-COLLAPSE_LIMIT = 4 << 30  # collapsed at registration: about 10 s; the rest is left to khugepaged
+COLLAPSE_LIMIT = 4 << 30  # collapsed at registration (seconds of CPU); the rest: khugepaged
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 
 def huge_ranges(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

