@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from ucm.drivers import Listing, LoadState
-from ucm.drivers.kit import _threaded
+from ucm.drivers.kit import Workers
 from ucm.drivers.memory import SHM_ROOT, MemoryDriver
 from ucm.errors import ConfigError
 
@@ -106,15 +106,16 @@ async def test_small_local_ops_stay_on_the_trio_thread(monkeypatch):
         hops.append(fn)
         return await real(fn, *args, **kwargs)
 
-    real_idle = _threaded.run_idle
+    workers = Workers()
+    real_store = workers.run_store
 
-    async def counting_idle(fn, *args):
+    async def counting_store(fn, *args):
         hops.append(fn)
-        return await real_idle(fn, *args)
+        return await real_store(fn, *args)
 
     monkeypatch.setattr(trio.to_thread, "run_sync", counting)
-    monkeypatch.setattr(_threaded, "run_idle", counting_idle)  # stores: idle-priority threads
-    drv = await MemoryDriver.open({}, name="m", namespace="ns")
+    monkeypatch.setattr(workers, "run_store", counting_store)  # stores: idle-priority threads
+    drv = await MemoryDriver.open({}, name="m", namespace="ns", workers=workers)
     await drv.store([b"k"], [memoryview(b"v" * 100)])
     await drv.lookup([b"k"])
     assert hops == []

@@ -1,5 +1,5 @@
-"""The drivers' worker threads: stores on idle-priority threads (_idle), load copies on pinned
-pump threads (_pump)."""
+"""The drivers' worker threads, owned by one `kit.Workers`: stores on idle-priority threads
+(_idle), load copies on pinned pump threads (_pump)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ import pytest
 import trio
 
 from ucm.drivers import _blockfiles, _pump
-from ucm.drivers._idle import IdleThreads, run_idle
+from ucm.drivers._idle import IdleThreads
+from ucm.drivers.kit import Workers
 from ucm.drivers.posix import PosixDriver
+from ucm.kernel import Kernel, Load, Store
+
+
+async def run_idle(fn, *args):
+    return await Workers.default().run_store(fn, *args)
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling")
 
@@ -87,6 +93,10 @@ async def test_idle_threads_return_raise_and_queue_beyond_their_limit():
     assert isinstance(results[3], ValueError) and str(results[3]) == "block 3"
     assert most == 2  # ten jobs, two threads: the rest waited in the queue
     assert pool._threads == 2
+    await trio.to_thread.run_sync(pool.close)
+    assert not any(t.is_alive() for t in pool._started)
+    with pytest.raises(RuntimeError, match="closed"):
+        await pool.run(job, 0)
 
 
 async def test_a_cancelled_caller_waits_until_its_call_has_returned():
@@ -134,7 +144,7 @@ async def test_pump_threads_copy_on_two_cpus_of_their_own_and_stop_at_close():
     assert {"ucm-copy-0", "ucm-copy-1"} <= names
 
     await trio.to_thread.run_sync(pump.close)
-    assert not {"ucm-copy-0", "ucm-copy-1"} & {t.name for t in threading.enumerate()}
+    assert not any(t.is_alive() for t in pump._threads if t is not None)
     with pytest.raises(RuntimeError, match="closed"):
         pump.submit(_pump.Spread(fn, [b"k"], views[:1]), 1)
 
@@ -178,3 +188,35 @@ def test_one_cpu_or_an_opt_out_pins_nothing(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2})
     assert _pump.Pump(2)._cpus == [2, 1]
     assert _pump.Pump(2, pin=False)._cpus == []
+
+
+def _threads_named(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_a_kernel_lends_one_set_of_threads_to_all_its_tiers_and_stops_them_at_close(tmp_path):
+    before = len(_threads_named("ucm-copy")), len(_threads_named("ucm-store"))
+    config = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": str(tmp_path / "shm")},
+                        {"driver": "posix", "path": str(tmp_path / "b")}],
+              "threads": {"copy_threads": 2, "store_threads": 3}}
+    with Kernel(config) as kernel:
+        drivers = [t.driver for t in kernel._core.tiers]
+        assert drivers[0]._workers is drivers[1]._workers is kernel._core.workers
+        data = [os.urandom(4 << 20) for _ in range(4)]  # wide enough for both copy threads
+        keys = [b"k%d" % i for i in range(4)]
+        assert kernel.submit(Store(keys, buffers=data, durability="all")).result(10).ok
+        out = [bytearray(4 << 20) for _ in range(4)]
+        assert kernel.submit(Load(keys, buffers=out)).result(10).ok
+        assert out == [bytearray(d) for d in data]
+        copy = len(_threads_named("ucm-copy")) - before[0]
+        store = len(_threads_named("ucm-store")) - before[1]
+        assert 1 <= copy <= 2  # one pool for both tiers, not two threads per tier
+        assert 1 <= store <= 3
+    assert (len(_threads_named("ucm-copy")), len(_threads_named("ucm-store"))) == before
+
+
+def test_copy_pinning_is_a_config_entry(tmp_path):
+    config = {"tiers": [{"driver": "posix", "path": str(tmp_path)}],
+              "threads": {"pin_copy": False}}
+    with Kernel(config) as kernel:
+        assert kernel._core.workers.copy._cpus == []

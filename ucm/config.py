@@ -89,6 +89,15 @@ class TraceConfig(_Strict):
                              description="records held between drains; when full the oldest drop")
 
 
+class ThreadsConfig(_Strict):
+    copy_threads: int = Field(default=2, ge=1, le=64,
+                              description="copy threads that loads of large batches use")
+    pin_copy: bool = Field(default=True, description="bind each copy thread to a CPU of its "
+                           "own (the last ones the process may use)")
+    store_threads: int = Field(default=8, ge=1, le=256,
+                               description="idle-priority threads that stores run on; more wait")
+
+
 class UCMConfig(_Strict):
     tiers: list[TierConfig] = Field(min_length=1, description="the tier stack, fastest first")
     durability: Durability = Field(
@@ -107,6 +116,9 @@ class UCMConfig(_Strict):
     eviction: Literal["s3fifo", "lru"] = Field(default="s3fifo",
                                                description="each tier's eviction policy")
     promote: bool = Field(default=True, description="copy hits from slower tiers upwards")
+    threads: ThreadsConfig = Field(default_factory=ThreadsConfig,
+                                   description="the threads the kernel owns and lends to its "
+                                   "drivers")
     trace: TraceConfig | None = Field(default=None,
                                       description="record every event's life; null: off "
                                       "(unless UCM_TRACE names a directory)")

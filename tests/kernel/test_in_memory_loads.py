@@ -221,7 +221,7 @@ def test_a_caller_bound_to_one_cpu_copies_too(tmp_path):
         assert kernel.submit(Store(keys, buffers=data)).result(10).ok
     with Kernel(config) as kernel:
         assert kernel.wait_indexed(10)
-        cpus = kernel._core.tiers[0].driver._pump._cpus
+        cpus = kernel._core.workers.copy._cpus
         outcome: dict = {}
 
         def bound_caller() -> None:

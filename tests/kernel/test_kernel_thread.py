@@ -20,10 +20,9 @@ def fds() -> int:
 
 
 def own_threads() -> list[str]:
-    """Threads other than the process-wide pools kept for reuse: trio's worker cache (its
-    threads exit on their own after 10 s) and the idle-priority store threads (_idle)."""
-    return [t.name for t in threading.enumerate()
-            if not t.name.startswith("Trio thread") and t.name != "ucm-store"]
+    """Threads other than trio's worker cache (its threads exit on their own after 10 s): the
+    kernel's copy and store threads (kit.Workers) must be gone after close."""
+    return [t.name for t in threading.enumerate() if not t.name.startswith("Trio thread")]
 
 
 def faulty(tmp_path, **faults) -> dict:

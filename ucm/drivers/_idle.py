@@ -1,16 +1,12 @@
-"""Threads at idle CPU priority for block stores: `run_idle(fn, *args)`.
+"""Threads at idle CPU priority for block stores (`IdleThreads`, owned by `kit.Workers`).
 
 A store is background work, but on a small host it competes with the inference engine for the
-cores. On the 2-vCPU VMs ucm is tested on, writing 64 MiB of new block files costs 90-160 ms of
-CPU (page-cache pages for new files are expensive there; rewriting cached pages costs 5 ms),
-and two store threads at normal priority slowed a single-threaded torch workload beside them by
-11.5%; on SCHED_IDLE threads the same stores slowed it by nothing measurable (a controlled run:
-300 bf16 matmuls with and without a store of 32 blocks of 2 MiB every 0.4 s; with two torch
-threads, both cores busy, +1.3% and +3.3%). An idle-class thread gets a core only when nothing
-else wants it (and a sliver of time when every core is busy), but a system call it is in, such
-as the write that allocates the new file's pages, runs on to its next preemption point. On a
-saturated host stores wait, their snapshots pile up to the worker's `max_store_bytes`, and
-further saves are dropped (misses, never a stall). `tests/test_threads.py` checks the policy.
+cores: an idle-class (SCHED_IDLE) thread gets a core only when nothing else wants it, so stores
+never slow the engine down (figures: docs/performance.md, "Stores at idle priority"). A
+system call it is in, such as the write that allocates a new file's pages, still runs on to its
+next preemption point. On a saturated host stores wait, their snapshots pile up to the vLLM
+worker's `max_store_bytes`, and further saves are dropped (misses, never a stall).
+`tests/test_threads.py` checks the policy.
 
 The threads are ucm's own, not trio's thread cache: an unprivileged thread may lower its
 priority but not raise it back (RLIMIT_NICE, CAP_SYS_NICE), so a cached thread made idle for a
@@ -34,13 +30,15 @@ MAX_THREADS = 8  # at most this many stores run at once in a process; more wait 
 
 
 class IdleThreads:
-    """A process's idle-priority worker threads, started on demand, kept for reuse."""
+    """Idle-priority worker threads, started on demand, kept for reuse until `close`."""
 
     def __init__(self, limit: int = MAX_THREADS) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._limit = limit
         self._threads = 0
+        self._started: list[threading.Thread] = []
+        self._closed = False
         self._free = 0  # threads waiting for a job that no submitted job has claimed
         self._backlog = 0  # jobs queued while every thread was busy
 
@@ -61,6 +59,8 @@ class IdleThreads:
 
     def _submit(self, job: Callable[[], None]) -> None:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the store threads are closed")
             start = False
             if self._free:
                 self._free -= 1
@@ -71,12 +71,29 @@ class IdleThreads:
                 self._backlog += 1
         self._jobs.put(job)
         if start:
-            threading.Thread(target=self._serve, name="ucm-store", daemon=True).start()
+            thread = threading.Thread(target=self._serve, name="ucm-store", daemon=True)
+            with self._lock:
+                self._started.append(thread)
+            thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the threads once the queued jobs have run, and joins them (up to `timeout`
+        each); blocks for as long as that takes."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._started)
+        for _ in threads:
+            self._jobs.put(None)
+        for thread in threads:
+            thread.join(timeout)
 
     def _serve(self) -> None:
         _become_idle()
         while True:
-            self._jobs.get()()
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
             with self._lock:
                 if self._backlog:
                     self._backlog -= 1
@@ -89,22 +106,3 @@ def _become_idle() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or a seccomp filter says no: normal priority
         pass
-
-
-_pool: IdleThreads | None = None
-_pool_pid = 0
-_pool_lock = threading.Lock()
-
-
-def idle_threads() -> IdleThreads:
-    """This process's pool (a forked child starts its own: threads do not survive a fork)."""
-    global _pool, _pool_pid
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
-            _pool, _pool_pid = IdleThreads(), os.getpid()
-        return _pool
-
-
-async def run_idle(fn: Callable[..., Any], *args: Any) -> Any:
-    """fn(*args) on one of this process's idle-priority threads."""
-    return await idle_threads().run(fn, *args)

@@ -10,10 +10,12 @@ outcomes in its return value and raises a `DriverError` (usually `StorageUnavail
 the whole batch failed. A driver never writes into a caller's buffer after its call has returned
 or been cancelled.
 
-Threads: blocking calls run on worker threads, never on the trio thread. A driver built on the
-kit runs them on the threads the kit manages (trio's thread cache, the process's copy threads and
-idle-priority store threads); a driver of its own uses `trio.to_thread.run_sync`. A driver starts
-no timers and never retries forever: deadlines are the kernel's.
+Threads: blocking calls run on worker threads, never on the trio thread. The kernel owns the
+copy threads and idle-priority store threads (`ucm.drivers.kit.Workers`) and hands them to each
+driver it opens; a driver built on the kit runs its loads and stores there, and other blocking
+calls on trio's thread cache (`trio.to_thread.run_sync`, abandoned on cancel only where the
+call writes into no caller's buffer). A driver starts no threads of its own except a client
+library's connection pool, no timers, and never retries forever: deadlines are the kernel's.
 
 Capabilities beyond `Driver` are separate protocols, checked by the kernel with `isinstance`
 once, when a tier is attached:
@@ -33,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from ucm.block import Scatter
+    from ucm.drivers.kit import Workers
 
 
 class LoadState(enum.IntEnum):
@@ -174,8 +177,10 @@ class DriverFactory(Protocol):
     Options: ClassVar[type[DriverOptions]]
 
     @classmethod
-    async def open(cls, options: Any, *, name: str, namespace: str, codec: str = "none"
-                   ) -> Driver:
+    async def open(cls, options: Any, *, name: str, namespace: str, codec: str = "none",
+                   workers: Workers | None = None) -> Driver:
         """Opens the driver for one tier. `codec` is the tier's codec ("none" or "zstd"): how
-        the driver encodes payloads it stores; loads decode whatever codec a header names."""
+        the driver encodes payloads it stores; loads decode whatever codec a header names.
+        `workers`: the kernel's threads (`ucm.drivers.kit.Workers`) for the driver's blocking
+        work; None when opened outside a kernel (the kit then uses the process's default)."""
         ...

@@ -36,25 +36,18 @@ WIDE_BLOCK_BYTES = 256 * 2**10  # blocks at least this large (on average) use PA
 
 
 class Pump:
-    """The driver's copy threads: up to PARALLEL threads of its own take runs from the batches
-    waiting here, oldest batch first.
+    """Copy threads: up to `limit` threads of its own take runs from the batches waiting here,
+    oldest batch first. One per `kit.Workers`, shared by every driver it serves.
 
     Batches in flight at once are served in turn rather than side by side, so the first one
     finishes while the next is copied: its trips back into trio and out to its caller overlap
-    the next batch's copying instead of leaving the cores idle. (Side by side, batches of the
-    same size finish together and their hand-offs, 100-200 us each on a 2-vCPU VM, leave both
-    cores idle at once.) A thread keeps taking runs while any are left, so a busy pump wakes
-    no threads at all.
+    the next batch's copying instead of leaving the cores idle. A thread keeps taking runs while
+    any are left, so a busy pump wakes no threads at all.
 
-    Each thread is bound to a CPU of its own for its whole life (the last PARALLEL CPUs the
-    process may use; UCM_PIN_COPY_THREADS=0 turns it off), so Linux wakes it there. Unbound,
-    Linux often woke a copy thread on the core of the thread that woke it, and after the cores
-    had idled it waited there for 1-2 ms before the scheduler moved it: on the 2-vCPU test VMs a
-    64 MiB posix load that arrives after 50 ms of quiet took 7.5 ms (median) unbound and 5.4 ms
-    bound, and vLLM's start_load_kv for a 4K-token hit 8.9-11.6 ms against 6.2-6.8 ms. (Bound
-    only while taking runs, as trio's cached threads were at first, a thread woken by a caller
-    that goes on copying (`help`) still started 2-3 ms late: it woke on the caller's core.)
-    Threads start on first use and stop at `close`."""
+    With `pin`, each thread is bound to a CPU of its own for its whole life (the last `limit`
+    CPUs the process may use), so Linux wakes it there: unbound, it often woke on the core of
+    the thread that woke it and waited there for the scheduler to move it (figures:
+    docs/performance.md, "Copy threads"). Threads start on first use and stop at `close`."""
 
     def __init__(self, limit: int, *, pin: bool = True) -> None:
         self._lock = threading.Lock()
@@ -228,8 +221,6 @@ _copy_thread = threading.local()  # .pump on a Pump's own threads
 def _pin_cpus(threads: int) -> list[int]:
     """One CPU per copy thread: the last `threads` CPUs this process may run on (engines bind
     their own threads from the first one up), or none with fewer than two."""
-    if os.environ.get("UCM_PIN_COPY_THREADS", "1") == "0":
-        return []
     try:
         allowed = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux

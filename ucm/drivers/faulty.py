@@ -27,7 +27,7 @@ from pydantic import Field, field_validator
 from ucm.block import Scatter
 from ucm.drivers._protocol import Driver, DriverOptions, Listing, LoadState, ScatterLoads
 from ucm.drivers._registry import get_driver_class
-from ucm.drivers.kit import check_batch, check_keys
+from ucm.drivers.kit import Workers, check_batch, check_keys
 from ucm.errors import StorageUnavailable
 
 Op = Literal["lookup", "load", "store", "delete", "list_blocks"]
@@ -94,13 +94,14 @@ class FaultyDriver:
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "faulty", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         driver, inner_codec, own = _split_inner(options.inner)
         factory = get_driver_class(driver)
         inner = await factory.open(factory.Options(**own), name=f"{name}.{driver}",
-                                   namespace=namespace, codec=inner_codec or codec)
+                                   namespace=namespace, codec=inner_codec or codec,
+                                   workers=workers)
         return cls(inner, options, name=name)
 
     async def _inject(self, op: str) -> None:

@@ -43,6 +43,7 @@ from ucm.drivers.kit import (
     LoadState,
     ScatterLoading,
     ThreadedDriver,
+    Workers,
     os_error,
     parse_codec,
     safe_dir_name,
@@ -129,8 +130,9 @@ class MemoryDriver(ScatterLoading, ThreadedDriver):
         shm_dir: str | None = None
         size: ByteSize | None = Field(default=None, ge=2**20)  # shared mode's arena
 
-    def __init__(self, backend: LocalBlocks | ShmArena, *, name: str) -> None:
-        super().__init__(backend, name=name)
+    def __init__(self, backend: LocalBlocks | ShmArena, *, name: str,
+                 workers: Workers | None = None) -> None:
+        super().__init__(backend, name=name, workers=workers)
         self.backend = backend
         self.shared = isinstance(backend, ShmArena)
         # Dict operations, arena index probes and KiB copies cost less than a thread hop.
@@ -142,7 +144,7 @@ class MemoryDriver(ScatterLoading, ThreadedDriver):
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "memory", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
@@ -151,7 +153,8 @@ class MemoryDriver(ScatterLoading, ThreadedDriver):
                 if getattr(options, key) is not None:
                     raise ConfigError(f"{key}: applies to shared mode only (shared: true)")
             await trio.lowlevel.checkpoint()
-            return cls(LocalBlocks(namespace=namespace, codec=codec_value), name=name)
+            return cls(LocalBlocks(namespace=namespace, codec=codec_value), name=name,
+                       workers=workers)
         root = os.path.abspath(options.shm_dir or SHM_ROOT)
         path = os.path.join(root, safe_dir_name(namespace) + ".arena")
         size = int(options.size or DEFAULT_ARENA_BYTES)
@@ -160,7 +163,7 @@ class MemoryDriver(ScatterLoading, ThreadedDriver):
                 lambda: ShmArena.open(path, size=size, namespace=namespace, codec=codec_value))
         except OSError as exc:
             raise os_error(exc, name) from exc
-        return cls(arena, name=name)
+        return cls(arena, name=name, workers=workers)
 
     async def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
         if not self.shared:

@@ -56,6 +56,7 @@ from ucm.drivers.kit import (
     Codec,
     LoadState,
     RemoteDriver,
+    Workers,
     frame_block,
     parse_codec,
     safe_dir_name,
@@ -310,20 +311,21 @@ class MooncakeDriver(RemoteDriver):
         threads: int = Field(default=8, ge=1, le=64)
         force_delete: bool = False
 
-    def __init__(self, backend: MooncakeBlocks, *, name: str, threads: int) -> None:
-        super().__init__(backend, name=name, threads=threads)
+    def __init__(self, backend: MooncakeBlocks, *, name: str, threads: int,
+                 workers: Workers | None = None) -> None:
+        super().__init__(backend, name=name, threads=threads, workers=workers)
         self.backend = backend
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "mooncake", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
         backend = await trio.to_thread.run_sync(
             lambda: _connect(options, name=name, namespace=namespace, codec=codec_value),
             abandon_on_cancel=True)
-        return cls(backend, name=name, threads=options.threads)
+        return cls(backend, name=name, threads=options.threads, workers=workers)
 
     def statistics(self) -> dict[str, int | float]:
         return {**super().statistics(), **self.backend.counters}

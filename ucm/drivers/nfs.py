@@ -58,6 +58,7 @@ from ucm.drivers.kit import (
     LoadState,
     RemoteDriver,
     ThreadedDriver,
+    Workers,
     frame_block,
     os_error,
     parse_codec,
@@ -330,19 +331,20 @@ class NfsDriver(RemoteDriver):
     persistent = True
     Options = NfsOptions
 
-    def __init__(self, backend: NfsBlocks, *, name: str, threads: int) -> None:
-        super().__init__(backend, name=name, threads=threads)
+    def __init__(self, backend: NfsBlocks, *, name: str, threads: int,
+                 workers: Workers | None = None) -> None:
+        super().__init__(backend, name=name, threads=threads, workers=workers)
         self.backend = backend
 
     @classmethod
     async def open(cls, options: NfsOptions | dict, *, name: str = "nfs", namespace: str,
-                   codec: str = "none") -> Self | NfsMountDriver:
+                   codec: str = "none", workers: Workers | None = None) -> Self | NfsMountDriver:
         if not isinstance(options, NfsOptions):
             options = NfsOptions.model_validate(options)
         codec_value = parse_codec(codec)
         if options.mode == "mount":
             return await NfsMountDriver.open_mount(options, name=name, namespace=namespace,
-                                                   codec=codec_value)
+                                                   codec=codec_value, workers=workers)
         try:
             import nfs_rs  # noqa: F401
         except ImportError as exc:
@@ -357,7 +359,7 @@ class NfsDriver(RemoteDriver):
             await trio.to_thread.run_sync(backend.prepare, abandon_on_cancel=True)
         except OSError as exc:
             raise StorageUnavailable(f"{exc}", driver=name) from exc
-        return cls(backend, name=name, threads=options.threads)
+        return cls(backend, name=name, threads=options.threads, workers=workers)
 
     def block_path(self, key: bytes) -> str:
         """`key`'s block path inside the export (tests and tools; it may not exist)."""
@@ -373,13 +375,14 @@ class NfsMountDriver(ThreadedDriver):
 
     persistent = True
 
-    def __init__(self, files: MountBlockFiles, *, name: str) -> None:
-        super().__init__(files, name=name)
+    def __init__(self, files: MountBlockFiles, *, name: str,
+                 workers: Workers | None = None) -> None:
+        super().__init__(files, name=name, workers=workers)
         self.files = files
 
     @classmethod
     async def open_mount(cls, options: NfsOptions, *, name: str, namespace: str,
-                         codec: Codec) -> NfsMountDriver:
+                         codec: Codec, workers: Workers | None = None) -> NfsMountDriver:
         path = os.path.abspath(os.path.expanduser(options.path or ""))
         layout = FileLayout((os.path.join(path, safe_dir_name(namespace)),),
                             options.shard_depth)
@@ -389,7 +392,7 @@ class NfsMountDriver(ThreadedDriver):
                                              fsync=options.fsync, direct=False))
         except OSError as exc:
             raise os_error(exc, name) from exc
-        return cls(files, name=name)
+        return cls(files, name=name, workers=workers)
 
     def block_path(self, key: bytes) -> str:
         return self.files.path_for(key)

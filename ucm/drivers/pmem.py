@@ -39,6 +39,7 @@ from ucm.drivers.kit import (
     LoadState,
     ScatterLoading,
     ThreadedDriver,
+    Workers,
     os_error,
     parse_codec,
     safe_dir_name,
@@ -60,8 +61,9 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
         # tables per GiB), so first loads after a restart copy at memory speed.
         populate: bool = True
 
-    def __init__(self, pool: PmemPool, *, name: str) -> None:
-        super().__init__(pool, name=name)
+    def __init__(self, pool: PmemPool, *, name: str,
+                 workers: Workers | None = None) -> None:
+        super().__init__(pool, name=name, workers=workers)
         self.pool = pool
         self.inline_meta = True  # lookup and listing touch only the in-memory index
 
@@ -122,7 +124,7 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "pmem", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
@@ -138,7 +140,7 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
             raise os_error(exc, name) from exc
         except StorageUnavailable as exc:
             raise StorageUnavailable(str(exc), driver=name) from None
-        return cls(pool, name=name)
+        return cls(pool, name=name, workers=workers)
 
     def statistics(self) -> dict[str, int | float]:
         pool = self.pool

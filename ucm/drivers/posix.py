@@ -41,7 +41,14 @@ from pydantic import ByteSize, Field, field_validator
 
 from ucm.drivers._blockfiles import BlockFiles, FileLayout
 from ucm.drivers._protocol import DriverOptions
-from ucm.drivers.kit import ScatterLoading, ThreadedDriver, os_error, parse_codec, safe_dir_name
+from ucm.drivers.kit import (
+    ScatterLoading,
+    ThreadedDriver,
+    Workers,
+    os_error,
+    parse_codec,
+    safe_dir_name,
+)
 
 
 class PosixDriver(ScatterLoading, ThreadedDriver):
@@ -73,13 +80,14 @@ class PosixDriver(ScatterLoading, ThreadedDriver):
             paths = [self.path] if isinstance(self.path, str) else self.path
             return [os.path.abspath(os.path.expanduser(p)) for p in paths]
 
-    def __init__(self, files: BlockFiles, *, name: str) -> None:
-        super().__init__(files, name=name)
+    def __init__(self, files: BlockFiles, *, name: str,
+                 workers: Workers | None = None) -> None:
+        super().__init__(files, name=name, workers=workers)
         self.files = files
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "posix", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         ns_dir = safe_dir_name(namespace)
@@ -93,7 +101,7 @@ class PosixDriver(ScatterLoading, ThreadedDriver):
                                         map_bytes=int(options.map_bytes)))
         except OSError as exc:
             raise os_error(exc, name) from exc
-        return cls(files, name=name)
+        return cls(files, name=name, workers=workers)
 
     def statistics(self) -> dict[str, int | float]:
         stats = super().statistics()

@@ -49,6 +49,7 @@ from ucm.drivers.kit import (
     Codec,
     LoadState,
     RemoteDriver,
+    Workers,
     frame_block,
     parse_codec,
     safe_dir_name,
@@ -280,14 +281,14 @@ class RedisDriver(RemoteDriver):
     persistent = True
 
     def __init__(self, backend: RedisBlocks, *, name: str, threads: int,
-                 persistent: bool = True) -> None:
-        super().__init__(backend, name=name, threads=threads)
+                 persistent: bool = True, workers: Workers | None = None) -> None:
+        super().__init__(backend, name=name, threads=threads, workers=workers)
         self.backend = backend
         self.persistent = persistent
 
     @classmethod
     async def open(cls, options: RedisOptions | dict, *, name: str = "redis", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, RedisOptions):
             options = RedisOptions.model_validate(options)
         codec_value = parse_codec(codec)
@@ -303,7 +304,7 @@ class RedisDriver(RemoteDriver):
             backend.close()
             raise
         return cls(backend, name=name, threads=options.pool_size,
-                   persistent=options.persistent)
+                   persistent=options.persistent, workers=workers)
 
     @property
     def client(self) -> Any:

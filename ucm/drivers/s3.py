@@ -73,6 +73,7 @@ from ucm.drivers._s3_client import (
 from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call
 from ucm.drivers.kit import (
     LoadState,
+    Workers,
     check_batch,
     check_keys,
     count_loads,
@@ -140,7 +141,7 @@ class S3Driver:
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "s3", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)

@@ -27,6 +27,7 @@ import trio
 from ucm.block import Scatter, copy_bytes
 from ucm.config import TierConfig, UCMConfig
 from ucm.drivers import Listing, LoadState, get_driver_class
+from ucm.drivers.kit import Workers
 from ucm.errors import (
     DeadlineExceeded,
     DriverError,
@@ -64,6 +65,10 @@ class KernelCore:
         self.stats: Counter[str] = Counter()
         self.tracer = tracer
         self._nursery = nursery
+        threads = config.threads
+        # The threads of this kernel's drivers: lent to each at open, closed after the last.
+        self.workers = Workers(copy_threads=threads.copy_threads, pin_copy=threads.pin_copy,
+                               store_threads=threads.store_threads)
         self._flights = FlightTable()
         self.background = Background(nursery, self.stats)
         self.movement = Movement(self, self.background)
@@ -101,6 +106,7 @@ class KernelCore:
                         for tier in core.tiers:
                             await core._close_driver(tier)
                         core.tiers = []
+                        await trio.to_thread.run_sync(core.workers.close)
 
     async def attach(self, tier_config: TierConfig | dict[str, Any], *,
                      position: int | None = None) -> str:
@@ -112,7 +118,8 @@ class KernelCore:
             raise InvalidRequest(f"a tier named {name!r} is attached already")
         factory = get_driver_class(tier_config.driver)
         driver = await factory.open(tier_config.options, name=name,
-                                    namespace=self.config.namespace, codec=tier_config.codec)
+                                    namespace=self.config.namespace, codec=tier_config.codec,
+                                    workers=self.workers)
         policy = make_policy(self.config.eviction,
                              int(tier_config.capacity) if tier_config.capacity else None,
                              clock=trio.current_time)

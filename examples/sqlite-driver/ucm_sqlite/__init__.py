@@ -27,6 +27,7 @@ from ucm.drivers.kit import (
     Codec,
     LoadState,
     ThreadedDriver,
+    Workers,
     frame_block,
     parse_codec,
     unframe_into,
@@ -158,13 +159,14 @@ class SqliteDriver(ThreadedDriver):
     class Options(DriverOptions):
         path: str = Field(min_length=1)  # the database file
 
-    def __init__(self, backend: SqliteBlocks, *, name: str) -> None:
-        super().__init__(backend, name=name)
+    def __init__(self, backend: SqliteBlocks, *, name: str,
+                 workers: Workers | None = None) -> None:
+        super().__init__(backend, name=name, workers=workers)
         self.backend = backend
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "sqlite", namespace: str,
-                   codec: str = "none") -> Self:
+                   codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         path = os.path.abspath(options.path)
@@ -180,4 +182,4 @@ class SqliteDriver(ThreadedDriver):
             raise StorageUnavailable(f"{path}: {exc.strerror or exc}", driver=name) from exc
         except sqlite3.Error as exc:
             raise _error(exc, name) from exc
-        return cls(backend, name=name)
+        return cls(backend, name=name, workers=workers)

@@ -10,12 +10,15 @@ Threaded base  Backend + ThreadedDriver: write a synchronous, batched Backend; T
                validates each call, runs it on worker threads, counts and translates errors;
                ScatterLoading adds `load_scatter` for a backend that reads into a Scatter
                RemoteDriver: the same for servers that can stall (calls a deadline abandons)
+Threads        Workers: the copy threads and idle-priority store threads a ThreadedDriver runs
+               on; the kernel owns one and passes it to `open(..., workers=)`
 Statistics     new_statistics, count_loads, count_stores (see `DriverStatistics`)
 Naming         safe_dir_name: a directory name for a namespace; pid_alive: whether a writer
                sharing the store from another process of this host still runs
 
 Modules by job: `_checks` (validation, errors, naming), `_framing` (block format, the gate of
-abandonable calls), `_threaded` (Backend, ThreadedDriver), `_remote` (RemoteDriver).
+abandonable calls), `_threaded` (Backend, ThreadedDriver), `_remote` (RemoteDriver), `_workers`
+(Workers).
 docs/writing-a-driver.md walks through a complete driver built on it.
 """
 
@@ -46,6 +49,7 @@ from ucm.drivers.kit._threaded import (
     count_loads,
     count_stores,
 )
+from ucm.drivers.kit._workers import Workers
 
 __all__ = [
     "PAYLOAD_OFFSET",
@@ -58,6 +62,7 @@ __all__ = [
     "Scatter",
     "ScatterLoading",
     "ThreadedDriver",
+    "Workers",
     "check_batch",
     "check_keys",
     "count_loads",

@@ -20,14 +20,16 @@ import trio
 from ucm.drivers.kit._checks import os_error
 from ucm.drivers.kit._framing import Gate, call_gated
 from ucm.drivers.kit._threaded import Backend, ThreadedDriver
+from ucm.drivers.kit._workers import Workers
 from ucm.errors import StorageUnavailable
 
 
 class RemoteDriver(ThreadedDriver):
     """A ThreadedDriver whose calls a deadline can abandon (see the module docstring)."""
 
-    def __init__(self, backend: Backend, *, name: str, threads: int) -> None:
-        super().__init__(backend, name=name)
+    def __init__(self, backend: Backend, *, name: str, threads: int,
+                 workers: Workers | None = None) -> None:
+        super().__init__(backend, name=name, workers=workers)
         self._limiter = trio.CapacityLimiter(threads)
 
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],

@@ -19,10 +19,10 @@ from typing import Any
 import trio
 
 from ucm.block import Scatter
-from ucm.drivers._idle import run_idle
 from ucm.drivers._protocol import DriverStatistics, LoadState, new_statistics
-from ucm.drivers._pump import Pump, Spread, chunks, wide
+from ucm.drivers._pump import Spread, chunks, wide
 from ucm.drivers.kit._checks import check_batch, check_keys, os_error
+from ucm.drivers.kit._workers import Workers
 from ucm.errors import StorageUnavailable
 
 # A thread hop per part of at most this many bytes: big enough that the hop costs nothing
@@ -134,11 +134,13 @@ class ThreadedDriver:
     # `load_one(key, view)`), instead of one fixed part per thread.
     pump_loads = False
 
-    def __init__(self, backend: Backend, *, name: str) -> None:
+    def __init__(self, backend: Backend, *, name: str, workers: Workers | None = None) -> None:
         self._backend = backend
         self.name = name
         self._closed = False
-        self._pump = Pump(PARALLEL)
+        # Threads are the kernel's (it passes `workers` at open), else the process's default.
+        self._workers = workers if workers is not None else Workers.default()
+        self._pump = self._workers.copy
         self._stats = new_statistics()
         # In-memory loads run on the pump's threads and the caller's, outside trio: their
         # counters and the count of those running (close waits for them) take a lock.
@@ -157,7 +159,7 @@ class ThreadedDriver:
                 await trio.lowlevel.checkpoint()
                 return fn(*args)
             if idle:
-                return await run_idle(fn, *args)
+                return await self._workers.run_store(fn, *args)
             # Not abandon_on_cancel: the thread may still be writing into the caller's buffer.
             return await trio.to_thread.run_sync(fn, *args)
         except OSError as exc:
@@ -310,9 +312,7 @@ class ThreadedDriver:
                 running = self._in_memory_running
             if running:  # memory copies: milliseconds
                 await trio.to_thread.run_sync(self._wait_in_memory_loads)
-            if self._pump.started:
-                await trio.to_thread.run_sync(self._pump.close)
-            self._backend.close()
+            self._backend.close()  # the threads are the Workers', which outlive a driver
         await trio.lowlevel.checkpoint()
 
     def _wait_in_memory_loads(self) -> None:
