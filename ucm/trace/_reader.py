@@ -176,8 +176,9 @@ def _parse(seg: _Segment, f: IO[bytes], size: int, *, final: bool,
             continue
         bad_records += _records(payload, seg.pid, out)
     if bad_frames or bad_records:
-        _warn(f"{seg.path}: skipped {bad_frames} malformed or oversized frames and "
-              f"{bad_records} malformed records")
+        what = [f"{n} {noun}" for n, noun in ((bad_frames, "malformed or oversized frames"),
+                                              (bad_records, "malformed records")) if n]
+        _warn(f"{seg.path}: skipped {' and '.join(what)}")
         counts["frames"] += bad_frames
         counts["records"] += bad_records
     return out
