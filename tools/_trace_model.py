@@ -1,15 +1,17 @@
 """Trace records grouped into events and driver operations, plus the figures `summary` and
-`diff` print."""
+`diff` print. A record whose fields have the wrong types is skipped and counted (`skipped`)."""
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucm.trace import Record, read_trace
+from ucm.trace import Record, TraceWarning, read_trace
 
 
 @dataclass
@@ -78,17 +80,54 @@ class Trace:
     dropped: int
     t_min: int
     t_max: int
+    skipped: dict[str, int] = field(default_factory=dict)  # unreadable: segments, frames, records
 
     @property
     def seconds(self) -> float:
         return max(self.t_max - self.t_min, 0) / 1e9
 
 
+class _Malformed(ValueError):
+    """A record's field of the wrong type."""
+
+
+def _int(value: Any, default: int = 0) -> int:
+    if value is None:
+        return default
+    if type(value) is int or (type(value) is float and math.isfinite(value)):
+        return int(value)
+    raise _Malformed(value)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else _int(value)
+
+
+def _opt_str(value: Any) -> str | None:
+    if value is None or type(value) is str:
+        return value
+    raise _Malformed(value)
+
+
+def _request_id(value: Any) -> str | None:
+    if value is None or type(value) in (str, int):
+        return value
+    raise _Malformed(value)
+
+
+def _hits(value: Any) -> dict[str, int]:
+    if not value:
+        return {}
+    if type(value) is not dict or any(type(k) is not str for k in value):
+        raise _Malformed(value)
+    return {k: _int(v) for k, v in value.items()}
+
+
 def build(records: Iterable[Record]) -> Trace:
     events: dict[tuple[int, int], Event] = {}
     ops: list[Op] = []
     errors, evictions, other = [], [], []
-    dropped = 0
+    dropped = malformed = 0
     t_min, t_max = None, None
 
     def event(r: Record) -> Event:
@@ -98,44 +137,63 @@ def build(records: Iterable[Record]) -> Trace:
         return ev
 
     for r in records:
+        f = r.fields
+        try:  # every field is checked before anything is recorded
+            if r.phase == "op":
+                op = Op(r.pid, r.event_id, str(f.get("tier")), str(f.get("op")),
+                        _int(f.get("t0"), r.t), r.t, _int(f.get("keys")),
+                        _opt_int(f.get("hits")), _int(f.get("bytes")),
+                        _opt_str(f.get("error")))
+                ops.append(op)
+                if r.event_id:
+                    event(r).ops.append(op)
+                t_min = op.t0 if t_min is None else min(t_min, op.t0)
+            elif r.phase in ("submit", "start"):
+                type_, keys = f.get("type"), _opt_int(f.get("keys"))
+                request_id, key = _request_id(f.get("request_id")), _opt_str(f.get("key"))
+                ev = event(r)
+                ev.type = ev.type if type_ is None else str(type_)
+                ev.keys = ev.keys if keys is None else keys
+                ev.request_id = request_id if "request_id" in f else ev.request_id
+                ev.key = key if "key" in f else ev.key
+                setattr(ev, r.phase, r.t)
+            elif r.phase == "done":
+                outcome, error = _opt_str(f.get("outcome")), _opt_str(f.get("error"))
+                kind = _opt_str(f.get("kind"))
+                ev = event(r)
+                ev.end, ev.outcome, ev.error, ev.kind = r.t, outcome, error, kind
+            elif r.phase == "result" and r.event_id:
+                event(r).hits = _hits(f.get("hits"))
+            elif r.phase == "error":
+                errors.append(r)
+            elif r.phase == "evict":
+                _int(f.get("keys"))
+                evictions.append(r)
+            elif r.phase == "dropped":
+                dropped += _int(f.get("count"))
+            else:
+                other.append(r)
+        except _Malformed:
+            malformed += 1
+            continue
         t_min = r.t if t_min is None or r.t < t_min else t_min
         t_max = r.t if t_max is None or r.t > t_max else t_max
-        f = r.fields
-        if r.phase == "op":
-            op = Op(r.pid, r.event_id, str(f.get("tier")), str(f.get("op")),
-                    int(f.get("t0", r.t)), r.t, int(f.get("keys", 0)), f.get("hits"),
-                    int(f.get("bytes", 0)), f.get("error"))
-            ops.append(op)
-            if r.event_id:
-                event(r).ops.append(op)
-            t_min = min(t_min, op.t0)
-        elif r.phase in ("submit", "start"):
-            ev = event(r)
-            ev.type = str(f.get("type", ev.type))
-            ev.keys = int(f.get("keys", ev.keys))
-            ev.request_id = f.get("request_id", ev.request_id)
-            ev.key = f.get("key", ev.key)
-            setattr(ev, r.phase, r.t)
-        elif r.phase == "done":
-            ev = event(r)
-            ev.end, ev.outcome = r.t, f.get("outcome")
-            ev.error, ev.kind = f.get("error"), f.get("kind")
-        elif r.phase == "result" and r.event_id:
-            event(r).hits = dict(f.get("hits") or {})
-        elif r.phase == "error":
-            errors.append(r)
-        elif r.phase == "evict":
-            evictions.append(r)
-        elif r.phase == "dropped":
-            dropped += int(f.get("count", 0))
-        else:
-            other.append(r)
+    if malformed:
+        warnings.warn(f"skipped {malformed} trace records with fields of the wrong type",
+                      TraceWarning, stacklevel=2)
     ordered = sorted(events.values(), key=lambda e: (e.start or e.submit or e.end or 0))
-    return Trace(ordered, ops, errors, evictions, other, dropped, t_min or 0, t_max or 0)
+    skipped = {"records": malformed} if malformed else {}
+    return Trace(ordered, ops, errors, evictions, other, dropped, t_min or 0, t_max or 0,
+                 skipped)
 
 
 def load(source: str | os.PathLike) -> Trace:
-    return build(read_trace(source))
+    """The trace at `source`; what cannot be read is skipped, warned about and counted."""
+    counts: Counter[str] = Counter()
+    trace = build(read_trace(source, counts=counts))
+    counts.update(trace.skipped)
+    trace.skipped = {k: v for k, v in sorted(counts.items()) if v}
+    return trace
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -196,6 +254,7 @@ def summarize(trace: Trace, *, slowest: int = 10) -> dict[str, Any]:
         "processes": sorted({e.pid for e in trace.events} | {o.pid for o in trace.ops}),
         "events": len(trace.events),
         "dropped_records": trace.dropped,
+        "skipped": dict(trace.skipped),
         "types": types,
         "drivers": drivers,
         "hit_rate": hit_rates(trace),
@@ -241,7 +300,7 @@ def hit_rates(trace: Trace) -> dict[str, dict[str, Any]]:
 def evictions_by_tier(trace: Trace) -> dict[str, int]:
     counts: Counter[str] = Counter()
     for r in trace.evictions:
-        counts[str(r.fields.get("tier"))] += int(r.fields.get("keys", 0))
+        counts[str(r.fields.get("tier"))] += _int(r.fields.get("keys"))
     return dict(counts)
 
 

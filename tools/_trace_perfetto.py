@@ -9,6 +9,7 @@ are instant ("i") events on their tier's track.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from typing import Any
 
@@ -38,6 +39,12 @@ class _Lanes:
         self.ends.append(t1)
         self.tids.append(tid)
         return tid
+
+
+def _jsonable(fields: dict) -> dict:
+    """A record's fields as JSON can hold them (keys and unknown values as strings)."""
+    return json.loads(json.dumps({str(k): v for k, v in fields.items()}, default=str,
+                                 skipkeys=True))
 
 
 def to_chrome(trace: Trace) -> dict[str, Any]:
@@ -105,6 +112,6 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         tid = lane.tids[0] if lane.tids else lane.place(r.t, r.t)
         name = "evict" if r.phase == "evict" else f"error {r.fields.get('kind')}"
         out.append({"ph": "i", "s": "t", "name": name, "cat": r.phase, "pid": pid, "tid": tid,
-                    "ts": us(r.t), "args": dict(r.fields)})
+                    "ts": us(r.t), "args": _jsonable(r.fields)})
     return {"traceEvents": meta + out, "displayTimeUnit": "ms",
             "otherData": {"source": "ucm-trace", "dropped_records": trace.dropped}}

@@ -54,7 +54,12 @@ def _table(out: TextIO, header: Sequence[str], rows: list[Sequence[Any]]) -> Non
 def render_summary(s: dict[str, Any], out: TextIO) -> None:
     out.write(f"trace: {s['events']} events over {s['duration_s']:.3f} s, processes "
               f"{', '.join(map(str, s['processes'])) or '-'}; dropped records: "
-              f"{s['dropped_records']}\n\nevents by type (latency in ms, dispatch to done)\n")
+              f"{s['dropped_records']}\n")
+    skipped = s.get("skipped") or {}
+    if skipped:
+        out.write("unreadable and skipped: " + ", ".join(
+            f"{n} {what}" for what, n in skipped.items()) + "\n")
+    out.write("\nevents by type (latency in ms, dispatch to done)\n")
     _table(out, ["type", "count", "ok", "failed", "keys", "bytes", "throughput/s", "p50", "p90",
                  "p99", "max", "queue p50"],
            [[name, r["count"], r["outcomes"].get("ok", 0), r["count"] - r["outcomes"].get("ok", 0),
@@ -154,7 +159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     doc = to_chrome(load(args.trace))
     with open(args.output, "w") as f:
-        json.dump(doc, f)
+        json.dump(doc, f, default=str)
     print(f"wrote {len(doc['traceEvents'])} trace events to {args.output}")
     return 0
 

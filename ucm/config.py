@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -81,12 +82,22 @@ class TierConfig(_Strict):
 
 class TraceConfig(_Strict):
     path: Path = Field(description="directory of the rolling trace segment files")
-    max_bytes: ByteSize = Field(default=ByteSize(256 * 2**20),
+    max_bytes: ByteSize = Field(default=ByteSize(256 * 2**20), gt=0,
                                 description="total size of the segments; the oldest go first")
-    segment_bytes: ByteSize = Field(default=ByteSize(8 * 2**20),
-                                    description="size at which a segment file is closed")
+    segment_bytes: ByteSize = Field(default=ByteSize(8 * 2**20), gt=0,
+                                    description="size at which a segment file is closed; at "
+                                    "most max_bytes")
     ring_events: int = Field(default=65536, ge=64,
                              description="records held between drains; when full the oldest drop")
+
+    @field_validator("segment_bytes")
+    @classmethod
+    def _segment_within_max(cls, value: ByteSize, info: ValidationInfo) -> ByteSize:
+        max_bytes = info.data.get("max_bytes")  # absent when max_bytes itself was invalid
+        if max_bytes is not None and value > max_bytes:
+            raise ValueError(f"must be at most trace.max_bytes ({int(max_bytes)} bytes), "
+                             f"got {int(value)}")
+        return value
 
 
 class ThreadsConfig(_Strict):

@@ -76,6 +76,7 @@ def test_metrics_appear_in_a_scrape(tmp_path):
     assert value("ucm_tier_capacity_bytes", tier="memory") == 1 << 20
     assert value("ucm_tier_used_bytes", tier="posix") > 6 * BLOCK
     assert value("ucm_busy_rejections_total") == 0
+    assert value("ucm_trace_write_errors_total") == 0
 
 
 def test_errors_and_evictions_are_counted():

@@ -59,6 +59,7 @@ class Kernel:
         self._closing = False
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
+        self._alive = False  # the trio run is up; the kernel thread clears it as it ends
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -73,7 +74,7 @@ class Kernel:
                 self._ready = threading.Event()
                 self._pid = os.getpid()
                 thread = self._thread = threading.Thread(
-                    target=trio.run, args=(self._main, self._ready), name="ucm-kernel",
+                    target=self._thread_main, args=(self._ready,), name="ucm-kernel",
                     daemon=True)
                 thread.start()
         self._check_process()
@@ -93,6 +94,13 @@ class Kernel:
         if self._pid != os.getpid():
             raise KernelError("this Kernel was started in another process; create one Kernel "
                               "per process, after fork")
+
+    def _thread_main(self, ready: threading.Event) -> None:
+        self._alive = True
+        try:
+            trio.run(self._main, ready)
+        finally:
+            self._alive = False  # a crashed or finished run: `running` turns False
 
     async def _main(self, ready: threading.Event) -> None:
         try:
@@ -276,7 +284,8 @@ class Kernel:
 
     @property
     def running(self) -> bool:
-        return self._token is not None and not self._closing
+        """True while the kernel thread serves events: started, not closing, not ended."""
+        return self._token is not None and not self._closing and self._alive
 
     def wait_indexed(self, timeout: float | None = None) -> bool:
         """Waits up to `timeout` s for the tiers' listings: the blocks a persistent tier already
@@ -293,6 +302,9 @@ class Kernel:
         with self._lock:
             base = {"inbox_queued": self._queued, "in_flight": self._outstanding - self._queued,
                     "busy_rejections": self._busy}
+        trace_stats = getattr(self._tracer, "statistics", None)
+        if trace_stats is not None:  # trace_write_errors, trace_disabled, ...
+            base.update(trace_stats())
         from_index = self._fast.statistics()
         if self._token is None or self._core is None:
             return {**from_index, **base}

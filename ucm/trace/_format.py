@@ -10,6 +10,10 @@ wall and monotonic clocks at its start). Every later payload is a run of msgpack
 `[seq, t_ns, phase, event_id, fields]` (seq: the emit order in the process; -1 for records the
 writer adds). The writer appends a frame with one `write`, so a process
 that dies leaves every complete frame readable; a reader stops at a torn last frame.
+
+Segments are 0600 and a directory the writer creates is 0700 (whatever the umask): records
+carry request ids and key prefixes. A directory that another user owns or may write is
+refused. A frame's payload is at most `MAX_FRAME_RAW` bytes; readers refuse larger ones.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import struct
 import time
 from collections.abc import Sequence
@@ -31,6 +36,8 @@ FORMAT_VERSION = 1
 SUFFIX = ".ucmtrace"
 _LEN = struct.Struct("<I")
 _NAME = re.compile(r"^trace-(\d+)-(\d+)\.ucmtrace$")
+FRAME_PAYLOAD = 4 << 20  # the writer starts a new frame past this many payload bytes
+MAX_FRAME_RAW = 64 << 20  # the most a reader decompresses from one frame
 
 
 def segment_name(pid: int, n: int) -> str:
@@ -60,6 +67,27 @@ def pack_default(obj: Any) -> Any:
     return str(obj)
 
 
+def private_dir(directory: Path) -> None:
+    """Creates `directory` 0700 if missing; raises PermissionError if it is not a directory
+    that this user owns and that no one else may write."""
+    if not os.path.lexists(directory):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(directory, 0o700)
+            os.chmod(directory, 0o700)  # the umask may have taken bits away
+        except FileExistsError:  # made meanwhile: checked below like any other
+            pass
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"trace path {directory} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"trace directory {directory} belongs to uid {st.st_uid}, not "
+                              f"to this user ({os.geteuid()}); refusing to write there")
+    if st.st_mode & 0o022:
+        raise PermissionError(f"trace directory {directory} is writable by others (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}); refusing to write there")
+
+
 class SegmentWriter:
     """Appends record batches to rolling segments; keeps this process's segments within
     `max_bytes` by deleting the oldest. Not thread-safe: one caller at a time."""
@@ -85,7 +113,7 @@ class SegmentWriter:
         return self._path if self._fd is not None else None
 
     def _open_segment(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         existing = list_segments(self.directory, self.pid)
         if existing:  # a reused pid: never overwrite an older trace
             self._next = max(self._next, parse_segment_name(existing[-1].name)[1] + 1)
@@ -93,9 +121,15 @@ class SegmentWriter:
             path = self.directory / segment_name(self.pid, self._next)
             self._next += 1
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND
+                             | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             except FileExistsError:
                 continue
+            try:
+                os.fchmod(fd, 0o600)  # the umask may have taken bits away
+            except BaseException:
+                os.close(fd)
+                raise
             break
         self._fd, self._path, self._size = fd, path, 0
         header = {"format": FORMAT_VERSION, "pid": self.pid, "host": socket.gethostname(),
@@ -116,9 +150,11 @@ class SegmentWriter:
         self.bytes_written += len(data)
 
     def write(self, records: Sequence[tuple]) -> None:
-        """Writes one frame of records `(seq, t_ns, phase, event_id, fields)`."""
+        """Writes records `(seq, t_ns, phase, event_id, fields)`: one frame per
+        `FRAME_PAYLOAD` bytes."""
         pack = self._packer.pack
-        self.write_payload(b"".join([pack(r) for r in records]))
+        for payload in frame_payloads([pack(r) for r in records]):
+            self.write_payload(payload)
 
     def write_payload(self, payload: bytes) -> None:
         """Writes one frame of already packed records."""
@@ -151,10 +187,28 @@ class SegmentWriter:
         self._close_segment()
 
 
-def read_frame_length(data: bytes | memoryview, offset: int) -> int | None:
-    if len(data) - offset < _LEN.size:
-        return None
-    return _LEN.unpack_from(data, offset)[0]
+def frame_payloads(chunks: Sequence[bytes]) -> list[bytes]:
+    """Packed records joined into payloads of about `FRAME_PAYLOAD` bytes (never splitting a
+    record), so that every frame stays well under what readers accept."""
+    if sum(map(len, chunks)) <= FRAME_PAYLOAD:
+        return [b"".join(chunks)]
+    out: list[bytes] = []
+    run: list[bytes] = []
+    size = 0
+    for chunk in chunks:
+        if run and size + len(chunk) > FRAME_PAYLOAD:
+            out.append(b"".join(run))
+            run, size = [], 0
+        run.append(chunk)
+        size += len(chunk)
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
+def frame_length(head: bytes) -> int:
+    """The stored length of the frame whose FRAME_HEADER bytes are `head`."""
+    return _LEN.unpack(head)[0]
 
 
 FRAME_HEADER = _LEN.size

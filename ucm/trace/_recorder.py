@@ -12,6 +12,11 @@ during the swap lands there and is picked up by the next drain.
 `Tracer.serve` runs in the kernel's nursery: every `interval` (or sooner when the ring is half
 full) it drains the ring in a worker thread, writes one compressed frame, and feeds the sinks
 (metrics). On exit it drains a last time and closes the segment.
+
+Tracing never takes the kernel down: a trace file that cannot be written (a full or read-only
+disk, a refused directory) turns file writing off with one warning and counts the failure
+(`write_errors`, in `Kernel.statistics()` as `trace_write_errors`), while the sinks go on; any
+other failure in `serve` turns the tracer off with a logged traceback.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Protocol
 import msgpack
 import trio
 
-from ucm.trace._format import pack_default
+from ucm.trace._format import frame_payloads, pack_default
 
 _now = time.monotonic_ns
 
@@ -48,6 +53,10 @@ def _unpack_all(payload: bytes) -> list[list]:
     return list(unpacker)
 
 log = logging.getLogger("ucm.trace")
+
+
+def _discard(record: bytes) -> None:
+    """The ring's append once tracing is off."""
 
 Record = Sequence  # [seq, t_ns, phase, event_id, fields]
 
@@ -70,6 +79,8 @@ class Tracer:
             raise ValueError("ring_events must be >= 2")
         if interval <= 0:
             raise ValueError("interval must be > 0 seconds")
+        if path is not None and not 0 < segment_bytes <= max_bytes:
+            raise ValueError("trace sizes must satisfy 0 < segment_bytes <= max_bytes")
         self.path = Path(path) if path is not None else None
         self.max_bytes = int(max_bytes)
         self.segment_bytes = int(segment_bytes)
@@ -87,6 +98,9 @@ class Tracer:
         self._writer: Any = None
         self._flush_lock = threading.Lock()  # serve's drain and a caller's flush() may meet
         self._serving = False
+        self.write_errors = 0  # failed trace file writes; the first turns file writing off
+        self.files_disabled = False  # no more trace files: a write failed, or tracing is off
+        self.disabled = False  # tracing off altogether after an unexpected failure
 
     @classmethod
     def from_config(cls, trace: Any, **kwargs: Any) -> Tracer:
@@ -151,16 +165,11 @@ class Tracer:
         chunks = self._take()
         if not chunks:
             return 0
-        payload = b"".join(chunks)
-        if self.path is not None:
-            if self._writer is None:
-                from ucm.trace._format import SegmentWriter
-
-                self._writer = SegmentWriter(self.path, max_bytes=self.max_bytes,
-                                             segment_bytes=self.segment_bytes)
-            self._writer.write_payload(payload)
+        payloads = frame_payloads(chunks)
+        if self.path is not None and not self.files_disabled:
+            self._write_files(payloads)
         if self.sinks:
-            records = _unpack_all(payload)
+            records = [r for payload in payloads for r in _unpack_all(payload)]
             for sink in self.sinks:
                 try:
                     sink.consume(records)
@@ -168,15 +177,57 @@ class Tracer:
                     log.exception("trace sink %r failed", sink)
         return len(chunks)
 
+    def _write_files(self, payloads: list[bytes]) -> None:
+        try:
+            if self._writer is None:
+                from ucm.trace._format import SegmentWriter
+
+                self._writer = SegmentWriter(self.path, max_bytes=self.max_bytes,
+                                             segment_bytes=self.segment_bytes)
+            for payload in payloads:
+                self._writer.write_payload(payload)
+        except Exception as exc:  # a full or read-only disk must not stop the kernel
+            self._write_failed(exc)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        self.write_errors += 1
+        if self.files_disabled:
+            return
+        self.files_disabled = True
+        if isinstance(exc, OSError):
+            log.warning("trace files turned off: cannot write to %s: %s", self.path, exc)
+        else:
+            log.warning("trace files turned off: writing to %s failed", self.path,
+                        exc_info=exc)
+        self._close_writer()
+
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as exc:
+                self._write_failed(exc)
+
     def close(self) -> None:
         """Flushes and closes the current segment; a later flush starts a new one."""
         with self._flush_lock:
             try:
                 self._flush()
             finally:
-                if self._writer is not None:
-                    self._writer.close()
-                    self._writer = None
+                self._close_writer()
+
+    def _disable(self) -> None:
+        """Turns the tracer off: emit drops records, serve stops draining."""
+        self.disabled = self.files_disabled = True
+        self._append = _discard
+        self._ring.clear()
+
+    def statistics(self) -> dict[str, Any]:
+        """The tracer's own counters, for `Kernel.statistics()`."""
+        return {"trace_write_errors": self.write_errors,
+                "trace_files_disabled": self.files_disabled and self.path is not None,
+                "trace_disabled": self.disabled, "trace_dropped_records": self.dropped}
 
     async def serve(self, *, clock: Callable[[], float] = trio.current_time) -> None:
         """Drains the ring until cancelled, then flushes and closes. Run it in the kernel's
@@ -188,14 +239,21 @@ class Tracer:
         tick = min(self.interval, 0.02)
         try:
             due = clock() + self.interval
-            while True:
+            while not self.disabled:
                 await trio.sleep(tick)
                 if len(self._ring) >= half or clock() >= due:
                     await trio.to_thread.run_sync(self.flush)
                     due = clock() + self.interval
+        except Exception:  # never into the kernel's nursery (trio.Cancelled is no Exception)
+            log.exception("tracing turned off: the trace drain failed")
+            self._disable()
         finally:
             self._serving = False
-            self.close()
+            try:
+                self.close()
+            except Exception:
+                log.exception("tracing turned off: closing the trace failed")
+                self._disable()
 
     @property
     def buffered(self) -> int:

@@ -185,7 +185,10 @@ class KernelCollector:
                                    value=stats.get("busy_rejections", 0))
         dropped = CounterMetricFamily(f"{ns}_background_dropped", "Background copies dropped",
                                       value=stats.get("background_dropped", 0))
-        return [used, cap, blocks, pinned, busy, dropped]
+        trace_errors = CounterMetricFamily(
+            f"{ns}_trace_write_errors", "Trace file writes that failed (the first turns trace "
+            "files off)", value=stats.get("trace_write_errors", 0))
+        return [used, cap, blocks, pinned, busy, dropped, trace_errors]
 
 
 def serve_metrics(port: int, addr: str = "127.0.0.1", *, registry: Any = None,
