@@ -179,7 +179,7 @@ class Kernel:
         """Tier 0, for the events served off the trio thread; None while the kernel is not
         running, is closing, or tier 0 is being detached."""
         core = self._core
-        if core is None or self._closing:
+        if core is None or self._closing or not self._alive:
             return None
         tiers = core.tiers
         tier = tiers[0] if tiers else None
