@@ -21,6 +21,7 @@ Capabilities beyond `Driver` are separate protocols, checked by the kernel with 
 once, when a tier is attached:
 
     Listing        list_blocks(): the kernel rebuilds its index from storage at start
+    FreeSpace      free_bytes(): the kernel warns when a tier's capacity exceeds its room
     ScatterLoads   load_scatter(): loads straight into a block's pieces (`ucm.block.Scatter`)
     InMemoryLoads  loads of blocks held in memory, run off the kernel's thread
 """
@@ -121,6 +122,16 @@ class Listing(Protocol):
 
     def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
         """Yields (key, bytes on storage) for every stored block."""
+        ...
+
+
+@runtime_checkable
+class FreeSpace(Protocol):
+    """Capability: the driver knows how much more its storage can take (a filesystem's free
+    space); the kernel warns when a tier's capacity is more than it holds plus that."""
+
+    def free_bytes(self) -> int | None:
+        """Bytes still free for new blocks, or None when unknown. Cheap, non-blocking."""
         ...
 
 

@@ -103,6 +103,18 @@ class PosixDriver(ScatterLoading, ThreadedDriver):
             raise os_error(exc, name) from exc
         return cls(files, name=name, workers=workers)
 
+    def free_bytes(self) -> int | None:
+        """Free bytes for unprivileged writers on the roots' filesystems (FreeSpace), each
+        filesystem counted once."""
+        free: dict[int, int] = {}
+        for root in self.files.layout.roots:
+            try:
+                st, vfs = os.stat(root), os.statvfs(root)
+            except OSError:
+                return None
+            free[st.st_dev] = vfs.f_bavail * vfs.f_frsize
+        return sum(free.values())
+
     def statistics(self) -> dict[str, int | float]:
         stats = super().statistics()
         maps = self.files.maps

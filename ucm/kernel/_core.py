@@ -26,7 +26,7 @@ import trio
 
 from ucm.block import Scatter, copy_bytes
 from ucm.config import TierConfig, UCMConfig
-from ucm.drivers import Listing, LoadState, get_driver_class
+from ucm.drivers import FreeSpace, Listing, LoadState, get_driver_class
 from ucm.drivers.kit import Workers
 from ucm.errors import (
     DeadlineExceeded,
@@ -133,6 +133,8 @@ class KernelCore:
             self.indexed.clear()
             if not self.background.spawn(self._index_stored_blocks, tier, driver):
                 self._listing_done()
+        else:
+            _check_room(tier)
         self.emit("attach", 0, tier=name)
         return name
 
@@ -150,6 +152,7 @@ class KernelCore:
                 policy = tier.policy
                 if policy.capacity is not None and policy.used > policy.capacity:
                     await self.movement.delete_victims(tier, policy.make_room(0) or [])
+                _check_room(tier)
         finally:
             self._listing_done()
         self.emit("indexed", 0, tier=tier.name, blocks=len(policy), bytes=policy.used)
@@ -428,6 +431,18 @@ class KernelCore:
         out["background_pending"] = self.background.pending
         out["single_flight_keys"] = len(self._flights)
         return out
+
+
+def _check_room(tier: Tier) -> None:
+    """Warns when a tier's capacity is more than it holds plus the free space its driver
+    reports: it would fill the device first (stores then shrink the capacity to fit)."""
+    capacity, driver = tier.policy.capacity, tier.driver
+    if capacity is None or not isinstance(driver, FreeSpace):
+        return
+    free = driver.free_bytes()
+    if free is not None and capacity > tier.policy.used + free:
+        log.warning("tier %s: capacity %d bytes is more than its storage can take (%d held, "
+                    "%d free)", tier.name, capacity, tier.policy.used, free)
 
 
 def _configured_tracer(config: UCMConfig) -> Any:

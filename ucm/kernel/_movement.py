@@ -145,13 +145,18 @@ class Movement:
             if not chosen:
                 return ok
             t0 = time.monotonic_ns()
+            batch = keys_of(keys, chosen), [buffers[i] for i in chosen]
             try:
-                sizes = await tier.call(priority, tier.driver.store, keys_of(keys, chosen),
-                                        [buffers[i] for i in chosen])
+                try:
+                    sizes = await tier.call(priority, tier.driver.store, *batch)
+                except NoCapacity:
+                    if not await self._shrink_to_fit(tier):
+                        raise
+                    sizes = await tier.call(priority, tier.driver.store, *batch)
             except DriverError as exc:
                 self._core.count_error(tier, "store", exc)
-                self._core.emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
-                           error=type(exc).__name__)
+                self._core.emit("op", event_id, tier=tier.name, op="store", keys=len(chosen),
+                                t0=t0, error=type(exc).__name__)
                 errors.append(str(exc))
                 return ok
             nbytes = 0
@@ -162,11 +167,25 @@ class Movement:
                     nbytes += buffers[i].nbytes
                 else:
                     self._core.count_error(tier, "store", None, kind="failed")
-            self._core.emit("op", event_id, tier=tier.name, op="store", keys=len(chosen), t0=t0,
-                       bytes=nbytes, stored=sum(1 for s in sizes if s > 0))
+            self._core.emit("op", event_id, tier=tier.name, op="store", keys=len(chosen),
+                            t0=t0, bytes=nbytes, stored=sum(1 for s in sizes if s > 0))
             return ok
         finally:
             tier.unreserve(reserved)
+
+    async def _shrink_to_fit(self, tier: Tier) -> bool:
+        """Storage is fuller than the tier's capacity says (other files share the device, or
+        the capacity exceeds its size): the capacity drops to what the tier holds and blocks
+        are evicted to make room for the stores in flight. False when nothing could be."""
+        before = tier.policy.capacity
+        victims = tier.shrink_to_fit()
+        if victims is None:
+            return False
+        log.warning("tier %s: storage is full; capacity lowered from %s to %d bytes",
+                    tier.name, "unbounded" if before is None else before, tier.policy.capacity)
+        self.stats[f"capacity_shrunk.{tier.name}"] += 1
+        await self.delete_victims(tier, victims)
+        return True
 
     async def delete_victims(self, tier: Tier, keys: list[bytes]) -> None:
         # The policy never names a pinned victim; checking again here keeps a promised block

@@ -73,14 +73,35 @@ class Tier:
             victims = self.policy.make_room(needed + self.reserved)
             if victims is None:
                 return None
-            for key in victims:
-                self.raw_sizes.pop(key, None)
-                if self.indexing:
-                    self.removed_while_indexing.add(key)
+            self._evicted(victims)
         else:
             victims = []
         self.reserved += needed
         return victims
+
+    def shrink_to_fit(self) -> list[bytes] | None:
+        """After storage said it is full: the capacity becomes what the tier holds now, and
+        room is made in it for the stores in flight. Returns the victims (out of the index,
+        for the caller to delete), or None when nothing can be evicted (an empty tier, or
+        pinned blocks in the way): then the capacity is left as it was."""
+        policy = self.policy
+        held = policy.used
+        if held == 0:
+            return None
+        before = policy.capacity
+        policy.capacity = held if before is None else min(before, held)
+        victims = policy.make_room(self.reserved)
+        if not victims:
+            policy.capacity = before
+            return None
+        self._evicted(victims)
+        return victims
+
+    def _evicted(self, victims: list[bytes]) -> None:
+        for key in victims:
+            self.raw_sizes.pop(key, None)
+            if self.indexing:
+                self.removed_while_indexing.add(key)
 
     def unreserve(self, needed: int) -> None:
         self.reserved -= needed
