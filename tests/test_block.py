@@ -215,11 +215,17 @@ def test_large_checksums_and_copies_leave_the_gil_to_other_threads():
         thread.start()
         time.sleep(0.01)
         assert ran_meanwhile(lambda: out.__setitem__(slice(None), big)) == 0  # GIL held
-        assert ran_meanwhile(lambda: checksum(big)) > 0
-        assert ran_meanwhile(lambda: checksum(pieces)) > 0
-        assert ran_meanwhile(lambda: copy_bytes(out, big)) > 0
-        assert ran_meanwhile(lambda: copy_bytes(pieces, big)) > 0
-        assert ran_meanwhile(lambda: copy_hashed(out, big)) > 0
+
+        def releases(call) -> bool:
+            # On a busy host the other thread may find no free core during one call: a call
+            # that releases the GIL lets it run in at least one of several.
+            return any(ran_meanwhile(call) > 0 for _ in range(10))
+
+        assert releases(lambda: checksum(big))
+        assert releases(lambda: checksum(pieces))
+        assert releases(lambda: copy_bytes(out, big))
+        assert releases(lambda: copy_bytes(pieces, big))
+        assert releases(lambda: copy_hashed(out, big))
     finally:
         stop.set()
         sys.setswitchinterval(interval)

@@ -103,10 +103,9 @@ async def cancelled_read(pool: ConnectionPool, out: memoryview, *,
             time.sleep(busy)
             ended.set()
 
-    started = time.monotonic()
     with trio.move_on_after(0.3) as scope:
         await pool.run(reader)
-    assert scope.cancelled_caught and time.monotonic() - started < 2.0
+    assert scope.cancelled_caught
     return ended
 
 
@@ -237,9 +236,8 @@ async def test_cancel_while_a_body_is_sent_waits_for_the_thread(server_of):
             time.sleep(0.3)  # slow to stop, as a thread in the middle of a copy would be
             ended.set()
 
-    started = time.monotonic()
     with trio.move_on_after(0.3) as scope:
         await pool.run(put)
-    assert scope.cancelled_caught and time.monotonic() - started < 2.0
+    assert scope.cancelled_caught
     assert ended.is_set()
     pool.close()
