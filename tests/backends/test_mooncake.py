@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from ucm.drivers.mooncake import MooncakeDriver
-from ucm.errors import NoCapacity, StorageUnavailable
+from ucm.errors import DeadlineExceeded, NoCapacity, StorageUnavailable
 from ucm.kernel import Load
 
 from ._faults import memory_over, paused_then_killed
@@ -150,14 +150,14 @@ def test_paused_then_killed_master():
     kernel = memory_over(tier)
 
     def loads_whole_or_lost(block: bytes) -> None:
-        # The master's RPCs would wait 30 s: the load's deadline cuts it too. With the store
-        # before it (under 2.5 s), the two take under 4 s, as they always had to.
-        start = time.monotonic()
+        # The master's RPCs would wait 30 s: the load's deadline cuts it (DeadlineExceeded,
+        # where the client's own timeout would be another error, after the wait below).
         out = bytearray(len(block))
         loaded = kernel.submit(Load([b"both"], buffers=[out], deadline=1.0))
-        assert loaded.exception(10) is not None or not loaded.result().ok \
+        error = loaded.exception(10)
+        assert error is None or isinstance(error, DeadlineExceeded), error
+        assert error is not None or not loaded.result().ok \
             or bytes(out) == block  # a loss or a whole block, never bytes of another
-        assert time.monotonic() - start < 1.5, "the deadline did not cut the load"
 
     def restart() -> None:  # the master died: a new store comes up
         store.stop()
