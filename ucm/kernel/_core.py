@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -55,11 +55,15 @@ from ucm.kernel._movement import Background, Movement
 from ucm.kernel._policy import make_policy
 from ucm.kernel._tier import Tier, keys_of
 
+if TYPE_CHECKING:
+    from ucm.trace import Tracer
+
 log = logging.getLogger("ucm.kernel")
 
 
 class KernelCore:
-    def __init__(self, config: UCMConfig, nursery: trio.Nursery, *, tracer: Any = None) -> None:
+    def __init__(self, config: UCMConfig, nursery: trio.Nursery, *,
+                 tracer: Tracer | None = None) -> None:
         self.config = config
         self.tiers: list[Tier] = []
         self.stats: Counter[str] = Counter()
@@ -81,7 +85,7 @@ class KernelCore:
     # -- life cycle ----------------------------------------------------------------------------
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: UCMConfig, *, tracer: Any = None,
+    async def open(cls, config: UCMConfig, *, tracer: Tracer | None = None,
                    drain_timeout: float = 30.0) -> AsyncIterator[KernelCore]:
         """Opens every tier; on exit drains background work (up to `drain_timeout`), then
         closes the drivers."""
@@ -90,7 +94,7 @@ class KernelCore:
         with unwrap_single():
             async with trio.open_nursery() as nursery:
                 core = cls(config, nursery, tracer=tracer)
-                if hasattr(tracer, "serve"):  # writes the trace; flushes and closes on cancel
+                if tracer is not None:  # writes the trace; flushes and closes on cancel
                     nursery.start_soon(tracer.serve)
                 try:
                     for tier_config in config.tiers:
@@ -445,7 +449,7 @@ def _check_room(tier: Tier) -> None:
                     "%d free)", tier.name, capacity, tier.policy.used, free)
 
 
-def _configured_tracer(config: UCMConfig) -> Any:
+def _configured_tracer(config: UCMConfig) -> Tracer | None:
     """The tracer that `config.trace` or `UCM_TRACE` asks for; None (and no import) when off."""
     if config.trace is None and not os.environ.get("UCM_TRACE"):
         return None

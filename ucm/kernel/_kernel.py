@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -29,6 +29,9 @@ from ucm.kernel._events import Event, _Event
 from ucm.kernel._fastpath import FastPath
 from ucm.kernel._tier import Tier
 
+if TYPE_CHECKING:
+    from ucm.trace import Tracer
+
 log = logging.getLogger("ucm.kernel")
 
 _Work = Callable[[KernelCore, int], Awaitable[Any]]  # what the trio thread runs for an event
@@ -38,7 +41,7 @@ class Kernel:
     """One per process. Starts lazily on the first `submit` (or `start()`), after any fork."""
 
     def __init__(self, config: UCMConfig | dict[str, Any] | str | os.PathLike[str] | None = None,
-                 *, tracer: Any = None, drain_timeout: float = 30.0) -> None:
+                 *, tracer: Tracer | None = None, drain_timeout: float = 30.0) -> None:
         self.config = load_config(config)
         self.drain_timeout = drain_timeout
         if tracer is None:  # config.trace or UCM_TRACE; the core runs its writer task
@@ -277,7 +280,7 @@ class Kernel:
 
     # -- introspection ---------------------------------------------------------------------------
     @property
-    def tracer(self) -> Any:
+    def tracer(self) -> Tracer | None:
         """The tracer (None when tracing is off): the vLLM hook emits its own records into
         it, e.g. `tracer.emit("hook", 0, {"request_id": ..., "step": ...})`."""
         return self._tracer
@@ -302,9 +305,8 @@ class Kernel:
         with self._lock:
             base = {"inbox_queued": self._queued, "in_flight": self._outstanding - self._queued,
                     "busy_rejections": self._busy}
-        trace_stats = getattr(self._tracer, "statistics", None)
-        if trace_stats is not None:  # trace_write_errors, trace_disabled, ...
-            base.update(trace_stats())
+        if self._tracer is not None:  # trace_write_errors, trace_disabled, ...
+            base.update(self._tracer.statistics())
         from_index = self._fast.statistics()
         if self._token is None or self._core is None:
             return {**from_index, **base}
