@@ -5,9 +5,10 @@ Runs in both the scheduler process and the worker processes; imports neither vLL
 A request's blocks get a chain of digests: `d_i = H(d_{i-1} || tokens of block i)`, seeded with
 `d_{-1} = H(namespace || cache_salt || lora)`. The namespace names everything that changes the
 bytes of a block except the TP rank (model identity, dtype, block size, KV layout, scheme
-version); it is also the kernel's namespace (the storage directory). The scheduler computes one
-chain per request and ships it to every worker; each rank turns a digest into the key of its
-own shard with `rank_key(digest, rank, size)`. H is BLAKE2b,
+version); it is also the kernel's namespace (the storage directory). The model identity is a
+fingerprint of its config and of its weights (`weights_fingerprint`), never of its path. The
+scheduler computes one chain per request and ships it to every worker; each rank turns a
+digest into the key of its own shard with `rank_key(digest, rank, size)`. H is BLAKE2b,
 never Python's `hash`, so keys do not depend on PYTHONHASHSEED.
 """
 
@@ -15,10 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from ucm.errors import ConfigError
 
 KEY_SCHEME_VERSION = 1
 DIGEST_BYTES = 16
@@ -33,11 +37,80 @@ def _blake(data: bytes, *, person: bytes = b"") -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=person[:16]).digest()
 
 
-def model_identity(hf_config: Mapping[str, Any]) -> str:
-    """A short, path-free fingerprint of a model's config dict."""
+def model_identity(hf_config: Mapping[str, Any], weights: str = "") -> str:
+    """A short, path-free fingerprint of a model's config dict and of its weights (what
+    `weights_fingerprint` or, without a local checkpoint, the model's name says of them)."""
     clean = {k: v for k, v in hf_config.items() if k not in _NOT_IDENTITY}
     text = json.dumps(clean, sort_keys=True, default=str, separators=(",", ":"))
+    if weights:
+        text += "\x00" + weights
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+SAMPLE_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on its JSON header
+
+
+def weights_fingerprint(path: str | os.PathLike[str]) -> str:
+    """A cheap fingerprint of a checkpoint's weights: a model directory's weight files (or one
+    weight file, as a GGUF model is given), each by name and size, a safetensors file's JSON
+    header (every tensor's name, dtype, shape and offsets), and 64 KiB of its tensor bytes at
+    their start, middle and end, so that equal shapes with other values differ. Reads a few
+    hundred KiB whatever the size, and depends on no path, mtime or inode: the same files in
+    any directory on any host give the same fingerprint. Weights that differ only outside the
+    sampled bytes share it; an operator then names the model with `model_id`."""
+    root = os.fspath(path)
+    if os.path.isdir(root):
+        names = sorted(n for n in os.listdir(root)
+                       if n.endswith(WEIGHT_SUFFIXES) and os.path.isfile(os.path.join(root, n)))
+        files = [(n, os.path.join(root, n)) for n in names]
+    else:  # one file: its name is not part of what it computes
+        files = [("", root)]
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"ucm-weights")
+    h.update(len(files).to_bytes(4, "little"))
+    for name, file in files:
+        h.update(name.encode() + b"\x00")
+        _hash_weight_file(h, file, name or os.path.basename(root))
+    return h.hexdigest()
+
+
+def _hash_weight_file(h: Any, file: str, label: str) -> None:
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        size = os.fstat(fd).st_size
+        h.update(size.to_bytes(8, "little"))
+        start = 0
+        if file.endswith(".safetensors"):
+            head = _read_at(fd, 8, 0)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+                raise ConfigError(f"model weights {label}: not a safetensors file (header "
+                                  f"length {length} in a file of {size} bytes)")
+            header = _read_at(fd, length, 8)
+            if len(header) != length:
+                raise ConfigError(f"model weights {label}: safetensors header cut short")
+            h.update(header)
+            start = 8 + length
+        span = size - start
+        for offset in sorted({start, start + max(span - SAMPLE_BYTES, 0) // 2,
+                              max(size - SAMPLE_BYTES, start)}):
+            h.update(_read_at(fd, SAMPLE_BYTES, offset))
+    finally:
+        os.close(fd)
+
+
+def _read_at(fd: int, n: int, offset: int) -> bytes:
+    """Up to `n` bytes at `offset`: fewer only at the end of the file (a short read goes on)."""
+    parts = []
+    while n > 0:
+        part = os.pread(fd, n, offset)
+        if not part:
+            break
+        parts.append(part)
+        n -= len(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 def make_namespace(*, model_type: str, model_id: str, dtype: str, block_size: int,

@@ -16,6 +16,8 @@ kernels a worker side owns, through which a scheduler side in the same process r
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +33,8 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    SecretBytes,
+    SecretStr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -40,7 +44,7 @@ from pydantic import (
 from ucm.config import UCMConfig, load_config
 from ucm.errors import ConfigError
 from ucm.sparse.config import SparseConfig
-from ucm.vllm_hook.keys import make_namespace, model_identity
+from ucm.vllm_hook.keys import make_namespace, model_identity, weights_fingerprint
 
 if TYPE_CHECKING:
     from ucm.kernel import Kernel
@@ -64,7 +68,8 @@ class HookOptions(BaseModel):
         default=None, description="a YAML or JSON file holding the ucm config, instead of ucm")
     model_id: str | None = Field(
         default=None, description="names the model in the namespace instead of the "
-        "fingerprint of its config")
+        "fingerprint of its config and weights: whoever sets it vouches that every engine "
+        "given the same id runs the same weights")
     layerwise: bool = Field(
         default=False, description="store each layer of a block on its own; a hit loads "
         "layer by layer while the earlier layers compute")
@@ -182,7 +187,14 @@ class HookSettings:
 
 def settings_from_vllm(vllm_config: Any) -> HookSettings:
     """Validates the connector options (ConfigError naming a bad key) and derives the
-    namespace from a VllmConfig."""
+    namespace from a VllmConfig. Pipeline parallelism is refused: a block's key names no
+    stage, so stages of equal size would load each other's layers."""
+    parallel = vllm_config.parallel_config
+    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if pp_size > 1:
+        raise ConfigError(f"UCMConnector does not support pipeline parallelism "
+                          f"(pipeline_parallel_size={pp_size}): its block keys name no stage; "
+                          f"use pipeline_parallel_size=1")
     kvt = vllm_config.kv_transfer_config
     cache_config = vllm_config.cache_config
     block_size = int(cache_config.block_size)
@@ -198,9 +210,10 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         dtype = f"{dtype}.{cache_dtype}"
     namespace = make_namespace(
         model_type=str(hf_dict.get("model_type", "model")),
-        model_id=str(options.model_id or model_identity(hf_dict)),
+        model_id=str(options.model_id or model_identity(hf_dict, _weights_identity(
+            str(getattr(model_config, "model", "") or ""),
+            _revision(getattr(model_config, "revision", None))))),
         dtype=dtype, block_size=block_size, kv_layout=kv_layout_tag(vllm_config))
-    parallel = vllm_config.parallel_config
     # The hook's own timeouts follow the ucm deadline only where the config sets one.
     configured_deadline = base.deadline if "deadline" in base.model_fields_set else None
     return HookSettings(
@@ -225,6 +238,25 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         load_failure=options.load_failure,
         sparse=options.sparse,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _weights_identity(model: str, revision: str) -> str:
+    """What the namespace says of a model's weights: the fingerprint of a local checkpoint
+    (a directory or a file), else the model's name and revision (logged once: its weights
+    are not fingerprinted). Computed once per process; vLLM hands the scheduler and every
+    worker the same `model`, so they derive the same namespace."""
+    if model and (os.path.isdir(model) or os.path.isfile(model)):
+        return "weights:" + weights_fingerprint(model)
+    log.warning("ucm: model %r is not a local checkpoint; its weights are not fingerprinted, "
+                "so its namespace names it by name and revision (%s); set model_id to vouch "
+                "for its identity", model, revision or "none")
+    return f"name:{model}@{revision}"
+
+
+def _revision(revision: Any) -> str:
+    """A hub revision as the commit it was resolved to, where vLLM resolved it."""
+    return str(getattr(revision, "resolved", None) or revision or "")
 
 
 def _or(value: float | None, default: float) -> float:
@@ -359,7 +391,11 @@ class ProcessKernels:
 
     @staticmethod
     def _key(config: UCMConfig) -> tuple[int, str]:
-        return os.getpid(), json.dumps(config.model_dump(mode="json"), sort_keys=True)
+        """Every field of `config`, each driver's options and secrets included (hashed, so
+        the key holds no secret in the clear)."""
+        dump = config.model_dump(mode="python", serialize_as_any=True)
+        material = json.dumps(dump, sort_keys=True, default=_key_material)
+        return os.getpid(), hashlib.sha256(material.encode()).hexdigest()
 
     def acquire(self, config: UCMConfig, worker: WorkerSide | None) -> SharedKernel:
         """Starts a kernel for `config` (`start_kernel`) owned by `worker` (a WorkerSide; None
@@ -382,6 +418,16 @@ class ProcessKernels:
                 if value is shared:
                     del self._shared[key]
         shared._worker = None
+
+
+def _key_material(value: Any) -> Any:
+    """What JSON lacks, as key material: a secret's own value, a set in order, else str."""
+    if isinstance(value, SecretStr | SecretBytes):
+        secret = value.get_secret_value()
+        return secret if isinstance(secret, str) else secret.hex()
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
+    return str(value)
 
 
 kernels = ProcessKernels()  # the one registry of this process
