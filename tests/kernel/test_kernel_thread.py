@@ -5,13 +5,14 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, UCMError
-from ucm.kernel import Kernel, Load, Lookup, Store
+from ucm.kernel import Kernel, KernelCore, Load, Lookup, Store
 from ucm.trace import Tracer
 
 
@@ -214,3 +215,31 @@ def test_a_lookup_the_fastest_tiers_index_answers_resolves_without_the_trio_thre
     assert mine[1][1]["request_id"] == "r1"
     assert mine[2][1] == {"op": "lookup", "keys": 2, "hits": {"memory": 2},
                              "from_index": True}
+
+
+def test_close_while_the_kernel_is_starting_stops_it(tmp_path):
+    """close() from one thread while start() runs in another (as the vLLM hook starts its
+    kernel in the background): the kernel stops instead of running on unseen."""
+    gate = threading.Event()
+    real_open = KernelCore.open
+
+    def slow_open(*args, **kwargs):
+        gate.wait(10)  # start() is inside the trio run, before the token is published
+        return real_open(*args, **kwargs)
+
+    kernel = Kernel({"tiers": [{"driver": "memory"}]})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KernelCore, "open", slow_open)
+        starter = threading.Thread(target=kernel.start)
+        starter.start()
+        while kernel._thread is None:
+            time.sleep(0.001)
+        closer = threading.Thread(target=kernel.close)
+        closer.start()
+        while not kernel._closing:
+            time.sleep(0.001)
+        gate.set()
+        closer.join(20)
+        starter.join(20)
+    assert not closer.is_alive() and not starter.is_alive()
+    assert not kernel._thread.is_alive() and not kernel.running

@@ -112,10 +112,14 @@ class Kernel:
                 with trio.move_on_after(float("inf")) as drain:
                     async with trio.open_nursery() as events:
                         self._core, self._events = core, events
-                        self._stop = trio.Event()
-                        self._token = trio.lowlevel.current_trio_token()
+                        stop = trio.Event()
+                        with self._lock:  # close() either sees the token or we see it closing
+                            self._stop = stop
+                            self._token = trio.lowlevel.current_trio_token()
+                            if self._closing:
+                                stop.set()
                         ready.set()
-                        await self._stop.wait()
+                        await stop.wait()
                         # Stop accepting; let in-flight events finish, up to drain_timeout.
                         drain.deadline = trio.current_time() + self.drain_timeout
                 self._events = None
