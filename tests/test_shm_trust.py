@@ -138,6 +138,60 @@ def test_a_symlinked_file_is_refused_and_its_target_untouched(shm_dir: Path, tmp
     assert not dangling.exists()
 
 
+def test_racing_creators_share_one_arena(shm_dir: Path):
+    """Threads opening a fresh arena at once: one creates each file, the others open it (and
+    check it); all see one arena."""
+    import threading
+
+    arenas: list[ShmArena] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def opener() -> None:
+        start.wait()
+        try:
+            arenas.append(open_arena(shm_dir))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=opener) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert errors == [] and len(arenas) == 6
+        arenas[0].store([b"k"], [memoryview(b"v" * 100)])
+        assert all(arena.lookup([b"k"]) == [True] for arena in arenas)
+    finally:
+        for arena in arenas:
+            arena.close()
+
+
+def test_a_file_removed_between_the_two_opens_is_created_again(shm_dir: Path, monkeypatch):
+    import ucm.drivers._shm_trust as trust
+
+    planted_arena(shm_dir)
+    real_open = os.open
+    removed: list[str] = []
+
+    def racing_open(name, flags, *args, **kwargs):
+        if flags & os.O_EXCL and name == "ns.arena" and not removed:
+            try:
+                return real_open(name, flags, *args, **kwargs)
+            finally:  # the other process removes its file right after our create failed
+                os.unlink(shm_dir / name)
+                removed.append(name)
+        return real_open(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(trust.os, "open", racing_open)
+    arena = open_arena(shm_dir)
+    try:
+        assert removed == ["ns.arena"] and arena.lookup([b"k"]) == [False]  # a fresh arena
+    finally:
+        arena.close()
+
+
 def test_a_fifo_at_the_arena_path_is_refused_without_hanging(shm_dir: Path):
     shm_dir.mkdir(mode=0o700)
     os.mkfifo(shm_dir / "ns.arena", 0o600)

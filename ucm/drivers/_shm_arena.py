@@ -4,12 +4,11 @@ process on the host maps, and in which any of them stores, loads and deletes blo
 A load is a copy out of the mapping (checked as it goes), with no system call: the same
 path as the pmem pool's, but the arena has many writers.
 
-Trust: the directory and files must belong to this user (or to the group named for deliberate
-sharing) and be writable by nobody else (`_shm_trust`); anything else is refused at open. A
-process that may write the file can also truncate it, and a load from a truncated mapping dies
-with SIGBUS, which Python cannot catch; a per-load check would cost a system call and still
-race. So ownership is the defence: only this user (or the sharing group) can cut the file.
-Open refuses a file shorter than its header says.
+Trust: the directory and files must be this user's (or the sharing group's) and writable by
+nobody else (`_shm_trust`). A load from a truncated mapping dies with SIGBUS, which Python cannot
+catch, and a per-load size check would cost a system call and still race: ownership is the
+defence (only those who may write the file can cut it); open refuses a file shorter than its
+header says.
 
 Layout of `<shm_dir>/<namespace>.arena` (little-endian):
 
