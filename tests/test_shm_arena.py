@@ -282,7 +282,7 @@ def test_a_real_full_tmpfs_fails_the_store_cleanly(tmp_path: Path):
         script = (
             "from ucm.drivers._shm_arena import ShmArena\n"
             "from ucm.block import Codec\n"
-            f"a = ShmArena.open({str(mnt / 'ns.arena')!r}, size=64 << 20, namespace='ns',"
+            f"a = ShmArena.open({str(mnt / 'ucm' / 'ns.arena')!r}, size=64 << 20, namespace='ns',"
             " codec=Codec.NONE)\n"
             "assert a.store([b'a'], [memoryview(bytes(1 << 20))]) == [(1 << 20) + 4096]\n"
             "try:\n"

@@ -14,8 +14,10 @@ driver's `Options` model. Unknown keys and bad values raise ConfigError naming t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +27,9 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    SecretBytes,
+    SecretStr,
+    SerializeAsAny,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -41,7 +46,8 @@ _TIER_KEYS = {"driver", "name", "capacity", "codec", "concurrency", "options"}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Errors name the key, never echo its value: a rejected value may hold a secret.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class TierConfig(_Strict):
@@ -53,7 +59,9 @@ class TierConfig(_Strict):
         default="none", description="how stored payloads are encoded; loads decode any codec")
     concurrency: int = Field(default=8, ge=1, le=1024,
                              description="driver calls in flight at once on this tier")
-    options: DriverOptions = Field(
+    # SerializeAsAny: dumps hold the driver's own options (secrets starred), not those of the
+    # DriverOptions base, which has none.
+    options: SerializeAsAny[DriverOptions] = Field(
         description="the driver's own options; usually written inline in the tier")
 
     @model_validator(mode="before")
@@ -164,6 +172,27 @@ def default_config() -> dict[str, Any]:
             {"driver": "posix", "path": str(default_cache_dir() / "blocks"), "capacity": "20GiB"},
         ]
     }
+
+
+def config_fingerprint(config: UCMConfig) -> str:
+    """A digest of everything in `config`, secret values included, for telling configs apart
+    (two that differ only in a password differ here) without showing any secret. Keyed with
+    this process's random key: equal within a process, not comparable between processes."""
+    text = json.dumps(config.model_dump(), sort_keys=True, default=_reveal)
+    return hashlib.blake2b(text.encode(), key=_FINGERPRINT_KEY, digest_size=32).hexdigest()
+
+
+_FINGERPRINT_KEY = secrets.token_bytes(32)  # a digest of a weak password cannot be brute-forced
+
+
+def _reveal(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return {"secret": value.get_secret_value()}
+    if isinstance(value, SecretBytes):
+        return {"secret": value.get_secret_value().hex()}
+    if isinstance(value, BaseModel):  # a model inside a driver's options
+        return value.model_dump()
+    return str(value)  # paths
 
 
 def _format_error(exc: ValidationError) -> str:

@@ -2,9 +2,13 @@
 process on the host maps, and in which any of them stores, loads and deletes blocks.
 
 A load is a copy out of the mapping (checked as it goes), with no system call: the same
-path as the pmem pool's, but the arena has many writers. (The block-file layout it replaces
-read each block with its own open + preadv + close through the page cache: 6-7 GiB/s on
-tmpfs here against 12-13 for a copy out of a mapping.)
+path as the pmem pool's, but the arena has many writers.
+
+Trust: the directory and files must be this user's (or the sharing group's) and writable by
+nobody else (`_shm_trust`). A load from a truncated mapping dies with SIGBUS, which Python cannot
+catch, and a per-load size check would cost a system call and still race: ownership is the
+defence (only those who may write the file can cut it); open refuses a file shorter than its
+header says.
 
 Layout of `<shm_dir>/<namespace>.arena` (little-endian):
 
@@ -65,6 +69,7 @@ from ucm.block import (
     madvise,
 )
 from ucm.drivers._mapped import populate
+from ucm.drivers._shm_trust import PRIVATE, Sharing
 from ucm.drivers._slots import (
     DIGEST_OFFSET,
     ENTRY_SIZE,
@@ -123,20 +128,23 @@ class ShmArena(Backend):
 
     @classmethod
     def open(cls, path: str, *, size: int, namespace: str, codec: Codec,
-             populate: bool = True) -> ShmArena:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+             populate: bool = True, sharing: Sharing = PRIVATE) -> ShmArena:
         arena = cls(path, namespace=namespace, codec=codec)
         try:
-            arena._open(size, populate)
+            arena._open(size, populate, sharing)
         except BaseException:
             arena.close()
             raise
         return arena
 
-    def _open(self, size: int, populate: bool) -> None:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        self._lock_fd = os.open(self.path + ".lock", flags, 0o600)
-        self._fd = os.open(self.path, flags, 0o600)
+    def _open(self, size: int, populate: bool, sharing: Sharing) -> None:
+        folder, name = os.path.split(os.path.abspath(self.path))
+        dir_fd = sharing.open_dir(folder)
+        try:
+            self._lock_fd = sharing.open_file(dir_fd, folder, name + ".lock")
+            self._fd = sharing.open_file(dir_fd, folder, name)
+        finally:
+            os.close(dir_fd)
         with self._locked():
             if os.fstat(self._fd).st_size == 0:
                 os.ftruncate(self._fd, size)  # sparse: only pages written take memory
@@ -186,9 +194,15 @@ class ShmArena(Backend):
             head or bytes(_HEAD.size))
         if head is None or magic != _HEAD_MAGIC:
             raise ConfigError(f"{self.path} is not a ucm shared-memory arena")
-        if version != _VERSION or ways != WAYS or size != self.size:
-            raise ConfigError(f"{self.path} has arena format {version} ({ways} ways, {size} "
-                              f"bytes); this driver reads format {_VERSION}: remove the file")
+        if version != _VERSION or ways != WAYS:
+            raise ConfigError(f"{self.path} has arena format {version} ({ways} ways); this "
+                              f"driver reads format {_VERSION}: remove the file")
+        if size != self.size:  # shorter: its last pages would raise SIGBUS when touched
+            raise ConfigError(f"{self.path} is {self.size} bytes, but its header says {size}: "
+                              "truncated or extended by another process; remove the file")
+        if (pages, buckets, table, owners, data) != geometry(size):
+            raise ConfigError(f"{self.path}: the header's layout does not match its size: "
+                              "not an arena this driver wrote; remove the file")
         self._set_geometry(pages, buckets, table, owners, data)
 
     def _set_geometry(self, pages: int, buckets: int, table: int, owners: int,

@@ -3,8 +3,10 @@
     - driver: memory
       capacity: 2GiB          # enforced by the kernel, not here
       shared: false           # true: blocks in one arena file in /dev/shm, every process's
-      shm_dir: null           # shared mode's directory; default /dev/shm/ucm
+      shm_dir: null           # shared mode's directory; default /dev/shm/ucm-<uid>
       size: 1GiB              # shared mode: the arena's size (sparse: stored blocks use memory)
+      group: null             # shared mode: a group whose members share the arena
+      mode: null              # shared mode: the arena's file mode; default 0600 (0660: group)
 
 Process-local mode keeps a dict of records (a private copy of the stored bytes plus the
 block header); a store copies the caller's bytes and a load copies them back and verifies the
@@ -16,6 +18,12 @@ them stores, loads and deletes, a load is a checked copy out of the mapping, a w
 mid-block leaves nothing half-visible, and a full arena evicts its oldest blocks. The kernel's
 `capacity` for the tier should not exceed `size`. Neither mode outlives a reboot: not
 persistent.
+
+The arena is private to its user: the default directory is per user and mode 0700, the
+files 0600, and a directory or file that another user owns or can write is refused, not
+adopted (`_shm_trust`). To share an arena between users on purpose, name their `group`: the
+directory (default `/dev/shm/ucm-group-<gid>`) and files then belong to it and are writable
+by its members, and by nobody else.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 from typing import Self
 
 import trio
-from pydantic import ByteSize, Field
+from pydantic import ByteSize, Field, field_validator, model_validator
 
 from ucm.block import (
     BlockHeader,
@@ -38,6 +46,13 @@ from ucm.block import (
 )
 from ucm.drivers._protocol import DriverOptions
 from ucm.drivers._shm_arena import ShmArena
+from ucm.drivers._shm_trust import (
+    DEFAULT_GROUP_MODE,
+    DEFAULT_MODE,
+    Sharing,
+    default_shm_dir,
+    group_id,
+)
 from ucm.drivers.kit import (
     Backend,
     LoadState,
@@ -51,7 +66,7 @@ from ucm.drivers.kit import (
 )
 from ucm.errors import BlockCorrupt, ConfigError
 
-SHM_ROOT = "/dev/shm/ucm"
+SHM_ROOT = default_shm_dir()  # this user's; a group's is default_shm_dir(gid)
 DEFAULT_ARENA_BYTES = 2**30
 
 
@@ -129,6 +144,36 @@ class MemoryDriver(ScatterLoading, ThreadedDriver):
         shared: bool = False
         shm_dir: str | None = None
         size: ByteSize | None = Field(default=None, ge=2**20)  # shared mode's arena
+        group: str | int | None = Field(
+            default=None, description="shared mode: a group (name or gid) whose members may "
+            "use the arena too; null: this user alone")
+        mode: int | None = Field(
+            default=None, description="shared mode: the arena files' mode (e.g. 0o640 or "
+            "\"0660\"); default 0600, or 0660 with a group; never writable by others")
+
+        @field_validator("mode", mode="before")
+        @classmethod
+        def _octal(cls, mode: object) -> object:
+            return int(mode, 8) if isinstance(mode, str) else mode
+
+        @model_validator(mode="after")
+        def _private_mode(self) -> Self:
+            mode = self.mode
+            if mode is None:
+                return self
+            if mode & ~0o777 or mode & 0o600 != 0o600:
+                raise ValueError(f"mode: {mode:o} must be permission bits that include 0600")
+            if mode & 0o002:
+                raise ValueError(f"mode: {mode:o} lets every user write the arena; name a group")
+            if mode & 0o020 and self.group is None:
+                raise ValueError(f"mode: {mode:o} lets a group write the arena: name it (group)")
+            return self
+
+        def sharing(self) -> Sharing:
+            if self.group is None:
+                return Sharing(self.mode if self.mode is not None else DEFAULT_MODE)
+            return Sharing(self.mode if self.mode is not None else DEFAULT_GROUP_MODE,
+                           group_id(self.group))
 
     def __init__(self, backend: LocalBlocks | ShmArena, *, name: str,
                  workers: Workers | None = None) -> None:
@@ -149,18 +194,19 @@ class MemoryDriver(ScatterLoading, ThreadedDriver):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
         if not options.shared:
-            for key in ("shm_dir", "size"):
+            for key in ("shm_dir", "size", "group", "mode"):
                 if getattr(options, key) is not None:
                     raise ConfigError(f"{key}: applies to shared mode only (shared: true)")
             await trio.lowlevel.checkpoint()
             return cls(LocalBlocks(namespace=namespace, codec=codec_value), name=name,
                        workers=workers)
-        root = os.path.abspath(options.shm_dir or SHM_ROOT)
+        sharing = options.sharing()
+        root = os.path.abspath(options.shm_dir or default_shm_dir(sharing.gid))
         path = os.path.join(root, safe_dir_name(namespace) + ".arena")
         size = int(options.size or DEFAULT_ARENA_BYTES)
         try:
-            arena = await trio.to_thread.run_sync(
-                lambda: ShmArena.open(path, size=size, namespace=namespace, codec=codec_value))
+            arena = await trio.to_thread.run_sync(lambda: ShmArena.open(
+                path, size=size, namespace=namespace, codec=codec_value, sharing=sharing))
         except OSError as exc:
             raise os_error(exc, name) from exc
         return cls(arena, name=name, workers=workers)

@@ -41,7 +41,15 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 import trio
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    SecretStr,
+    SerializationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from ucm.drivers._protocol import DriverOptions
 from ucm.drivers.kit import (
@@ -64,8 +72,46 @@ _READ_BYTES = 1 << 20
 _GLOB = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
 
+class SecretUrl(SecretStr):
+    """A URL whose password never shows: str, repr and JSON dumps give it with the password
+    (in the user info or a query parameter) replaced by asterisks."""
+
+    def _display(self) -> str:
+        return redact_url(self.get_secret_value())
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password, and any query parameter that names a secret, starred out.
+    Everything before the last "@" counts as user info, even where a stray "/" or "?" in the
+    password would end the authority part of a well-formed URL."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return _STARS if "@" in url else url
+    if "@" in rest:
+        userinfo, _, rest = rest.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        scheme = f"{scheme}://{user}{':' + _STARS if colon else ''}@"
+    else:
+        scheme += sep
+    where, question, query = rest.partition("?")
+    pairs = []
+    for pair in query.split("&") if question else []:
+        name, eq, _ = pair.partition("=")
+        secret = eq and any(word in name.lower() for word in _SECRET_WORDS)
+        pairs.append(f"{name}={_STARS}" if secret else pair)
+    return scheme + where + question + "&".join(pairs)
+
+
+_STARS = "**********"
+_SECRET_WORDS = ("pass", "secret", "token", "auth", "key")
+
+
 class RedisOptions(DriverOptions):
-    url: str | None = None
+    model_config = ConfigDict(hide_input_in_errors=True)  # a rejected url may hold a password
+
+    url: SecretUrl | None = Field(
+        default=None, description="redis://[user:password@]host:port/db, rediss:// for TLS, "
+        "or unix:///path; its password never shows in messages or dumps")
     host: str | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
     db: int | None = Field(default=None, ge=0)
@@ -78,10 +124,15 @@ class RedisOptions(DriverOptions):
     retries: int = Field(default=1, ge=0, le=10)
     persistent: bool = True
 
+    @field_serializer("url", when_used="unless-none")
+    def _dump_url(self, url: SecretUrl, info: SerializationInfo) -> SecretUrl | str:
+        return str(url) if info.mode == "json" else url  # JSON: the URL, password starred
+
     @field_validator("url")
     @classmethod
-    def _url_scheme(cls, url: str | None) -> str | None:
-        if url is not None and urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+    def _url_scheme(cls, url: SecretUrl | None) -> SecretUrl | None:
+        if url is not None and urlsplit(url.get_secret_value()).scheme not in (
+                "redis", "rediss", "unix"):
             raise ValueError("url must start with redis://, rediss:// or unix://")
         return url
 
@@ -104,14 +155,16 @@ def _address(options: RedisOptions) -> tuple[dict[str, Any], str, str]:
     password came from (never the password)."""
     from redis.connection import parse_url
 
-    url = options.url
+    url = options.url.get_secret_value() if options.url is not None else None
     if url is None and options.host is None and options.port is None:
         url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379"
     if url is not None:
         try:
             kwargs = parse_url(url)
-        except ValueError as exc:
-            raise ConfigError(f"url: {exc}") from None
+        except ValueError as exc:  # its text may quote a piece of a malformed password
+            shown = redact_url(url)
+            detail = f"{exc}" if shown == url else f"not a valid redis URL: {shown}"
+            raise ConfigError(f"url: {detail}") from None
     else:
         kwargs = {"host": options.host or "127.0.0.1", "port": options.port or 6379}
     if options.db is not None:

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 from xml.etree import ElementTree
 
 import trio
-from pydantic import ByteSize, Field, SecretStr
+from pydantic import ByteSize, ConfigDict, Field, SecretStr
 
 from ucm.block import (
     PAYLOAD_OFFSET,
@@ -104,6 +104,8 @@ class S3Driver:
     persistent = True
 
     class Options(DriverOptions):
+        model_config = ConfigDict(hide_input_in_errors=True)  # a rejected secret stays hidden
+
         bucket: str = Field(min_length=3, max_length=63)
         endpoint: str | None = None
         prefix: str = "ucm"
