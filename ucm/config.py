@@ -192,6 +192,8 @@ def _reveal(value: Any) -> Any:
         return {"secret": value.get_secret_value().hex()}
     if isinstance(value, BaseModel):  # a model inside a driver's options
         return value.model_dump()
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
     return str(value)  # paths
 
 

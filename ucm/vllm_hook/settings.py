@@ -17,8 +17,6 @@ kernels a worker side owns, through which a scheduler side in the same process r
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -33,15 +31,13 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
-    SecretBytes,
-    SecretStr,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from ucm.config import UCMConfig, load_config
+from ucm.config import UCMConfig, config_fingerprint, load_config
 from ucm.errors import ConfigError
 from ucm.sparse.config import SparseConfig
 from ucm.vllm_hook.keys import make_namespace, model_identity, weights_fingerprint
@@ -393,9 +389,7 @@ class ProcessKernels:
     def _key(config: UCMConfig) -> tuple[int, str]:
         """Every field of `config`, each driver's options and secrets included (hashed, so
         the key holds no secret in the clear)."""
-        dump = config.model_dump(mode="python", serialize_as_any=True)
-        material = json.dumps(dump, sort_keys=True, default=_key_material)
-        return os.getpid(), hashlib.sha256(material.encode()).hexdigest()
+        return os.getpid(), config_fingerprint(config)
 
     def acquire(self, config: UCMConfig, worker: WorkerSide | None) -> SharedKernel:
         """Starts a kernel for `config` (`start_kernel`) owned by `worker` (a WorkerSide; None
@@ -418,16 +412,6 @@ class ProcessKernels:
                 if value is shared:
                     del self._shared[key]
         shared._worker = None
-
-
-def _key_material(value: Any) -> Any:
-    """What JSON lacks, as key material: a secret's own value, a set in order, else str."""
-    if isinstance(value, SecretStr | SecretBytes):
-        secret = value.get_secret_value()
-        return secret if isinstance(secret, str) else secret.hex()
-    if isinstance(value, set | frozenset):
-        return sorted(value, key=repr)
-    return str(value)
 
 
 kernels = ProcessKernels()  # the one registry of this process
