@@ -1,15 +1,14 @@
 """Block files kept mapped, so that a load copies out of memory instead of reading the file.
 
-A load through `preadv` pays the kernel's page-cache copy and then a second pass to check the
-checksum: here, 62 MiB of 2 MiB blocks on ext4 took 11.9 ms inside a vLLM engine. A block file
-that is already mapped is checked and copied in one pass (`copy_verified`) at memory speed,
-after one `stat` to see that the file is still the one mapped. Mapping a file at load time
-costs more than it saves (page tables for every page), so files are mapped ahead: the posix
-driver maps the blocks its listing finds when a kernel starts, up to a byte budget, and fills
-the page tables (reading from disk the pages that are not in the page cache), which is what
-makes a restarted engine's first loads fast. (Reading them in matters even on a host that has
-just written them: this VM's host drops cold page-cache pages of a file within a minute, 3 of
-300 fresh 2 MiB files in 45 s here, with 16 GiB free.)
+A load through `preadv` copies from the page cache and then reads the block again for its
+checksum; a block file that is already mapped is checked and copied in one pass
+(`copy_verified`) at memory speed, after one `stat` to see that the file is still the one
+mapped. Mapping a file at load time costs more than it saves (page tables for every page), so
+files are mapped ahead: the posix driver maps the blocks its listing finds when a kernel
+starts, up to a byte budget, and fills the page tables (reading from disk the pages that are
+not in the page cache), which is what makes a restarted engine's first loads fast. Reading
+them in matters even just after they were written: a host may drop cold page-cache pages
+within a minute (figures: docs/performance.md, "Mapping stored blocks ahead").
 
 Published block files are never written in place (a store writes a temp file and renames it
 over the old one; a delete unlinks), so a mapping holds one whole block for as long as it
@@ -37,16 +36,10 @@ def populate(view: memoryview) -> None:
     from it runs at memory speed. Used wherever stored blocks are mapped ahead of their loads
     (mapped posix files, the shm arena, the pmem pool).
 
-    Filling the page tables is not always enough: on a VM that hands free memory back to its
-    host (free page reporting; these test VMs), pages just read from disk into memory that was
-    handed back cost about 5 us each on the first access by a CPU. Here, 4 GiB freed (as by
-    an engine that exits) 3 s before 64 MiB of block files were mapped and populated: the
-    first copy out of them took 97 ms and the next ones 4-5 ms; after the read of one byte a
-    page, which took 80 ms, the first copy took 5.7 ms. Without the freed memory the read
-    costs 2-8 ms per 64 MiB. In `ucm bench vllm`, the first round of posix hits after a store
-    with direct writes had taken 72-76 ms at 4K tokens, the later rounds 22-25 ms, and the
-    shm tier's first round 30-38 ms against 20-23. (On an older kernel the madvise fails and
-    the reads alone fault the pages in.)"""
+    Filling the page tables is not enough on a VM that hands free memory back to its host:
+    the first CPU access to each such page is slow there, so one byte of each page is read
+    now (figures: docs/performance.md, "Mapping stored blocks ahead"). On an older kernel the
+    madvise fails and the reads alone fault the pages in."""
     madvise(buffer_address(view), view.nbytes, MADV_POPULATE_READ)
     np.frombuffer(view, np.uint8)[::mmap.PAGESIZE].max(initial=0)
 

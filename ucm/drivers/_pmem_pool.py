@@ -246,8 +246,7 @@ class PmemPool(Backend):
     def _map_blocks(self, entries: Iterable[_Entry]) -> None:
         """Maps the blocks the pool holds into this process (`_mapped.populate`), so the first
         load of each after a restart copies at memory speed instead of taking a page fault
-        every few pages (the first 62 MiB loaded on one thread after a restart: 11.1 ms
-        lazily, 5.9 ms populated)."""
+        every few pages (figures: docs/performance.md, "The shm arena and pmem pool")."""
         ranges: list[list[int]] = []
         for start, length in sorted((e.offset, e.extent) for e in entries):
             if ranges and start <= ranges[-1][1]:

@@ -3,8 +3,8 @@ memory.
 
 The s3 driver's block GETs and PUTs go through this. Under trio, httpx reads a body in
 `bytes` chunks that pass through h11, httpcore and httpx on the event loop's one thread and are
-then copied into the block buffer: measured on a 2-CPU host against SeaweedFS, ucm's loads
-stayed at 0.55-0.69 GB/s at any concurrency, 0.70-0.79 of boto3 in threads. Here a worker
+then copied into the block buffer, a fraction of boto3's throughput (figures:
+docs/performance.md, "Remote drivers"). Here a worker
 thread sends the request with `http.client` and `readinto`s the answer's body where it belongs
 (one `recv_into` per socket read, the GIL released, no Python per chunk), or sends a body
 made of pieces (a block's header and payload) as they are. Connections are kept alive in a

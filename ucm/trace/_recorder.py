@@ -114,7 +114,7 @@ class Tracer:
         record = (self._next_seq(), _now(), phase, event_id, fields)
         try:
             # Packed at once: bytes are invisible to the garbage collector, while ring-held
-            # tuples and dicts made every collection slower (measured: +15% per small event).
+            # tuples and dicts slow every collection (figures: docs/performance.md, Tracing).
             # Packer.pack holds the GIL throughout, so host threads may share it.
             self._append(self._pack(record))
         except Exception:  # a field msgpack cannot encode: the slow path, own packer
