@@ -79,22 +79,23 @@ class Policy:
         return sum(1 for k in list(self._pins) if self.is_pinned(k))
 
     # -- updates -----------------------------------------------------------------------------
-    def insert(self, key: bytes, size: int) -> None:
-        """Records a block (a new one, or a new size for a stored one)."""
+    def insert(self, key: bytes, size: int, depth: int | None = None) -> None:
+        """Records a block (a new one, or a new size for a stored one). `depth`, where the
+        caller knows it, is the block's index in its batch (a request's blocks in order)."""
         old = self._sizes.get(key)
         if old is not None:
             self.used += size - old
             self._sizes[key] = size
             self._on_resize(key, old, size)
-            self._on_hit(key)
+            self._on_hit(key, depth)
             return
         self._sizes[key] = size
         self.used += size
-        self._on_insert(key)
+        self._on_insert(key, depth)
 
-    def touch(self, key: bytes) -> None:
+    def touch(self, key: bytes, depth: int | None = None) -> None:
         if key in self._sizes:
-            self._on_hit(key)
+            self._on_hit(key, depth)
 
     def remove(self, key: bytes) -> int:
         size = self._sizes.pop(key, None)
@@ -125,10 +126,10 @@ class Policy:
         return victims
 
     # -- subclass hooks ------------------------------------------------------------------------
-    def _on_insert(self, key: bytes) -> None:
+    def _on_insert(self, key: bytes, depth: int | None) -> None:
         raise NotImplementedError
 
-    def _on_hit(self, key: bytes) -> None:
+    def _on_hit(self, key: bytes, depth: int | None) -> None:
         raise NotImplementedError
 
     def _on_remove(self, key: bytes, size: int) -> None:
@@ -148,10 +149,10 @@ class LRUPolicy(Policy):
         super().__init__(capacity, clock=clock)
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
-    def _on_insert(self, key: bytes) -> None:
+    def _on_insert(self, key: bytes, depth: int | None) -> None:
         self._order[key] = None
 
-    def _on_hit(self, key: bytes) -> None:
+    def _on_hit(self, key: bytes, depth: int | None) -> None:
         self._order.move_to_end(key)
 
     def _on_remove(self, key: bytes, size: int) -> None:
@@ -179,7 +180,7 @@ class S3FIFOPolicy(Policy):
         self._freq: dict[bytes, int] = {}
         self._small_bytes = 0
 
-    def _on_insert(self, key: bytes) -> None:
+    def _on_insert(self, key: bytes, depth: int | None) -> None:
         self._freq[key] = 0
         if key in self._ghost:
             del self._ghost[key]
@@ -188,7 +189,7 @@ class S3FIFOPolicy(Policy):
             self._small[key] = None
             self._small_bytes += self._sizes[key]
 
-    def _on_hit(self, key: bytes) -> None:
+    def _on_hit(self, key: bytes, depth: int | None) -> None:
         self._freq[key] = min(self._freq.get(key, 0) + 1, self.MAX_FREQ)
 
     def _on_remove(self, key: bytes, size: int) -> None:
