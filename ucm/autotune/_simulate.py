@@ -43,6 +43,7 @@ class SimResult:
     requests_with_hit: int = 0
     prefetched: int = 0  # blocks the prefetcher copied into the first tier
     prefetch_hits: int = 0  # first-tier hits on blocks that the prefetcher brought there
+    held: list[set[bytes]] = field(default_factory=list)  # each tier's blocks at the end
 
     @property
     def hit_ratio(self) -> float:
@@ -131,6 +132,7 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                     _insert(top, key, 0)
                     prefetched.add(key)
                     result.prefetched += 1
+    result.held = [set(index) for index in indexes]
     return result
 
 
