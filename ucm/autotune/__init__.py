@@ -15,13 +15,18 @@ from ucm.autotune._traces import (
     read_jsonl,
     read_ucm_trace,
 )
+from ucm.autotune._tuner import MODELS, AutoTuner, Prediction, kv_bytes_per_token
 
 __all__ = [
+    "MODELS",
+    "AutoTuner",
+    "Prediction",
     "Request",
     "SimResult",
     "SimTier",
     "belady",
     "from_token_lists",
+    "kv_bytes_per_token",
     "load_requests",
     "next_uses",
     "read_jsonl",
