@@ -4,7 +4,9 @@
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
     ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
-    ucm bench [...]         the kernel benchmark, or `policy` (ucm.bench.storage)
+    ucm bench policy [...]  eviction hit ratios: synthetic, or a trace vs Belady (ucm.bench.policy)
+    ucm bench [...]         the kernel benchmark (ucm.bench.storage)
+    ucm tune [...]          a config searched by replaying sample requests (ucm.autotune)
 
 Subcommands import their modules lazily: `ucm --help` needs neither torch nor vLLM.
 """
@@ -16,8 +18,9 @@ import importlib
 import sys
 
 # `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
-# to the storage benchmark (`ucm bench`, `ucm bench storage`, `ucm bench policy`).
-BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace"}
+# to the storage benchmark (`ucm bench`, `ucm bench storage`).
+BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace",
+           "policy": "ucm.bench.policy"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ucm", description="Unified Cache Manager")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="cold then warm vLLM engines over a chat workload",
+                   add_help=False)
+    sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace] "
                    "...` (storage by default)", add_help=False)
@@ -36,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from ucm.bench.demo import main as demo_main
 
         return int(demo_main(rest) or 0)
+    if command == "tune":
+        from ucm.autotune._cli import main as tune_main
+
+        return int(tune_main(rest) or 0)
     if command == "bench":
         if rest and rest[0] in BENCHES:
             module = importlib.import_module(BENCHES[rest[0]])

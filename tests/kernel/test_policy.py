@@ -8,13 +8,14 @@ import pytest
 
 from ucm.bench.policy import hit_ratio, zipf_scan_trace
 from ucm.kernel import LRUPolicy, S3FIFOPolicy
+from ucm.kernel._policy import AdaptiveS3FIFOPolicy, make_policy
 
 
 def k(i: int) -> bytes:
     return i.to_bytes(4, "little")
 
 
-@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy])
+@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy, AdaptiveS3FIFOPolicy])
 def test_accounting_and_room(cls):
     policy = cls(100, clock=lambda: 0.0)
     for i in range(10):
@@ -29,7 +30,7 @@ def test_accounting_and_room(cls):
     assert policy.used == sum(policy.size_of(key) for key in policy)
 
 
-@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy])
+@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy, AdaptiveS3FIFOPolicy])
 def test_pinned_blocks_are_never_victims(cls):
     now = [0.0]
     policy = cls(50, clock=lambda: now[0])
@@ -68,3 +69,39 @@ def test_s3fifo_beats_lru_on_a_scan_heavy_trace():
     lru = hit_ratio("lru", trace, 500)
     s3 = hit_ratio("s3fifo", trace, 500)
     assert s3 > lru + 0.02, (s3, lru)
+
+
+def test_adaptive_moves_its_split_with_each_ghost_hit():
+    policy = AdaptiveS3FIFOPolicy(4, clock=lambda: 0.0)
+
+    def put(i: int) -> list[int]:
+        victims = policy.make_room(1)
+        policy.insert(k(i), 1, 0)
+        return [int.from_bytes(v, "little") for v in victims]
+
+    for i in range(4):
+        put(i)
+    assert [put(4), put(5)] == [[0], [1]]  # unhit blocks leave the small queue as ghosts
+    assert policy._fraction == pytest.approx(0.1)
+    # Each returning small ghost grows the small queue (by a block, then by more as the
+    # ghost list is longer than the main one) and goes to main.
+    assert [put(0), put(1)] == [[2], [3]]
+    assert policy._fraction == pytest.approx(0.6) and len(policy._main) == 2
+    # The small queue (4, 5) is within its share: main's oldest unhit block goes first.
+    assert [put(6), put(7), put(8)] == [[0], [4], [5]]
+    # 0 returns from main's ghosts: the small queue shrinks to its floor; 0 goes to main.
+    assert put(0) == [6]
+    assert policy._fraction == pytest.approx(AdaptiveS3FIFOPolicy.MIN_FRACTION)
+    assert k(0) in policy._main
+
+
+def test_depth_hints_are_accepted_by_every_policy():
+    for name in ("lru", "s3fifo", "adaptive"):
+        policy = make_policy(name, 3, clock=lambda: 0.0)
+        for i in range(3):
+            policy.insert(k(i), 1, i)
+        policy.touch(k(0), 0)
+        policy.touch(k(9), 1)  # absent: ignored
+        assert len(policy) == 3 and policy.used == 3
+    with pytest.raises(ValueError, match="lru, s3fifo, adaptive"):
+        make_policy("nope", 1)

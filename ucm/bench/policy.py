@@ -14,7 +14,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from ucm.kernel._policy import make_policy
+from ucm.kernel._policy import POLICIES, make_policy
 
 BLOCK = 1
 
@@ -76,10 +76,8 @@ def compare(seed: int = 0, n: int = 200_000) -> list[dict[str, Any]]:
                        ("chat", chat_trace)):
         trace = list(make(n, 20_000, random.Random(seed)))
         for capacity in (500, 2000, 5000):
-            lru = hit_ratio("lru", trace, capacity)
-            s3 = hit_ratio("s3fifo", trace, capacity)
-            rows.append({"workload": name, "capacity_blocks": capacity, "lru": lru,
-                         "s3fifo": s3})
+            rows.append({"workload": name, "capacity_blocks": capacity,
+                         **{p: hit_ratio(p, trace, capacity) for p in POLICIES}})
     return rows
 
 
@@ -89,13 +87,96 @@ def run_policy_bench(json_path: str | None = None) -> int:
 
     rows = compare()
     table = Table(title="eviction hit ratio (higher is better; same seeded traces)")
-    for col in ("workload", "capacity (blocks)", "LRU", "S3-FIFO", "S3-FIFO - LRU"):
+    for col in ("workload", "capacity (blocks)", *POLICIES, "S3-FIFO - LRU"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["workload"], str(r["capacity_blocks"]), f"{r['lru']:.3f}",
-                      f"{r['s3fifo']:.3f}", f"{r['s3fifo'] - r['lru']:+.3f}")
+        table.add_row(r["workload"], str(r["capacity_blocks"]),
+                      *(f"{r[p]:.3f}" for p in POLICIES), f"{r['s3fifo'] - r['lru']:+.3f}")
     Console().print(table)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(rows, fh, indent=1)
+    return 0
+
+
+def trace_rows(path: str, capacities: list[int], *, block_size: int = 16,
+               limit: int | None = None) -> list[dict[str, Any]]:
+    """Block hit ratio per capacity on a trace (any format `ucm.autotune` reads): every
+    policy, replayed by the simulator over the kernel's policy code, and Belady's optimum."""
+    from ucm.autotune import belady, load_requests, next_uses, simulate
+    from ucm.autotune._simulate import SimTier
+
+    requests = load_requests(path, block_size=block_size, limit=limit)
+    uses = next_uses(requests)
+    rows = []
+    for capacity in capacities:
+        row: dict[str, Any] = {"capacity_blocks": capacity,
+                               "belady": belady(requests, capacity, uses).hit_ratio}
+        for name in POLICIES:
+            row[name] = simulate(requests, [SimTier(name, capacity)]).hit_ratio
+        rows.append(row)
+    return rows
+
+
+def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    caps = [r["capacity_blocks"] for r in rows]
+    for name in ("belady", *POLICIES):
+        ax.plot(caps, [r[name] for r in rows], marker="o",
+                linestyle="--" if name == "belady" else "-", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (blocks)")
+    ax.set_ylabel("block hit ratio (prefix semantics)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ucm bench policy [--trace FILE --capacities ... --plot PNG] [--json FILE]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="ucm bench policy", description="eviction hit ratios: seeded synthetic "
+        "workloads, or a request trace (with Belady's optimum) given --trace")
+    parser.add_argument("--trace", help="a JSONL trace (hash_ids), a JSON list of token-id "
+                        "lists, or a ucm trace file or directory")
+    parser.add_argument("--capacities", default="1000,4000,16000,64000",
+                        help="capacities in blocks, comma separated")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per block, for token-id traces")
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--plot", metavar="PNG", help="plot hit ratio against capacity")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    if not args.trace:
+        if args.plot:
+            parser.error("--plot needs --trace")
+        return run_policy_bench(args.json)
+    from rich.console import Console
+    from rich.table import Table
+
+    capacities = [int(c) for c in args.capacities.split(",")]
+    rows = trace_rows(args.trace, capacities, block_size=args.block_size, limit=args.limit)
+    table = Table(title=f"block hit ratio on {args.trace} (prefix semantics)")
+    for col in ("capacity (blocks)", "belady", *POLICIES, *(f"{p}/belady" for p in POLICIES)):
+        table.add_column(col, justify="right")
+    for r in rows:
+        b = r["belady"]
+        table.add_row(str(r["capacity_blocks"]), f"{b:.3f}", *(f"{r[p]:.3f}" for p in POLICIES),
+                      *(f"{r[p] / b:.2f}" if b else "-" for p in POLICIES))
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    if args.plot:
+        plot_rows(rows, args.plot, f"hit ratio vs capacity: {args.trace.rsplit('/', 1)[-1]}")
     return 0

@@ -372,7 +372,7 @@ class KernelCore:
                 if state is LoadState.OK:
                     states[i] = LoadState.OK
                     sources[i] = tier
-                    tier.policy.touch(keys[i])
+                    tier.policy.touch(keys[i], i)  # its index: the depth hint
                     tier.raw_sizes[keys[i]] = buffers[i].nbytes
                     nbytes += buffers[i].nbytes
                     continue

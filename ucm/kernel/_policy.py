@@ -79,22 +79,23 @@ class Policy:
         return sum(1 for k in list(self._pins) if self.is_pinned(k))
 
     # -- updates -----------------------------------------------------------------------------
-    def insert(self, key: bytes, size: int) -> None:
-        """Records a block (a new one, or a new size for a stored one)."""
+    def insert(self, key: bytes, size: int, depth: int | None = None) -> None:
+        """Records a block (a new one, or a new size for a stored one). `depth`, where the
+        caller knows it, is the block's index in its batch (a request's blocks in order)."""
         old = self._sizes.get(key)
         if old is not None:
             self.used += size - old
             self._sizes[key] = size
             self._on_resize(key, old, size)
-            self._on_hit(key)
+            self._on_hit(key, depth)
             return
         self._sizes[key] = size
         self.used += size
-        self._on_insert(key)
+        self._on_insert(key, depth)
 
-    def touch(self, key: bytes) -> None:
+    def touch(self, key: bytes, depth: int | None = None) -> None:
         if key in self._sizes:
-            self._on_hit(key)
+            self._on_hit(key, depth)
 
     def remove(self, key: bytes) -> int:
         size = self._sizes.pop(key, None)
@@ -125,10 +126,10 @@ class Policy:
         return victims
 
     # -- subclass hooks ------------------------------------------------------------------------
-    def _on_insert(self, key: bytes) -> None:
+    def _on_insert(self, key: bytes, depth: int | None) -> None:
         raise NotImplementedError
 
-    def _on_hit(self, key: bytes) -> None:
+    def _on_hit(self, key: bytes, depth: int | None) -> None:
         raise NotImplementedError
 
     def _on_remove(self, key: bytes, size: int) -> None:
@@ -148,10 +149,10 @@ class LRUPolicy(Policy):
         super().__init__(capacity, clock=clock)
         self._order: OrderedDict[bytes, None] = OrderedDict()
 
-    def _on_insert(self, key: bytes) -> None:
+    def _on_insert(self, key: bytes, depth: int | None) -> None:
         self._order[key] = None
 
-    def _on_hit(self, key: bytes) -> None:
+    def _on_hit(self, key: bytes, depth: int | None) -> None:
         self._order.move_to_end(key)
 
     def _on_remove(self, key: bytes, size: int) -> None:
@@ -179,7 +180,7 @@ class S3FIFOPolicy(Policy):
         self._freq: dict[bytes, int] = {}
         self._small_bytes = 0
 
-    def _on_insert(self, key: bytes) -> None:
+    def _on_insert(self, key: bytes, depth: int | None) -> None:
         self._freq[key] = 0
         if key in self._ghost:
             del self._ghost[key]
@@ -188,7 +189,7 @@ class S3FIFOPolicy(Policy):
             self._small[key] = None
             self._small_bytes += self._sizes[key]
 
-    def _on_hit(self, key: bytes) -> None:
+    def _on_hit(self, key: bytes, depth: int | None) -> None:
         self._freq[key] = min(self._freq.get(key, 0) + 1, self.MAX_FREQ)
 
     def _on_remove(self, key: bytes, size: int) -> None:
@@ -204,7 +205,7 @@ class S3FIFOPolicy(Policy):
             self._small_bytes += new - old
 
     def _next_victim(self) -> bytes | None:
-        small_target = (self.capacity or 0) * self.SMALL_FRACTION
+        small_target = self._small_target()
         # Each block can be passed over a bounded number of times (frequency <= MAX_FREQ and
         # pins), so the loop ends; every pass over a pinned block is counted.
         budget = (len(self._small) + len(self._main)) * (self.MAX_FREQ + 2) + 1
@@ -236,6 +237,9 @@ class S3FIFOPolicy(Policy):
             return key
         return None
 
+    def _small_target(self) -> float:
+        return (self.capacity or 0) * self.SMALL_FRACTION
+
     def _remember_ghost(self, key: bytes) -> None:
         self._ghost[key] = None
         # The ghost queue remembers about as many keys as main holds.
@@ -244,10 +248,65 @@ class S3FIFOPolicy(Policy):
             self._ghost.popitem(last=False)
 
 
+class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
+    """S3-FIFO whose small-queue share adapts, as ARC's split does: a block that returns
+    after leaving the small queue unhit (a small-queue ghost) says the small queue was too
+    short for the reuse distances seen, so it grows; one that returns after leaving main
+    (a main ghost) says main was, so the small queue shrinks. Prefix caches of chats reuse
+    blocks at long distances, so both ghost lists remember several capacities' worth of
+    keys. Every step is O(1)."""
+
+    GHOST_FACTOR = 4
+    MIN_FRACTION = 0.05
+    MAX_FRACTION = 0.9
+
+    def __init__(self, capacity: int | None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(capacity, clock=clock)
+        self._fraction = self.SMALL_FRACTION
+        self._main_ghost: OrderedDict[bytes, None] = OrderedDict()
+
+    def _on_insert(self, key: bytes, depth: int | None) -> None:
+        blocks = len(self._sizes)  # ARC's steps: the rarer ghost hit moves the split more
+        small, main = len(self._ghost) or 1, len(self._main_ghost) or 1
+        if key in self._ghost:
+            step = max(1.0, main / small) / blocks
+            self._fraction = min(self.MAX_FRACTION, self._fraction + step)
+        elif key in self._main_ghost:
+            del self._main_ghost[key]
+            step = max(1.0, small / main) / blocks
+            self._fraction = max(self.MIN_FRACTION, self._fraction - step)
+            self._ghost[key] = None  # a block that earned main once goes back there
+        super()._on_insert(key, depth)
+
+    def _small_target(self) -> float:
+        return (self.capacity or 0) * self._fraction
+
+    def _next_victim(self) -> bytes | None:
+        victim = super()._next_victim()
+        if victim is not None and victim not in self._ghost:  # it left main
+            self._remember(self._main_ghost, victim)
+        return victim
+
+    def _remember_ghost(self, key: bytes) -> None:
+        self._remember(self._ghost, key)
+
+    def _remember(self, ghost: OrderedDict[bytes, None], key: bytes) -> None:
+        ghost[key] = None
+        limit = max(self.GHOST_FACTOR * len(self._sizes), 16)
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
+
+
 def make_policy(name: str, capacity: int | None, *,
                 clock: Callable[[], float] = time.monotonic) -> Policy:
     if name == "lru":
         return LRUPolicy(capacity, clock=clock)
     if name == "s3fifo":
         return S3FIFOPolicy(capacity, clock=clock)
-    raise ValueError(f"unknown eviction policy {name!r}; choose lru or s3fifo")
+    if name == "adaptive":
+        return AdaptiveS3FIFOPolicy(capacity, clock=clock)
+    raise ValueError(f"unknown eviction policy {name!r}; choose {', '.join(POLICIES)}")
+
+
+POLICIES = ("lru", "s3fifo", "adaptive")

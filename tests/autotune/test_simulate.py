@@ -1,0 +1,152 @@
+"""The simulator: prefix semantics, tiers, Belady, the trace readers, and agreement with the
+kernel on the same events."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from ucm.autotune import (
+    Request,
+    SimTier,
+    belady,
+    from_token_lists,
+    load_requests,
+    next_uses,
+    read_jsonl,
+    simulate,
+)
+from ucm.config import load_config
+from ucm.kernel import KernelCore, Load, Lookup, Store
+
+SHARED = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(8, "little", signed=True)
+
+
+def req(*ids: int) -> Request:
+    return Request(tuple(k(i) for i in ids))
+
+
+def chat_requests(n: int, seed: int = 0) -> list[Request]:
+    """Conversations that return with a longer prefix, among one-off prompts."""
+    rng = random.Random(seed)
+    sessions: list[list[int]] = [[0] for _ in range(12)]
+    fresh = 1000
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.3:
+            out.append(req(0, *range(fresh, fresh + 5)))
+            fresh += 5
+            continue
+        s = rng.choice(sessions)
+        s.extend(range(fresh, fresh + 2))
+        fresh += 2
+        out.append(req(*s))
+        if len(s) > 20:
+            del s[1:]
+    return out
+
+
+def test_prefix_semantics_hit_only_the_leading_run():
+    requests = [req(1, 2, 3), req(1, 9, 3), req(1, 2, 3)]
+    result = simulate(requests, [SimTier("lru", None)])
+    # second: 1 hits, 9 misses, 3 (present) is past the first miss; third: all three
+    assert (result.hits, result.accesses, result.requests_with_hit) == (4, 9, 2)
+
+
+def test_lru_capacity_and_belady_on_a_small_trace():
+    requests = [req(1, 2), req(3, 4), req(1, 2), req(5, 6), req(3, 4)]
+    lru = simulate(requests, [SimTier("lru", 2)])
+    assert lru.hits == 0  # each pair flushes the one before it
+    best = belady(requests, 2)
+    # Belady keeps 1,2 for the third request (their next use is the nearest), then 3,4
+    # cannot be kept both for the fifth: it holds 1,2 until used, then 5,6 are bypassed
+    assert best.hits == 2
+    assert belady(requests, None).hits == 4  # unbounded: every return hits
+
+
+def test_belady_is_an_upper_bound_of_the_policies():
+    requests = chat_requests(600)
+    uses = next_uses(requests)
+    for capacity in (10, 40, 160):
+        best = belady(requests, capacity, uses).hits
+        for name in ("lru", "s3fifo", "adaptive"):
+            assert simulate(requests, [SimTier(name, capacity)]).hits <= best
+
+
+def test_a_slow_tier_serves_what_the_fast_one_lost_and_is_promoted():
+    requests = [req(1, 2), req(3, 4), req(1, 2)]
+    result = simulate(requests, [SimTier("lru", 2), SimTier("lru", None)])
+    assert result.hits_by_tier == [0, 2]
+    assert result.held[0] == {k(1), k(2)}  # promoted into the fast tier
+    again = simulate([*requests, req(1, 2)], [SimTier("lru", 2), SimTier("lru", None)])
+    assert again.hits_by_tier == [2, 2]
+
+
+def test_token_lists_chain_full_blocks_only():
+    a = list(range(40))
+    b = list(range(32)) + [99] * 8
+    requests = from_token_lists([a, b, a[:20]], block_size=16)
+    assert [len(r.blocks) for r in requests] == [2, 2, 1]
+    assert requests[1].blocks == requests[0].blocks  # the partial block is not keyed
+    assert requests[2].blocks == requests[0].blocks[:1]
+    c = [7, *a[1:]]
+    assert from_token_lists([c], 16)[0].blocks[1] != requests[0].blocks[1]  # chained
+
+
+def test_readers_of_jsonl_and_token_list_files(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": 1000 * i, "hash_ids": [0, i]}) + "\n"
+                            for i in range(3)))
+    requests = load_requests(path)
+    assert [r.blocks for r in requests] == [(k(0), k(i)) for i in range(3)]
+    assert requests[2].timestamp == 2.0
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps([list(range(32)), list(range(16))]))
+    assert [len(r.blocks) for r in load_requests(tokens, block_size=16)] == [2, 1]
+    assert len(load_requests([list(range(64))], block_size=16)[0].blocks) == 4
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "adaptive"])
+async def test_the_kernel_evicts_as_the_simulator_predicts(policy):
+    requests = chat_requests(120, seed=3)
+    size = 4096
+    capacity = 24
+    sim = simulate(requests, [SimTier(policy, capacity)])
+    # The memory driver holds a block in `size` bytes; a store reserves its estimate (one
+    # header more) before the driver says: room for one more header keeps `capacity` blocks.
+    cfg = load_config({"tiers": [{"driver": "memory", "capacity": (capacity + 1) * size}],
+                       "eviction": policy, "promote": False})
+    hits = 0
+    async with KernelCore.open(cfg) as core:
+        tier = core.tiers[0]
+        for r in requests:
+            keys = list(r.blocks)
+            found = (await core.run(Lookup(keys, prefix=True))).hits
+            hit = found.index(False) if False in found else len(found)
+            hits += hit
+            if hit:
+                out = [bytearray(size) for _ in range(hit)]
+                assert (await core.run(Load(keys[:hit], buffers=out))).ok
+            for key in keys[hit:]:  # one event per block: the simulator makes room per block
+                if key in tier:
+                    assert (await core.run(Load([key], buffers=[bytearray(size)]))).ok
+                else:
+                    assert (await core.run(Store([key], buffers=[bytes(size)]))).ok
+        assert hits == sim.hits
+        assert set(tier.policy.index) == sim.held[0]
+
+
+@pytest.mark.skipif(not os.path.exists(SHARED), reason="the Mooncake trace is not on this "
+                    "machine (/work/shared/data/mooncake-traces)")
+def test_the_conversation_trace_reproduces_its_readme_figures():
+    requests = read_jsonl(SHARED)
+    assert sum(len(r.blocks) for r in requests) == 288_500
+    assert round(simulate(requests, [SimTier("lru", 4000)]).hit_ratio, 3) == 0.086
+    assert round(belady(requests, 4000).hit_ratio, 3) == 0.322

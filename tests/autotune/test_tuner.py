@@ -1,0 +1,101 @@
+"""The AutoTuner: model sizes, measured bandwidths, and a config never worse than a grid."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ucm.autotune import AutoTuner, kv_bytes_per_token
+from ucm.autotune._tuner import GB, Candidate
+from ucm.config import load_config
+
+
+def bench_file(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([
+        {"driver": "memory", "op": "load", "block_bytes": 1 << 20, "concurrency": 8,
+         "gbps": 10.0, "baseline_gbps": 10.0, "baseline": "x"},
+        {"driver": "posix", "op": "load", "block_bytes": 1 << 20, "concurrency": 8,
+         "gbps": 1.0, "baseline_gbps": 1.0, "baseline": "x"},
+        {"driver": "posix", "op": "store", "block_bytes": 1 << 20, "concurrency": 8,
+         "gbps": 0.5, "baseline_gbps": 0.5, "baseline": "x"}]))
+    return path
+
+
+def chat_tokens(n: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(1)
+    sessions = [[s * 100_000 + i for i in range(32)] for s in range(10)]
+    out = []
+    fresh = 10**7
+    for _ in range(n):
+        if rng.random() < 0.3:
+            out.append(list(range(fresh, fresh + 96)))
+            fresh += 96
+            continue
+        s = rng.choice(sessions)
+        s.extend(range(fresh, fresh + 32))
+        fresh += 32
+        out.append(list(s))
+    return out
+
+
+def test_kv_bytes_from_a_name_and_a_config_json(tmp_path):
+    assert kv_bytes_per_token("llama-2-7b") == 2 * 32 * 32 * 128 * 2
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "hidden_size": 512,
+                               "torch_dtype": "bfloat16"}))
+    assert kv_bytes_per_token(str(cfg)) == 2 * 4 * 2 * 64 * 2
+    assert kv_bytes_per_token(str(cfg), tp=2) == 2 * 4 * 1 * 64 * 2
+    with pytest.raises(ValueError, match="unknown model"):
+        kv_bytes_per_token("no-such-model")
+
+
+def test_without_measured_bandwidths_it_refuses():
+    with pytest.raises(ValueError, match="ucm bench --json"):
+        AutoTuner(progress=False).tune("llama-2-7b", [[1] * 64])
+
+
+def test_the_tuned_config_beats_every_config_of_a_grid(tmp_path):
+    sample = chat_tokens(300)
+    constraints = {"max_memory_gb": 2.0, "max_latency_ms": 1000.0, "tiers": ["memory"]}
+    tuner = AutoTuner(workload="chat", constraints=constraints, bench_json=bench_file(tmp_path),
+                      progress=False)
+    config = tuner.tune(model="llama-2-7b", sample_requests=sample)
+    load_config(config)  # a valid ucm config
+    assert tuner.best is not None and tuner.best.memory_gb <= 2.0
+    assert config["tiers"][0]["capacity"] == tuner.best.candidate.memory_bytes
+    # The grid: hand-picked memory sizes and every policy, replayed the same way.
+    from ucm.autotune import from_token_lists
+
+    requests = from_token_lists(sample, 16)
+    block = kv_bytes_per_token("llama-2-7b") * 16
+    bandwidths = {"memory": 10e9, "posix": 1e9}
+    grid = [Candidate(int(gb * GB) // block * block, 0, e)
+            for gb in (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0) for e in ("lru", "s3fifo",
+                                                                           "adaptive")]
+    assert len(grid) >= 20
+    best = max(tuner.evaluate(requests, c, block, bandwidths).hit_ratio for c in grid)
+    assert tuner.best.hit_ratio >= best
+    report = tuner.report()
+    assert report["hit_ratio"] == tuner.best.hit_ratio and report["eviction"] in (
+        "lru", "s3fifo", "adaptive")
+
+
+def test_a_latency_budget_is_kept_and_a_disk_tier_is_weighed(tmp_path):
+    sample = chat_tokens(200)
+    tight = AutoTuner(constraints={"max_memory_gb": 0.05, "max_latency_ms": 1e-6,
+                                   "max_disk_gb": 4.0}, bench_json=bench_file(tmp_path),
+                      progress=False)
+    tight.tune("llama-2-7b", sample)  # every hit costs time: only configs without hits fit
+    assert tight.best is not None and tight.best.hit_ratio == 0.0
+    tuner = AutoTuner(constraints={"max_memory_gb": 0.05, "max_disk_gb": 4.0},
+                      bench_json=bench_file(tmp_path), progress=False)
+    config = tuner.tune("llama-2-7b", sample)
+    load_config(config)
+    assert tuner.best is not None
+    assert tuner.best.hit_ratio >= max(p.hit_ratio for p in tuner.predictions
+                                       if p.candidate.disk_bytes == 0)

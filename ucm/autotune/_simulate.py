@@ -1,0 +1,210 @@
+"""A trace-driven cache simulator over the kernel's own eviction policies.
+
+Requests are replayed with the prefix semantics of the vLLM connector: a request hits the
+longest run of its leading blocks that some tier holds (the blocks are loaded from the
+fastest tier holding each, and touched there), then its other blocks are stored. Stores go
+into every tier (the kernel writes the first and copies to the rest); a hit in a slower tier
+is promoted into the faster ones. The policies are `ucm.kernel._policy`'s, called as the
+kernel calls them (a Load touches its hits with their index in the batch, a Store inserts
+with theirs), with a virtual clock.
+
+Belady's offline optimum (evict the block whose next use is farthest; a block never used
+again is not admitted) is the reference for one tier; it knows the future, so it is computed
+separately (`belady`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ucm.autotune._traces import Request
+from ucm.kernel._policy import Policy, make_policy
+
+
+@dataclass(frozen=True)
+class SimTier:
+    """One simulated tier: its policy and its capacity in blocks (None: unbounded)."""
+
+    policy: str
+    blocks: int | None
+    name: str = ""
+
+
+@dataclass
+class SimResult:
+    """What a replay counted. Ratios are of block accesses (every block of every request)."""
+
+    requests: int = 0
+    accesses: int = 0
+    hits: int = 0
+    hits_by_tier: list[int] = field(default_factory=list)
+    requests_with_hit: int = 0
+    prefetched: int = 0  # blocks the prefetcher copied into the first tier
+    prefetch_hits: int = 0  # first-tier hits on blocks that the prefetcher brought there
+    held: list[set[bytes]] = field(default_factory=list)  # each tier's blocks at the end
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    def tier_ratio(self, depth: int) -> float:
+        return self.hits_by_tier[depth] / self.accesses if self.accesses else 0.0
+
+    @property
+    def hit_blocks_per_request(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    @property
+    def request_hit_ratio(self) -> float:
+        """The share of requests with at least one block hit."""
+        return self.requests_with_hit / self.requests if self.requests else 0.0
+
+
+def _clock() -> float:
+    return 0.0
+
+
+def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
+             promote: bool = True, prefetch: object | None = None) -> SimResult:
+    """Replays `requests` through `tiers` (fastest first). `prefetch`, if given, is a
+    `Prefetcher` asked after each request for blocks to copy into the first tier."""
+    if not tiers:
+        raise ValueError("at least one tier")
+    policies = [make_policy(t.policy, t.blocks, clock=_clock) for t in tiers]
+    indexes = [p.index for p in policies]
+    result = SimResult(hits_by_tier=[0] * len(tiers))
+    top, top_index = policies[0], indexes[0]
+    prefetched: set[bytes] = set()
+    hits_by_tier = result.hits_by_tier
+    single = len(policies) == 1
+    for request in requests:
+        blocks = request.blocks
+        n = len(blocks)
+        result.requests += 1
+        result.accesses += n
+        hit = 0
+        if single:
+            for key in blocks:
+                if key not in top_index:
+                    break
+                hit += 1
+            if hit:
+                hits_by_tier[0] += hit
+                for i in range(hit):
+                    top.touch(blocks[i], i)
+        else:
+            sources = []
+            for key in blocks:
+                for depth, index in enumerate(indexes):
+                    if key in index:
+                        sources.append(depth)
+                        break
+                else:
+                    break
+            hit = len(sources)
+            for i, depth in enumerate(sources):
+                hits_by_tier[depth] += 1
+                policies[depth].touch(blocks[i], i)
+                if depth == 0 and prefetched and blocks[i] in prefetched:
+                    result.prefetch_hits += 1
+                    prefetched.discard(blocks[i])
+            if promote:
+                for i, depth in enumerate(sources):
+                    if depth:
+                        for above in range(depth):
+                            _insert(policies[above], blocks[i], i)
+        if hit:
+            result.hits += hit
+            result.requests_with_hit += 1
+        # The store: the blocks past the hit, indexed within the Store batch.
+        for policy, index in zip(policies, indexes, strict=True):
+            for j in range(hit, n):
+                key = blocks[j]
+                if key in index:
+                    policy.touch(key, j - hit)
+                else:
+                    _insert(policy, key, j - hit)
+        if prefetch is not None:
+            for key in prefetch.after(request):  # type: ignore[attr-defined]
+                if key not in top_index and any(key in ix for ix in indexes[1:]):
+                    _insert(top, key, 0)
+                    prefetched.add(key)
+                    result.prefetched += 1
+    result.held = [set(index) for index in indexes]
+    return result
+
+
+def _insert(policy: Policy, key: bytes, depth: int) -> None:
+    if policy.make_room(1) is None:
+        raise ValueError("a tier with no room for one block")
+    policy.insert(key, 1, depth)
+
+
+def next_uses(requests: Sequence[Request]) -> tuple[list[bytes], list[int]]:
+    """The flattened block accesses and, for each, the position of the same block's next
+    access (len(accesses) when none)."""
+    flat = [key for r in requests for key in r.blocks]
+    end = len(flat)
+    nxt = [end] * end
+    last: dict[bytes, int] = {}
+    for pos in range(end - 1, -1, -1):
+        key = flat[pos]
+        nxt[pos] = last.get(key, end)
+        last[key] = pos
+    return flat, nxt
+
+
+def belady(requests: Sequence[Request], capacity: int | None,
+           uses: tuple[list[bytes], list[int]] | None = None) -> SimResult:
+    """Belady's offline optimum under prefix semantics, for one tier of `capacity` blocks:
+    on a miss the block is admitted unless its next use is farther than every held block's,
+    and the held block whose next use is farthest is evicted. A max-heap of next uses with
+    lazy deletion makes each access O(log n)."""
+    flat, nxt = uses if uses is not None else next_uses(requests)
+    end = len(flat)
+    held: dict[bytes, int] = {}  # key -> its next use
+    heap: list[tuple[int, bytes]] = []  # (-next use, key), stale entries skipped
+    result = SimResult(hits_by_tier=[0])
+    pos = 0
+    for request in requests:
+        blocks = request.blocks
+        n = len(blocks)
+        hit = 0
+        for key in blocks:
+            if key not in held:
+                break
+            hit += 1
+        result.requests += 1
+        result.accesses += n
+        if hit:
+            result.hits += hit
+            result.requests_with_hit += 1
+        for j in range(n):
+            key = blocks[j]
+            use = nxt[pos + j]
+            if key in held:
+                held[key] = use
+                heapq.heappush(heap, (-use, key))
+                continue
+            if use == end:
+                continue  # never used again: not worth a slot
+            if capacity is not None and len(held) >= capacity:
+                while True:
+                    far, victim = heap[0]
+                    if held.get(victim) == -far:
+                        break
+                    heapq.heappop(heap)
+                if -far <= use:
+                    continue  # the newcomer is the farthest: bypass it
+                heapq.heappop(heap)
+                del held[victim]
+            held[key] = use
+            heapq.heappush(heap, (-use, key))
+        pos += n
+        if len(heap) > 4 * (len(held) + 64):  # drop stale entries now and then
+            heap = [(-u, k) for k, u in held.items()]
+            heapq.heapify(heap)
+    result.hits_by_tier[0] = result.hits
+    return result
