@@ -150,3 +150,18 @@ def test_the_conversation_trace_reproduces_its_readme_figures():
     assert sum(len(r.blocks) for r in requests) == 288_500
     assert round(simulate(requests, [SimTier("lru", 4000)]).hit_ratio, 3) == 0.086
     assert round(belady(requests, 4000).hit_ratio, 3) == 0.322
+
+
+def test_a_ucm_event_trace_is_a_workload(tmp_path):
+    """A kernel's own trace (what a deployment records) replays as requests: each Lookup's
+    chain of keys, in order."""
+    from ucm.autotune._traces import read_ucm_trace
+    from ucm.kernel import Kernel, Lookup
+
+    chains = [[b"a1", b"a2"], [b"a1", b"a2", b"a3"], [b"b1"]]
+    config = {"tiers": [{"driver": "memory"}], "trace": {"path": str(tmp_path / "trace")}}
+    with Kernel(config) as kernel:
+        for chain in chains:
+            kernel.submit(Lookup(chain, prefix=True)).result(10)
+    requests = read_ucm_trace(tmp_path / "trace")
+    assert [list(r.blocks) for r in requests] == [[k[:8] for k in c] for c in chains]

@@ -8,7 +8,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from ucm.drivers import LoadState
-from ucm.kernel._events import Event
+from ucm.kernel._events import Event, Lookup
 
 
 def count_lookup(stats: MutableMapping[str, int], keys: int,
@@ -37,6 +37,8 @@ def trace_fields(event: Event, *, start: bool = False) -> dict[str, Any]:
               "request_id": event.request_id}
     if start:
         fields["key"] = event.keys[0][:8].hex()
+        if type(event) is Lookup:  # a request's chain: the AutoTuner replays traces by it
+            fields["keys_hex"] = [key[:8].hex() for key in event.keys]
     return fields
 
 
