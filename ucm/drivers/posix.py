@@ -46,7 +46,7 @@ import os
 from typing import Self
 
 import trio
-from pydantic import ByteSize, Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator
 
 from ucm.drivers._blockfiles import FILE_MODE, BlockFiles, FileLayout
 from ucm.drivers._protocol import DriverOptions
@@ -100,14 +100,15 @@ class PosixDriver(ScatterLoading, ThreadedDriver):
                                  "the owner, and take no execute or special bits")
             return value
 
-        @model_validator(mode="after")
-        def _group(self) -> PosixDriver.Options:
-            if isinstance(self.group, str):
+        @field_validator("group")
+        @classmethod
+        def _gid(cls, value: str | int | None) -> int | None:
+            if isinstance(value, str):
                 try:
-                    self.group = grp.getgrnam(self.group).gr_gid
+                    return grp.getgrnam(value).gr_gid
                 except KeyError:
-                    raise ValueError(f"group {self.group!r}: no such group") from None
-            return self
+                    raise ValueError(f"group {value!r}: no such group") from None
+            return value
 
         @property
         def file_mode(self) -> int:
