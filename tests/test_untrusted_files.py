@@ -98,7 +98,7 @@ async def test_a_block_copied_into_another_namespace_is_corrupt(tmp_path: Path, 
     shutil.copyfile(attacker.block_path(key), victim.block_path(key))  # a whole valid block
     long_key = bytes(range(200))
     await attacker.store([long_key], [memoryview(theirs)])
-    plant(victim.block_path(long_key), open(attacker.block_path(long_key), "rb").read())
+    plant(victim.block_path(long_key), Path(attacker.block_path(long_key)).read_bytes())
     await victim.aclose()
     await attacker.aclose()
     victim = await open_posix(tmp_path, "tenant-b", map_bytes=map_bytes)  # lists and maps
