@@ -17,8 +17,11 @@ A stored block is a 4 KiB header followed by the payload, so the payload starts 
     40      4     xxh32 of the header bytes before this field, key and namespace included
     44      .     key bytes, then namespace bytes, then zero padding up to 4096
 
-Every load checks the header checksum and the payload checksum before the block counts as
-loaded; a mismatch raises `BlockCorrupt`, which drivers report as a corrupt miss.
+Every load checks the header checksum, the key and namespace the header names, the raw size
+against the caller's buffer, and the payload checksum before the block counts as loaded; a
+mismatch raises `BlockCorrupt`, which drivers report as a corrupt miss. Nothing on storage is
+trusted: lengths are checked before anything is allocated for them, and decompression is
+bounded by the raw size, which equals the caller's buffer.
 """
 
 from __future__ import annotations
@@ -80,6 +83,11 @@ class BlockHeader:
     def stored_len(self) -> int:
         """Bytes the block takes on storage, header included."""
         return PAYLOAD_OFFSET + self.payload_len
+
+
+def zstd_bound(raw_len: int) -> int:
+    """The most bytes a zstd payload of `raw_len` raw bytes may take (above ZSTD_compressBound)."""
+    return raw_len + (raw_len >> 7) + 1024
 
 
 def check_key(key: object) -> bytes:
@@ -176,8 +184,12 @@ def encode_header(
     return head + bytes(PAYLOAD_OFFSET - len(head))
 
 
-def decode_header(data: Buffer, *, expect_key: bytes | None = None) -> BlockHeader:
-    """Parses and checks a header. Raises BlockCorrupt on any inconsistency."""
+def decode_header(data: Buffer, *, expect_key: bytes | None = None,
+                  expect_namespace: bytes | str | None = None) -> BlockHeader:
+    """Parses and checks a header. Raises BlockCorrupt on any inconsistency, and when it names
+    another key than `expect_key` or another namespace than `expect_namespace` (a driver
+    passes its namespace encoded once, as bytes: a block copied in from another namespace's
+    store is never served)."""
     view = memoryview(data)
     if view.nbytes < _FIXED_END:
         raise BlockCorrupt(f"header truncated to {view.nbytes} bytes")
@@ -199,10 +211,16 @@ def decode_header(data: Buffer, *, expect_key: bytes | None = None) -> BlockHead
         raise BlockCorrupt("header checksum mismatch")
     if expect_key is not None and key != expect_key:
         raise BlockCorrupt("header names another key")
+    if (expect_namespace is not None and ns != expect_namespace
+            and (type(expect_namespace) is not str or ns != expect_namespace.encode())):
+        raise BlockCorrupt("header names another namespace")
     try:
         codec_value = Codec(codec)
     except ValueError:
         raise BlockCorrupt(f"unknown codec {codec}") from None
+    # Every later allocation is bounded by raw_len, which loads compare with their buffer.
+    if payload_len != raw_len if codec_value is Codec.NONE else payload_len > zstd_bound(raw_len):
+        raise BlockCorrupt(f"a payload of {payload_len} bytes cannot hold {raw_len} raw bytes")
     return BlockHeader(key, ns.decode(errors="replace"), codec_value, payload_len, raw_len,
                        payload_sum)
 
@@ -244,6 +262,13 @@ def verify_payload(header: BlockHeader, stored: Buffer | Scatter) -> None:
         raise BlockCorrupt("payload checksum mismatch")
 
 
+def wrong_size(out: memoryview | Scatter, header: BlockHeader) -> BlockCorrupt:
+    """A stored block whose raw size differs from the caller's buffer: storage that lies, or
+    a block of another layout. Corrupt for that key, never a failed batch."""
+    return BlockCorrupt(f"buffer is {out.nbytes} bytes; the stored block says it holds "
+                        f"{header.raw_len}")
+
+
 def native_copy_available() -> bool:
     """Whether `copy_verified` copies and checks in one pass (ucm._hostcopy is built)."""
     return _hash_copy is not None
@@ -269,7 +294,7 @@ def copy_verified(header: BlockHeader, out: memoryview | Scatter, stored: Buffer
     a read straight into it). Otherwise `stored` is checked first and `out` is written only
     when it is good."""
     if out.nbytes != header.raw_len:
-        raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
+        raise wrong_size(out, header)
     pieces = out.parts if type(out) is Scatter else out
     if (_hash_copy is not None and out.nbytes >= NATIVE_MIN
             and header.payload_len == out.nbytes
@@ -297,11 +322,18 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
         copy_verified(header, out, stored)  # checks the buffer's size itself
         return
     if out.nbytes != header.raw_len:
-        raise InvalidRequest(f"buffer is {out.nbytes} bytes; the block holds {header.raw_len}")
+        raise wrong_size(out, header)
     verify_payload(header, stored)
+    import zstandard
+
     try:
-        raw = _decompressor().decompress(stored, max_output_size=header.raw_len)
-    except Exception as exc:  # zstd raises its own ZstdError for malformed frames
+        # decompress allocates a frame's declared size, else up to max_output_size: both
+        # bounded by raw_len, which equals the caller's buffer (checked above).
+        declared = zstandard.frame_content_size(stored)
+        if declared >= 0 and declared != header.raw_len:
+            raise BlockCorrupt(f"zstd frame declares {declared} bytes, header {header.raw_len}")
+        raw = _decompressor().decompress(stored, max_output_size=max(header.raw_len, 1))
+    except zstandard.ZstdError as exc:
         raise BlockCorrupt(f"zstd payload does not decode: {exc}") from None
     if len(raw) != header.raw_len:
         raise BlockCorrupt("decoded payload has the wrong length")

@@ -11,6 +11,13 @@ block or the new whole block, never a mix, and a writer killed mid-write leaves 
 that no lookup sees; `BlockFiles.open` removes the temp files of dead processes on this host.
 A load reads the header and the payload with one `preadv` straight into the caller's buffer and
 verifies the checksum there: no extra copy for codec none.
+
+Nothing in the store is trusted: block files are opened with O_NOFOLLOW and O_NONBLOCK and
+must be regular files (a symlink, FIFO or directory at a block's path is a corrupt block, and
+never blocks a load, the listing or close); the header must name this key and namespace and
+the caller's size, and the file's length must match the header before anything is allocated
+for it. A bad block is CORRUPT for its key (the kernel removes it), never a failed batch.
+Files are created 0600 and directories 0700 (a `group` and `mode` share them deliberately).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import mmap
 import os
 import random
 import socket
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +37,7 @@ import xxhash
 
 from ucm.block import (
     PAYLOAD_OFFSET,
+    BlockHeader,
     Codec,
     Scatter,
     decode_header,
@@ -36,13 +45,45 @@ from ucm.block import (
     verify_payload,
 )
 from ucm.drivers._mapped import MapCache
-from ucm.drivers.kit import Backend, LoadState, frame_block, pid_alive, size_mismatch
+from ucm.drivers.kit import Backend, LoadState, frame_block, pid_alive, wrong_size
 from ucm.errors import BlockCorrupt, ConfigError
 
 ALIGN = 4096
 _LONG_KEY = 120  # longer keys are named by a digest: 2 * 120 hex chars + suffix < NAME_MAX
 _TMP_DIR = ".tmp"
 _HOST = socket.gethostname().replace(os.sep, "_").replace(".", "_") or "host"
+FILE_MODE = 0o600  # blocks hold prompt-derived data: private unless shared on purpose
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # never hangs on a FIFO
+
+
+def dir_mode(file_mode: int) -> int:
+    """The directory mode that matches a block file mode: 0600 -> 0700, 0640 -> 0750, 0660 ->
+    0770 (search wherever read is granted, and write for whoever may publish blocks)."""
+    mode = 0o700
+    for shift in (3, 0):  # group, others
+        if file_mode & (0o4 << shift):
+            mode |= (0o5 << shift) | (file_mode & (0o2 << shift))
+    return mode
+
+
+def open_regular(path: str, flags: int = _OPEN_FLAGS) -> tuple[int, os.stat_result]:
+    """An fd on the regular file at `path` and its fstat. Raises BlockCorrupt for a symlink
+    (O_NOFOLLOW) or anything else that is not a regular file; OSError as open raises it."""
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BlockCorrupt(f"{path} is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BlockCorrupt(f"{path} is not a regular file")
+    return fd, st
 
 
 def tmp_name() -> str:
@@ -164,20 +205,28 @@ class BlockFiles(Backend):
     """Blocks as files in the ucm block format. See the module docstring for the layout."""
 
     def __init__(self, layout: FileLayout, *, namespace: str, codec: Codec, fsync: bool,
-                 direct: bool, direct_writes: bool = False, map_bytes: int = 0) -> None:
+                 direct: bool, direct_writes: bool = False, map_bytes: int = 0,
+                 file_mode: int = FILE_MODE, gid: int | None = None) -> None:
         """`direct`: O_DIRECT reads and writes. `direct_writes`: O_DIRECT writes only, so a
         store takes no page-cache pages (see the posix driver's docstring for when it pays);
-        reads stay buffered and listed blocks stay mapped."""
+        reads stay buffered and listed blocks stay mapped. `file_mode` and `gid`: blocks
+        shared on purpose (directories get the matching `dir_mode`); the default is private."""
         self.layout = layout
         # Blocks found in the page cache by a listing stay mapped (see _mapped): not with
         # O_DIRECT reads, whose point is to keep blocks out of the page cache.
         self.maps = MapCache(map_bytes) if map_bytes > 0 and not direct else None
         self.namespace = namespace
+        self._ns = namespace.encode()  # what a loaded header must name
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode(file_mode)
+        self.gid = gid
+        # umask only narrows 0600/0700; a mode chosen for sharing is set explicitly
+        self._share = file_mode != FILE_MODE or gid is not None
         self.codec = codec
         self.fsync = fsync
         self.direct = direct
         self.direct_writes = direct or direct_writes
-        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        self._read_flags = _OPEN_FLAGS | (os.O_DIRECT if direct else 0)
         self._write_flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
                              | (os.O_DIRECT if self.direct_writes else 0))
 
@@ -187,7 +236,7 @@ class BlockFiles(Backend):
         files = cls(layout, **kwargs)
         for root in layout.roots:
             tmp = os.path.join(root, _TMP_DIR)
-            os.makedirs(tmp, exist_ok=True)
+            files.makedirs(tmp)
             remove_stale_temp_files(tmp)
             if files.direct_writes:
                 _probe_direct(tmp, root, "direct_writes" if not files.direct else "direct")
@@ -196,13 +245,31 @@ class BlockFiles(Backend):
     def path_for(self, key: bytes) -> str:
         return self.layout.path_for(key)
 
+    def makedirs(self, path: str) -> None:
+        """Creates `path` and its missing parents with `dir_mode` (existing ones are left as
+        they are), and gives the new ones to `gid`."""
+        try:
+            os.mkdir(path, self.dir_mode)
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            self.makedirs(os.path.dirname(path))
+            try:
+                os.mkdir(path, self.dir_mode)
+            except FileExistsError:
+                return
+        if self._share:
+            if self.gid is not None:
+                os.chown(path, -1, self.gid)
+            os.chmod(path, self.dir_mode)
+
     # lookup / delete
 
     def lookup(self, keys: list[bytes]) -> list[bool]:
         found = []
         for key in keys:
             try:
-                os.stat(self.layout.path_for(key))
+                os.lstat(self.layout.path_for(key))
             except (FileNotFoundError, NotADirectoryError):
                 found.append(False)
             else:
@@ -215,7 +282,7 @@ class BlockFiles(Backend):
                 self.maps.drop(key)
             try:
                 os.unlink(self.layout.path_for(key))
-            except FileNotFoundError:
+            except (FileNotFoundError, IsADirectoryError):  # a planted directory stays
                 pass
 
     # load
@@ -239,13 +306,15 @@ class BlockFiles(Backend):
             except BlockCorrupt:
                 return LoadState.CORRUPT
         try:
-            fd = os.open(path, self._read_flags)
+            fd, st = open_regular(path, self._read_flags)
         except (FileNotFoundError, NotADirectoryError):
             return LoadState.MISSING
+        except BlockCorrupt:
+            return LoadState.CORRUPT
         except OSError:
             return LoadState.FAILED
         try:
-            return self._load_fd(fd, key, view)
+            return self._load_fd(fd, st.st_size, key, view)
         except BlockCorrupt:
             return LoadState.CORRUPT
         except OSError:
@@ -253,26 +322,32 @@ class BlockFiles(Backend):
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _load_mapped(block: memoryview, key: bytes, out: memoryview | Scatter) -> LoadState:
-        """A mapped block file: header checked, payload checked and copied in one pass."""
-        header = decode_header(block[:PAYLOAD_OFFSET], expect_key=key)
+    def _check(self, head: memoryview, key: bytes, out: memoryview | Scatter,
+               file_size: int) -> BlockHeader:
+        """The header of `key`'s block file, checked against this namespace, the caller's
+        size and the file's length before anything is read or allocated for its payload."""
+        header = decode_header(head, expect_key=key, expect_namespace=self._ns)
         if header.raw_len != out.nbytes:
-            raise size_mismatch(out, header)
-        if PAYLOAD_OFFSET + header.payload_len != block.nbytes:
+            raise wrong_size(out, header)
+        if PAYLOAD_OFFSET + header.payload_len != file_size:
             raise BlockCorrupt("the file's length differs from its header's")
+        return header
+
+    def _load_mapped(self, block: memoryview, key: bytes, out: memoryview | Scatter,
+                     ) -> LoadState:
+        """A mapped block file: header checked, payload checked and copied in one pass."""
+        header = self._check(block[:PAYLOAD_OFFSET], key, out, block.nbytes)
         decode_payload_into(header, block[PAYLOAD_OFFSET:], out)  # NONE: copy_verified
         return LoadState.OK
 
-    def _load_fd(self, fd: int, key: bytes, out: memoryview | Scatter) -> LoadState:
+    def _load_fd(self, fd: int, file_size: int, key: bytes, out: memoryview | Scatter,
+                 ) -> LoadState:
         head = _scratch.head
         if self.codec is Codec.NONE and (not self.direct or _aligned(out)):
             # The expected case: header and payload in one syscall, payload into `out`.
             parts = [head, *out.parts] if type(out) is Scatter else [head, out]
             n = _read_into(fd, parts, 0, once=self.direct)
-            header = decode_header(head[: min(n, ALIGN)], expect_key=key)
-            if header.raw_len != out.nbytes:
-                raise size_mismatch(out, header)
+            header = self._check(head[: min(n, ALIGN)], key, out, file_size)
             if header.codec is Codec.NONE:
                 if n - PAYLOAD_OFFSET != header.payload_len:
                     raise BlockCorrupt("payload truncated")
@@ -280,10 +355,9 @@ class BlockFiles(Backend):
                 return LoadState.OK
         else:
             n = _read_into(fd, [head], 0, once=self.direct)
-            header = decode_header(head[: min(n, ALIGN)], expect_key=key)
-            if header.raw_len != out.nbytes:
-                raise size_mismatch(out, header)
-        # A compressed block, or an O_DIRECT read into an unaligned buffer: stage the payload.
+            header = self._check(head[: min(n, ALIGN)], key, out, file_size)
+        # A compressed block, or an O_DIRECT read into an unaligned buffer: stage the payload,
+        # whose length `_check` bounded by the file's and (decode_header) by the raw size.
         size = header.payload_len
         stage = _scratch.bounce(_round_up(size)) if self.direct else memoryview(bytearray(size))
         if _read_into(fd, [stage], PAYLOAD_OFFSET, once=self.direct) < size:
@@ -311,9 +385,13 @@ class BlockFiles(Backend):
         final = self.layout.path_for(key)
         root = self.layout.root_for(key)
         tmp = os.path.join(root, _TMP_DIR, tmp_name())
-        fd = os.open(tmp, self._write_flags, 0o644)
+        fd = os.open(tmp, self._write_flags, self.file_mode)
         try:
             try:
+                if self._share:
+                    if self.gid is not None:
+                        os.fchown(fd, -1, self.gid)
+                    os.fchmod(fd, self.file_mode)
                 self._write_block(fd, header, payload)
                 if self.fsync:
                     os.fsync(fd)
@@ -322,7 +400,7 @@ class BlockFiles(Backend):
             try:
                 os.replace(tmp, final)
             except FileNotFoundError:  # first block in this shard directory
-                os.makedirs(os.path.dirname(final), exist_ok=True)
+                self.makedirs(os.path.dirname(final))
                 os.replace(tmp, final)
         except BaseException:
             try:
@@ -363,28 +441,41 @@ class BlockFiles(Backend):
                 units.append(root)
                 continue
             with os.scandir(root) as it:
-                units += [e.path for e in it if e.is_dir() and e.name != _TMP_DIR]
+                units += [e.path for e in it
+                          if e.is_dir(follow_symlinks=False) and e.name != _TMP_DIR]
         return units
 
     def list_unit(self, top: str) -> list[tuple[bytes, int]]:
+        """The blocks under `top`: regular files with a block's name only (symlinks, FIFOs
+        and other planted things are passed over without being opened)."""
         found = []
-        for dirpath, dirnames, filenames in os.walk(top):
-            if _TMP_DIR in dirnames:
-                dirnames.remove(_TMP_DIR)
-            for fname in filenames:
-                path = os.path.join(dirpath, fname)
-                try:
-                    if fname.endswith(".blk"):
-                        key = bytes.fromhex(fname[:-4])
-                    elif fname.endswith(".lblk"):
-                        key = self._key_from_header(path)
-                    else:
-                        continue
-                    found.append((key, os.stat(path).st_size))
-                    if self.maps is not None:
-                        self.maps.adopt(key, path)  # False once its budget is spent
-                except (ValueError, BlockCorrupt, FileNotFoundError):
-                    continue  # not a block name, a bad header, or deleted while listing
+        pending = [top]
+        while pending:
+            try:
+                it = os.scandir(pending.pop())
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                for entry in it:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            if entry.name != _TMP_DIR:
+                                pending.append(entry.path)
+                            continue
+                        name = entry.name
+                        if not entry.is_file(follow_symlinks=False):
+                            continue
+                        if name.endswith(".blk"):
+                            key = bytes.fromhex(name[:-4])
+                        elif name.endswith(".lblk"):
+                            key = self._key_from_header(entry.path)
+                        else:
+                            continue
+                        found.append((key, entry.stat(follow_symlinks=False).st_size))
+                        if self.maps is not None:
+                            self.maps.adopt(key, entry.path)  # False once its budget is spent
+                    except (ValueError, BlockCorrupt, FileNotFoundError):
+                        continue  # not a block name, a bad header, or deleted while listing
         return found
 
     def close(self) -> None:
@@ -392,8 +483,12 @@ class BlockFiles(Backend):
             self.maps.clear()
 
     def _key_from_header(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return decode_header(f.read(ALIGN)).key
+        fd, _ = open_regular(path)
+        try:
+            head = os.pread(fd, ALIGN, 0)
+        finally:
+            os.close(fd)
+        return decode_header(head, expect_namespace=self._ns).key
 
 
 def _fsync_dir(path: str) -> None:
@@ -407,7 +502,7 @@ def _fsync_dir(path: str) -> None:
 def _probe_direct(tmp_dir: str, root: str, option: str = "direct") -> None:
     probe = os.path.join(tmp_dir, tmp_name())
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, FILE_MODE)
         try:
             os.pwrite(fd, _scratch.head, 0)
         finally:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 from collections import OrderedDict
 
@@ -90,12 +91,14 @@ class MapCache:
         if self.full():
             return False
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # no symlinks followed; O_NONBLOCK: a FIFO planted here never hangs the listing
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             return False
         try:
             st = os.fstat(fd)
-            if st.st_size <= PAYLOAD_OFFSET or self._bytes + st.st_size > self.limit_bytes:
+            if (not stat.S_ISREG(st.st_mode) or st.st_size <= PAYLOAD_OFFSET
+                    or self._bytes + st.st_size > self.limit_bytes):
                 return False
             mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError:
@@ -119,7 +122,7 @@ class MapCache:
         if block is None:
             return None
         try:
-            now = identity(os.stat(path))
+            now = identity(os.lstat(path))  # a symlink put in its place is another file
         except OSError:
             now = None
         if now != block.identity:

@@ -49,7 +49,7 @@ from ucm.block import (
 from ucm.drivers._extents import Extents
 from ucm.drivers._mapped import populate
 from ucm.drivers._slots import ENTRY_SIZE, SlotTable, names_block, parse_entry, seal, unseal
-from ucm.drivers.kit import Backend, LoadState, size_mismatch
+from ucm.drivers.kit import Backend, LoadState, wrong_size
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 PAGE = 4096
@@ -143,6 +143,7 @@ class PmemPool(Backend):
     def __init__(self, path: str, *, namespace: str, codec: Codec, lock_fd: int) -> None:
         self.path = path
         self.namespace = namespace
+        self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
         self._lock_fd = lock_fd
         self._lock = threading.Lock()
@@ -375,9 +376,10 @@ class PmemPool(Backend):
 
     def _load_one(self, entry: _Entry, key: bytes, out: memoryview) -> LoadState:
         start = entry.offset
-        header = decode_header(self.view[start:start + PAYLOAD_OFFSET], expect_key=key)
+        header = decode_header(self.view[start:start + PAYLOAD_OFFSET], expect_key=key,
+                               expect_namespace=self._ns)
         if header.raw_len != out.nbytes:
-            raise size_mismatch(out, header)
+            raise wrong_size(out, header)
         if header.stored_len != entry.length:
             raise BlockCorrupt("header and index disagree on the block's length")
         payload = start + PAYLOAD_OFFSET

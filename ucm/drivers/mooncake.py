@@ -121,6 +121,7 @@ class MooncakeBlocks(Backend):
         self.pool = pool
         self.prefix = prefix
         self.namespace = namespace
+        self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
         self.master = master
         self.force_delete = force_delete
@@ -247,7 +248,7 @@ class MooncakeBlocks(Backend):
         if n < 0:
             self.counters[f"load_error_{-n}"] = self.counters.get(f"load_error_{-n}", 0) + 1
             return LoadState.FAILED
-        state = unframe_into(key, self.pool.view[offset:offset + n], out)
+        state = unframe_into(key, self.pool.view[offset:offset + n], out, namespace=self._ns)
         if state is LoadState.CORRUPT:
             # An upsert by another client can replace the object under a read in progress: a
             # torn read fails its checksum. Read once more before calling the block corrupt.
@@ -266,7 +267,7 @@ class MooncakeBlocks(Backend):
         if found == 1:
             data = self.client.get(name)
             if data:
-                return unframe_into(key, memoryview(data), out)
+                return unframe_into(key, memoryview(data), out, namespace=self._ns)
             found = self.client.is_exist(name)
         if found <= RPC_FAIL:
             raise self._unreachable(found)
@@ -276,7 +277,7 @@ class MooncakeBlocks(Backend):
         data = self.client.get(self.name_of(key))
         if not data:
             return LoadState.MISSING
-        return unframe_into(key, memoryview(data), out)
+        return unframe_into(key, memoryview(data), out, namespace=self._ns)
 
     def close(self) -> None:
         client, self._client = self._client, None

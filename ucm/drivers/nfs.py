@@ -134,6 +134,7 @@ class NfsBlocks(Backend):
         self.layout = layout
         self.root = layout.roots[0]
         self.namespace = namespace
+        self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
         self.retries = 0  # operations run again after an error nfs-rs marked safe to retry
 
@@ -237,7 +238,7 @@ class NfsBlocks(Backend):
             n = self._call(read)
         except (FileNotFoundError, NotADirectoryError):
             return LoadState.MISSING
-        return unframe_into(key, stage[:n], out)
+        return unframe_into(key, stage[:n], out, namespace=self._ns)
 
     # listing
 
@@ -268,7 +269,8 @@ class NfsBlocks(Backend):
                 elif entry.name.endswith(".lblk"):
                     try:
                         head = self._call(lambda c, p=child: _read_head(c, p))
-                        found.append((decode_header(head).key, entry.info.size))
+                        found.append((decode_header(head, expect_namespace=self._ns).key,
+                                      entry.info.size))
                     except (FileNotFoundError, BlockCorrupt):
                         continue
                 elif is_dead_writers_temp(entry.name):  # its writer died mid-store

@@ -7,6 +7,14 @@
       direct_writes: false            # O_DIRECT for stores only (see below)
       shard_depth: 2                  # <root>/<namespace>/<aa>/<bb>/<hex key>.blk
       map_bytes: 1GiB                 # blocks listed at start kept mapped; 0: off
+      mode: "0600"                    # block file mode; directories get the matching 07x0
+      group: null                     # a group name or gid to share the store with
+
+Blocks are private to the user by default: files 0600, directories 0700, whatever the umask.
+To share a store between users on purpose, name their common `group` (files and directories
+created are given to it; `mode` then defaults to 0660, directories 0770) and, for read-only
+sharing, `mode: "0640"` (directories 0750). Nothing read from the store is trusted (see
+`_blockfiles`): another user's planted files are corrupt blocks, never data.
 
 Blocks are published by temp file + rename, so they survive restarts (`persistent`) and a
 writer killed mid-block leaves nothing visible. The work happens in `_blockfiles.BlockFiles`.
@@ -33,13 +41,14 @@ default.
 
 from __future__ import annotations
 
+import grp
 import os
 from typing import Self
 
 import trio
 from pydantic import ByteSize, Field, field_validator
 
-from ucm.drivers._blockfiles import BlockFiles, FileLayout
+from ucm.drivers._blockfiles import FILE_MODE, BlockFiles, FileLayout
 from ucm.drivers._protocol import DriverOptions
 from ucm.drivers.kit import (
     ScatterLoading,
@@ -49,6 +58,7 @@ from ucm.drivers.kit import (
     parse_codec,
     safe_dir_name,
 )
+from ucm.errors import ConfigError
 
 
 class PosixDriver(ScatterLoading, ThreadedDriver):
@@ -64,6 +74,47 @@ class PosixDriver(ScatterLoading, ThreadedDriver):
         direct_writes: bool = False
         shard_depth: int = Field(default=2, ge=0, le=4)
         map_bytes: ByteSize = Field(default=ByteSize(2**30), ge=0)
+        mode: int | None = Field(
+            default=None, description="block file mode, octal (\"0640\"): read and write for "
+            "the owner, read or read and write for the group or others; directories get the "
+            "matching mode (0750, 0770). Default 0600 (0660 with a group)")
+        group: str | int | None = Field(
+            default=None, description="a group name or gid to share the store with: files "
+            "and directories created are given to it (the user must be a member)")
+
+        @field_validator("mode", mode="before")
+        @classmethod
+        def _octal(cls, value: object) -> object:
+            if isinstance(value, str):
+                try:
+                    return int(value.removeprefix("0o"), 8)
+                except ValueError:
+                    raise ValueError(f"mode {value!r} is not an octal file mode") from None
+            return value
+
+        @field_validator("mode")
+        @classmethod
+        def _mode_bits(cls, value: int | None) -> int | None:
+            if value is not None and (value & ~0o666 or value & 0o600 != 0o600):
+                raise ValueError(f"mode {value:#o}: block files need read and write for "
+                                 "the owner, and take no execute or special bits")
+            return value
+
+        @field_validator("group")
+        @classmethod
+        def _gid(cls, value: str | int | None) -> int | None:
+            if isinstance(value, str):
+                try:
+                    return grp.getgrnam(value).gr_gid
+                except KeyError:
+                    raise ValueError(f"group {value!r}: no such group") from None
+            return value
+
+        @property
+        def file_mode(self) -> int:
+            if self.mode is not None:
+                return self.mode
+            return FILE_MODE if self.group is None else 0o660
 
         @field_validator("path")
         @classmethod
@@ -90,6 +141,9 @@ class PosixDriver(ScatterLoading, ThreadedDriver):
                    codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
+        gid = options.group
+        if gid is not None and os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
+            raise ConfigError(f"group: this user is not a member of group {gid}")
         ns_dir = safe_dir_name(namespace)
         layout = FileLayout(tuple(os.path.join(p, ns_dir) for p in options.paths),
                             options.shard_depth)
@@ -98,7 +152,9 @@ class PosixDriver(ScatterLoading, ThreadedDriver):
                 lambda: BlockFiles.open(layout, namespace=namespace, codec=parse_codec(codec),
                                         fsync=options.fsync, direct=options.direct,
                                         direct_writes=options.direct_writes,
-                                        map_bytes=int(options.map_bytes)))
+                                        map_bytes=int(options.map_bytes),
+                                        file_mode=options.file_mode,
+                                        gid=None if gid is None else int(gid)))
         except OSError as exc:
             raise os_error(exc, name) from exc
         return cls(files, name=name, workers=workers)

@@ -217,6 +217,7 @@ class RedisBlocks(Backend):
         self.client = client
         self.prefix = prefix
         self.namespace = namespace
+        self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
         self.where = where
         self._errors = redis.exceptions
@@ -292,11 +293,10 @@ class RedisBlocks(Backend):
         return [self._verify(key, value, out)
                 for key, value, out in zip(keys, values, views, strict=True)]
 
-    @staticmethod
-    def _verify(key: bytes, value: bytes | None, out: memoryview) -> LoadState:
+    def _verify(self, key: bytes, value: bytes | None, out: memoryview) -> LoadState:
         if value is None:
             return LoadState.MISSING
-        return unframe_into(key, memoryview(value), out)
+        return unframe_into(key, memoryview(value), out, namespace=self._ns)
 
     # listing
 

@@ -82,7 +82,7 @@ from ucm.drivers.kit import (
     new_statistics,
     parse_codec,
     safe_dir_name,
-    size_mismatch,
+    wrong_size,
 )
 from ucm.errors import BlockCorrupt, StorageUnavailable
 
@@ -132,6 +132,7 @@ class S3Driver:
         self.options = options
         self.name = name
         self.namespace = namespace
+        self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
         prefix = options.prefix.strip("/")
         self.key_prefix = (f"{prefix}/" if prefix else "") + safe_dir_name(namespace) + "/"
@@ -403,9 +404,9 @@ class S3Driver:
             if filled < total:
                 raise Retryable(f"GET body ended after {filled} of {total} bytes")
             raise BlockCorrupt(f"object is {filled} bytes, shorter than a block header")
-        header = decode_header(head, expect_key=key)
+        header = decode_header(head, expect_key=key, expect_namespace=self._ns)
         if header.raw_len != out.nbytes:
-            raise size_mismatch(out, header)
+            raise wrong_size(out, header)
         if total != PAYLOAD_OFFSET + header.payload_len:
             raise BlockCorrupt(f"object is {total} bytes, header says "
                                f"{PAYLOAD_OFFSET + header.payload_len}")

@@ -103,7 +103,8 @@ class SqliteBlocks(Backend):
             if row is None:
                 states.append(LoadState.MISSING)
             else:  # header and checksum checked; InvalidRequest for a wrong-sized buffer
-                states.append(unframe_into(key, memoryview(row[0]), view))
+                states.append(unframe_into(key, memoryview(row[0]), view,
+                                              namespace=self.namespace))
         return states
 
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:

@@ -2,7 +2,8 @@
 
     from ucm.drivers.kit import Backend, ThreadedDriver, check_batch, frame_block
 
-Validation     check_keys, check_batch, size_mismatch: arguments checked as the contract says
+Validation     check_keys, check_batch, size_mismatch: arguments checked as the contract says;
+               wrong_size: a stored block of another size than the buffer (CORRUPT)
 Framing        frame_block, unframe_into: a block in the self-describing `ucm.block` format
                (header with key, namespace, codec, lengths and checksum; payload after it)
 Errors         os_error: an OSError that failed a batch, as the ucm exception tree
@@ -24,7 +25,7 @@ docs/writing-a-driver.md walks through a complete driver built on it.
 
 from __future__ import annotations
 
-from ucm.block import PAYLOAD_OFFSET, Codec, Scatter
+from ucm.block import PAYLOAD_OFFSET, Codec, Scatter, wrong_size
 from ucm.drivers._protocol import (
     STATISTICS,
     DriverStatistics,
@@ -75,4 +76,5 @@ __all__ = [
     "safe_dir_name",
     "size_mismatch",
     "unframe_into",
+    "wrong_size",
 ]

@@ -5,11 +5,18 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from ucm.block import BlockHeader, Codec, Scatter, as_byte_view, check_key
-from ucm.errors import ConfigError, DriverError, InvalidRequest, NoCapacity, StorageUnavailable
+from ucm.errors import (
+    ConfigError,
+    DriverError,
+    InvalidRequest,
+    NoCapacity,
+    StorageUnavailable,
+)
 
 
 def check_keys(keys: Sequence[bytes]) -> list[bytes]:
@@ -47,8 +54,11 @@ def check_batch(
     return keys, views
 
 
-def size_mismatch(view: memoryview, header: BlockHeader) -> InvalidRequest:
-    """The error for a load buffer whose size differs from the stored block's."""
+def size_mismatch(view: memoryview | Scatter, header: BlockHeader) -> InvalidRequest:
+    """The error for a load buffer whose size differs from a block that never left this
+    process (the memory tier's): the caller's mistake. A block read from storage that holds
+    another size is `wrong_size` (BlockCorrupt): storage that lies or another layout, CORRUPT
+    for that key and never a failed batch."""
     return InvalidRequest(f"buffer is {view.nbytes} bytes; the block holds {header.raw_len}")
 
 
@@ -70,12 +80,21 @@ def parse_codec(codec: str | Codec) -> Codec:
 
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9_.-]{1,255}")
+_ESCAPED = re.compile(r".*-[0-9a-f]{16}")  # what every escaped name ends with
+
+
 def safe_dir_name(namespace: str) -> str:
-    """A directory name for a namespace: itself when it is plain, else a readable prefix plus
-    a digest, so two namespaces never share a directory."""
-    plain = "".join(c if c.isalnum() or c in "-_." else "_" for c in namespace)
-    if plain == namespace and not namespace.startswith("."):
+    """A directory name for a namespace, one per namespace: the namespace itself when it is
+    plain (ASCII letters, digits, '-', '_', '.'; not starting with '.'; not ending like an
+    escaped name), else an ASCII prefix of it plus '-' and a digest of the whole namespace.
+    A plain name never ends with '-' and 16 hex digits and every escaped one does, so the two
+    kinds never meet; the result is one path component of at most 81 bytes when escaped."""
+    if (_PLAIN.fullmatch(namespace) and not namespace.startswith(".")
+            and not _ESCAPED.fullmatch(namespace)):
         return namespace
+    plain = "".join(c if c.isascii() and (c.isalnum() or c in "-_.") else "_"
+                    for c in namespace)
     digest = hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
     return f"{plain.lstrip('.')[:64]}-{digest}"
 

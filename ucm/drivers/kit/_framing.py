@@ -22,9 +22,9 @@ from ucm.block import (
     decode_payload_into,
     encode_header,
     encode_payload,
+    wrong_size,
 )
 from ucm.drivers._protocol import LoadState
-from ucm.drivers.kit._checks import size_mismatch
 from ucm.errors import BlockCorrupt
 
 
@@ -36,14 +36,17 @@ def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview,
     return encode_header(key, namespace, codec, payload, raw.nbytes), payload
 
 
-def unframe_into(key: bytes, stored: memoryview, out: memoryview) -> LoadState:
-    """Checks a stored block (header + payload) against `key` and its checksum and decodes
-    its raw bytes into `out`, under the current call's gate: OK or CORRUPT. A buffer of the
-    wrong size is InvalidRequest."""
+def unframe_into(key: bytes, stored: memoryview, out: memoryview, *,
+                 namespace: bytes | str | None = None) -> LoadState:
+    """Checks a stored block (header + payload) against `key`, `namespace` (the driver's, best
+    encoded once as bytes; None skips the check) and its checksum, and decodes its raw bytes
+    into `out`, under the current call's gate: OK or CORRUPT. A block that names another key
+    or namespace, or holds another size than `out`, is CORRUPT."""
     try:
-        header = decode_header(stored[:PAYLOAD_OFFSET], expect_key=key)
+        header = decode_header(stored[:PAYLOAD_OFFSET], expect_key=key,
+                               expect_namespace=namespace)
         if header.raw_len != out.nbytes:
-            raise size_mismatch(out, header)
+            raise wrong_size(out, header)
         payload = stored[PAYLOAD_OFFSET:]
         # Checked and copied in one pass (ucm.block.copy_verified), outside the GIL.
         gate(lambda: decode_payload_into(header, payload, out))
