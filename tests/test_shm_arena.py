@@ -297,3 +297,20 @@ def test_a_real_full_tmpfs_fails_the_store_cleanly(tmp_path: Path):
         assert "refused: [Errno 28] cannot allocate" in run.stdout
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_block_of_another_namespace_is_corrupt(shm_dir: Path):
+    """An arena file of one namespace put where another's belongs (copied or renamed) serves
+    nothing: every load checks the namespace its header names."""
+    arena = open_arena(shm_dir)
+    data = block(7, 64 * 1024)
+    assert all(arena.store([b"k"], [memoryview(data)]))
+    assert load(arena, b"k", len(data)) == (LoadState.OK, data)
+    arena.close()
+    os.rename(shm_dir / "ns.arena", shm_dir / "other.arena")
+    other = ShmArena.open(str(shm_dir / "other.arena"), size=8 * MiB, namespace="other",
+                          codec=Codec.NONE)
+    try:
+        assert load(other, b"k", len(data))[0] is LoadState.CORRUPT
+    finally:
+        other.close()

@@ -336,7 +336,6 @@ def public_parent():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.xfail(reason="until posix modes land", strict=False)
 async def test_another_user_cannot_read_a_posix_block(public_parent: Path):
     prefix = _as_nobody(python=False)  # no capability: the read is a plain one
     drv = await PosixDriver.open({"path": str(public_parent / "store")}, name="p",

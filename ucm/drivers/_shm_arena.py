@@ -80,7 +80,7 @@ from ucm.drivers._slots import (
     seal,
     unseal,
 )
-from ucm.drivers.kit import Backend, LoadState, pid_alive, size_mismatch
+from ucm.drivers.kit import Backend, LoadState, pid_alive, wrong_size
 from ucm.errors import BlockCorrupt, ConfigError
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class ShmArena(Backend):
     def __init__(self, path: str, *, namespace: str, codec: Codec) -> None:
         self.path = path
         self.namespace = namespace
+        self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
@@ -361,13 +362,14 @@ class ShmArena(Backend):
         slot, (_, _, seq, first, length) = found
         start = self.data_offset + first * PAGE
         try:
-            header = decode_header(self.view[start:start + PAYLOAD_OFFSET], expect_key=key)
+            header = decode_header(self.view[start:start + PAYLOAD_OFFSET], expect_key=key,
+                                   expect_namespace=self._ns)
             if header.stored_len != length:
                 raise BlockCorrupt("header and entry disagree on the block's length")
             if header.raw_len != out.nbytes:
                 if self._table.seq(slot) != seq:
                     return LoadState.MISSING
-                raise size_mismatch(out, header)
+                raise wrong_size(out, header)  # shared with other processes: storage's word
             # codec NONE: checked and copied in one pass (copy_verified)
             decode_payload_into(header, self.view[start + PAYLOAD_OFFSET:start + length], out)
             state = LoadState.OK
