@@ -125,3 +125,13 @@ def test_the_kernel_registry_key_never_holds_a_secret():
     from ucm.vllm_hook.settings import ProcessKernels
 
     assert shown(repr(ProcessKernels._key(config()))) == []
+
+
+def test_a_wrapped_drivers_secret_is_hidden_too():
+    """The faulty driver wraps another tier's options: a password there stays hidden, and
+    the wrapped driver still gets it."""
+    config = load_config({"tiers": [{"driver": "faulty", "inner": {
+        "driver": "redis", "url": "redis://u:hunter2@127.0.0.1:1/0"}}]})
+    assert "hunter2" not in repr(config) and "hunter2" not in str(config.model_dump())
+    inner = config.tiers[0].options.inner["options"]
+    assert "hunter2" in inner.url.get_secret_value()

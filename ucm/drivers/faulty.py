@@ -37,6 +37,9 @@ ALL_OPS: tuple[Op, ...] = ("lookup", "load", "store", "delete", "list_blocks")
 def _split_inner(inner: dict[str, Any]) -> tuple[str, str | None, dict[str, Any]]:
     """(driver name, codec or None, the driver's own options) from a tier-like dict."""
     rest = dict(inner)
+    if isinstance(rest.get("options"), DriverOptions):  # validated: see Options._inner_options
+        options = rest["options"]
+        return rest["driver"], rest.get("codec"), options.model_dump()
     driver = rest.pop("driver", None)
     if not isinstance(driver, str):
         raise ValueError("inner needs a 'driver' key naming the wrapped driver")
@@ -73,9 +76,12 @@ class FaultyDriver:
         @field_validator("inner")
         @classmethod
         def _inner_options(cls, inner: dict[str, Any]) -> dict[str, Any]:
-            driver, _, own = _split_inner(inner)
-            get_driver_class(driver).Options(**own)  # bad inner options fail at config time
-            return inner
+            driver, codec, own = _split_inner(inner)
+            # Bad inner options fail at config time; kept as the driver's model, whose repr
+            # hides its secrets (a password in an inner redis url).
+            options = get_driver_class(driver).Options(**own)
+            return {"driver": driver, "options": options,
+                    **({"codec": codec} if codec is not None else {})}
 
     def __init__(self, inner: Driver, options: Options, *, name: str) -> None:
         self.inner = inner
@@ -97,9 +103,9 @@ class FaultyDriver:
                    codec: str = "none", workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
-        driver, inner_codec, own = _split_inner(options.inner)
+        driver, inner_codec, _ = _split_inner(options.inner)
         factory = get_driver_class(driver)
-        inner = await factory.open(factory.Options(**own), name=f"{name}.{driver}",
+        inner = await factory.open(options.inner["options"], name=f"{name}.{driver}",
                                    namespace=namespace, codec=inner_codec or codec,
                                    workers=workers)
         return cls(inner, options, name=name)
