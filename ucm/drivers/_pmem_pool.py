@@ -103,9 +103,8 @@ class _NextFit(Extents):
     """Extents allocated next-fit: from where the last allocation ended, wrapping around.
 
     Stores then move through the whole pool instead of rewriting its first pages again and
-    again. On ext4 here that doubled store throughput (interleaved A/B, 2 MiB blocks, four
-    submitters: 1.15 -> 2.21 GB/s): rewriting pages of a file region written back moments
-    ago was the slow part. On pmem it spreads the writes."""
+    again: on a file, rewriting a region written back moments ago is the slow part (figures:
+    docs/performance.md, "The shm arena and pmem pool"). On pmem it spreads the writes."""
 
     def __init__(self, free: list[tuple[int, int]] | None = None) -> None:
         super().__init__(free)

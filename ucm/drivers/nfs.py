@@ -27,8 +27,8 @@ gone; a live writer's, and other hosts', are kept.
 
 In client mode the temp file is written in the block's own directory, so the rename stays
 inside one directory: renames from a shared temp directory into the shard directories stalled
-for about a second now and then on nfs-ganesha 4.3 with 8 writers (0.2 GB/s against 0.7 with
-same-directory renames, over nfs-rs, here). Mount mode keeps the posix driver's
+nfs-ganesha now and then under many writers (docs/performance.md, "Remote drivers"). Mount
+mode keeps the posix driver's
 `<root>/<namespace>/.tmp`.
 
 In client mode an nfs-rs `Client` is shared by the worker threads. A call that fails on the

@@ -73,7 +73,7 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
         if self._closed:
             raise StorageUnavailable("driver is closed", driver=self.name)
         # A part of large blocks may use all PARALLEL pump threads. Small blocks cost more
-        # Python than copying: one thread (64 KiB blocks: 15% faster).
+        # Python than copying: one thread.
         threads = PARALLEL if wide(views, SPLIT_BYTES) else 1
         return await Spread(fn, keys, views, then).run(self._pump, threads)
 

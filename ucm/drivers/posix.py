@@ -27,12 +27,9 @@ in the process's RSS as shared file pages (the page cache's, not copies). The vL
 connector's scheduler side, which only looks blocks up, maps none.
 
 `direct_writes: true` writes blocks with O_DIRECT and reads them as usual. A buffered store
-first fills new page-cache pages, which on the 2-vCPU test VMs cost 180-190 ms of CPU per
-64 MiB (plus writeback later), most of it in the kernel, where the idle priority of the store
-threads does not reach: CPU taken from the inference engine beside it. Written with O_DIRECT,
-the same 64 MiB cost 31 ms of CPU. (On some runs of the same VM, buffered writes of new files
-cost 17-22 ms per 64 MiB, and overwriting cached pages 5 ms: the expensive part is finding new
-pages, and the VM hands free memory back to its host.) The price: a block stored this way is
+first fills new page-cache pages, most of that work in the kernel, where the idle priority of
+the store threads does not reach: CPU taken from the inference engine beside it (figures:
+docs/performance.md, "Direct writes"). The price: a block stored this way is
 not in the page cache, so its first read comes from the disk, in this process (a preadv) or in
 the next one (its listing reads in the blocks it maps). Worth it where the cores are busy
 computing while blocks are stored, as with vLLM on CPU; a host with cores to spare keeps the

@@ -11,9 +11,9 @@
 
 Requests are signed with botocore's SigV4 signer. A block's GET and PUT (below
 `multipart_threshold`) run on worker threads that move the body straight between the socket
-and the block buffer (`_threaded_http`: http.client, a keep-alive pool): 2 MiB blocks load
-1.6-1.9x as fast as they did through httpx on the event loop, and stores move as fast (the
-server is their limit) without joining header and payload into one copy. A cancelled one
+and the block buffer (`_threaded_http`: http.client, a keep-alive pool), much faster than
+httpx on the event loop for 2 MiB blocks (docs/performance.md, "Remote drivers"), and stores
+need not join header and payload into one copy. A cancelled one
 shuts its socket down and never leaves a thread using a buffer its caller gave up. Lookups,
 listing, deletes and multipart uploads run natively on trio (httpx, one pooled client per
 driver), so a kernel deadline cancels them at once.

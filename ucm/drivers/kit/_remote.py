@@ -35,9 +35,8 @@ class RemoteDriver(ThreadedDriver):
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
                    views: list[memoryview], *, store: bool = False) -> list[Any]:
         # One thread hop per batch, not parts in parallel: the client libraries spread a call
-        # over their own threads or concurrent RPCs, and for both Mooncake and nfs-rs two
-        # concurrent parts measured slower than one call on this 2-core machine. A cancel
-        # does not wait for a big batch either: calls are abandonable.
+        # over their own threads or concurrent RPCs, and two concurrent parts were slower than
+        # one call (docs/performance.md, "Remote drivers"). Calls are abandonable anyway.
         return await self._run(fn, keys, views)
 
     async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False,

@@ -249,9 +249,8 @@ class ThreadedDriver:
 
         True when the caller should help (`help_load`): it is bound to one CPU and a copy
         thread to another, so one copy thread fewer is woken, on another CPU. An unbound
-        caller does not help: the scheduler moved it between the cores while it copied, onto
-        the copy thread's, and a 64 MiB load took longer than with no help (5.7 ms against
-        5.2, after 20 ms of quiet)."""
+        caller does not help: the scheduler moves it onto the copy thread's core, and the load
+        takes longer than with no help (docs/performance.md, "Loads of in-memory blocks")."""
         with self._in_memory:
             if self._closed:
                 raise StorageUnavailable("driver is closed", driver=self.name)
