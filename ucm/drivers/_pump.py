@@ -1,5 +1,5 @@
-"""Copy threads shared by a driver's blocks: `Pump` and `Spread` (from the pmem driver, where
-they were measured; the posix and shared-memory loads use them too).
+"""Copy threads for loads: `Pump` (one per `kit.Workers`, shared by the drivers of a kernel)
+and `Spread` (one batch's blocks, handed out to them in runs).
 
 A batch's blocks are handed out in runs of about 2 MiB to up to PARALLEL copy threads, which
 take runs until none are left (a caller that waits for the batch may take runs too: `help`):
