@@ -144,3 +144,28 @@ def test_compression_config_forms():
     assert load_config(config.model_dump()) == config  # a dump loads back the same
     off = load_config({"ucm_compression": {"enabled": False}, "tiers": [{"driver": "memory"}]})
     assert off.tiers[0].codec == "none"
+
+
+def test_the_layout_of_vllm_caches():
+    torch = pytest.importorskip("torch")
+    from ucm.codecs.layout import layout_for, unregister_layout
+    from ucm.codecs.vllm import register_kv_caches
+    from ucm.vllm_hook.layout import BlockLayout
+
+    halves = {f"l{i}": torch.zeros(2, 10, 16, 2, 32, dtype=torch.bfloat16) for i in range(3)}
+    found = register_kv_caches(halves, 10, BlockLayout(halves, 10).block_bytes,
+                               interpretable=True)
+    try:
+        assert [lay.parts for lay in found] == [(("k", 16, 64), ("v", 16, 64)) * 3,
+                                                (("k", 16, 64), ("v", 16, 64))]
+        assert layout_for(3 * 2 * 16 * 64 * 2) == found[0] and found[0].dtype == "bf16"
+    finally:
+        for lay in found:
+            unregister_layout(lay)
+    joint = {"l": torch.zeros(10, 2, 16, 2, 32, dtype=torch.float16)}
+    assert [lay.parts for lay in register_kv_caches(joint, 10, 2 * 16 * 64 * 2,
+                                                    interpretable=True)] == [
+        (("k", 16, 64), ("v", 16, 64))]
+    unregister_layout(KVLayout("fp16", (("k", 16, 64), ("v", 16, 64))))
+    # CPU caches (ISA-dependent order inside a block): nothing is registered
+    assert register_kv_caches(halves, 10, 3 * 2 * 16 * 64 * 2, interpretable=False) == []
