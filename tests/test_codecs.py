@@ -252,3 +252,28 @@ def test_version_1_blocks_still_read():
         head = encode_header(KEY, NS, codec, encode_payload(codec, raw), len(raw))
         assert struct.unpack_from("<H", head, 4)[0] == 1
         assert decode_header(head).params == b""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.INT4])
+def test_native_decoding_matches_the_numpy_reference(dtype, codec, registered, monkeypatch):
+    kvcodec = pytest.importorskip("ucm._kvcodec")
+    from ucm.codecs import quant
+
+    lay = registered(KVLayout(dtype, (("k", 32, 40), ("v", 16, 72), ("k", 8, 24))))
+    raw = values(lay, seed=3)
+    native, _, _ = roundtrip(codec, raw)
+    monkeypatch.setattr(quant, "_dequantize", kvcodec.dequantize_portable)
+    portable, _, _ = roundtrip(codec, raw)
+    monkeypatch.setattr(quant, "_dequantize", None)
+    reference, _, _ = roundtrip(codec, raw)
+    assert np.array_equal(native, reference) and np.array_equal(portable, reference)
+
+
+def test_native_decoding_checks_its_sizes():
+    kvcodec = pytest.importorskip("ucm._kvcodec")
+    out = bytearray(16 * 8 * 2)
+    with pytest.raises(ValueError, match="sizes"):
+        kvcodec.dequantize(out, bytes(16 * 8), bytes(4), bytes(4), True, 8, 2, 16, 8, 16)
+    with pytest.raises(ValueError, match="geometry"):
+        kvcodec.dequantize(out, bytes(16 * 8), bytes(16), bytes(16), True, 8, 2, 16, 8, 5)

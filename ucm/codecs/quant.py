@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ucm.codecs.layout import KVLayout, Part, group_for
+from ucm.codecs.layout import DTYPES, KVLayout, Part, group_for
 from ucm.errors import BlockCorrupt
+
+try:  # native/kvcodec.c: the decoding loop outside the GIL (setup.py builds it)
+    from ucm._kvcodec import dequantize as _dequantize
+except ImportError:  # pragma: no cover - a host without a C compiler
+    _dequantize = None
 
 
 class Unquantizable(Exception):
@@ -132,10 +137,17 @@ def decode_into(layout: KVLayout, group: int, bits: int, stored: memoryview,
             pos += tokens
             continue
         g, ngroups = part_geometry(part, group)
+        count = tokens * channels
+        if _dequantize is not None and (bits == 8 or channels % 2 == 0):
+            end = pos + 4 * ngroups + (count if bits == 8 else count // 2)
+            _dequantize(dst, data[pos + 4 * ngroups:end], data[pos:pos + 2 * ngroups],
+                        data[pos + 2 * ngroups:pos + 4 * ngroups], kind == "k", bits,
+                        DTYPES[layout.dtype], tokens, channels, g)
+            pos = end
+            continue
         mn = data[pos:pos + 2 * ngroups].view(np.float16).astype(np.float32)
         scale = data[pos + 2 * ngroups:pos + 4 * ngroups].view(np.float16).astype(np.float32)
         pos += 4 * ngroups
-        count = tokens * channels
         if bits == 8:
             codes = data[pos:pos + count]
             pos += count
