@@ -262,12 +262,15 @@ def test_native_decoding_matches_the_numpy_reference(dtype, codec, registered, m
 
     lay = registered(KVLayout(dtype, (("k", 32, 40), ("v", 16, 72), ("k", 8, 24))))
     raw = values(lay, seed=3)
-    native, _, _ = roundtrip(codec, raw)
+    block, _, _ = roundtrip(codec, raw)  # one native call for the block
+    monkeypatch.setattr(quant, "_dequantize_block", None)
+    native, _, _ = roundtrip(codec, raw)  # one native call per part
     monkeypatch.setattr(quant, "_dequantize", kvcodec.dequantize_portable)
     portable, _, _ = roundtrip(codec, raw)
     monkeypatch.setattr(quant, "_dequantize", None)
     reference, _, _ = roundtrip(codec, raw)
-    assert np.array_equal(native, reference) and np.array_equal(portable, reference)
+    for decoded in (block, native, portable):
+        assert np.array_equal(decoded, reference)
 
 
 def test_native_decoding_checks_its_sizes():
@@ -277,3 +280,10 @@ def test_native_decoding_checks_its_sizes():
         kvcodec.dequantize(out, bytes(16 * 8), bytes(4), bytes(4), True, 8, 2, 16, 8, 16)
     with pytest.raises(ValueError, match="geometry"):
         kvcodec.dequantize(out, bytes(16 * 8), bytes(16), bytes(16), True, 8, 2, 16, 8, 5)
+    plan = np.array([(1, 16, 8, 16, 0, 0)], np.int64)
+    kvcodec.dequantize_block(out, bytes(4 * 8 + 16 * 8), plan.tobytes(), 8, 2)
+    for bad in ((1, 16, 8, 16, 1, 0), (1, 16, 8, 16, 0, 1), (1, 16, 8, 5, 0, 0),
+                (3, 16, 8, 16, 0, 0), (0, 1 << 40, 1, 1, 0, 0), (1, -16, 8, 16, 0, 0)):
+        with pytest.raises(ValueError, match="plan"):
+            kvcodec.dequantize_block(out, bytes(4 * 8 + 16 * 8),
+                                     np.array([bad], np.int64).tobytes(), 8, 2)

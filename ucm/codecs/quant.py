@@ -11,6 +11,8 @@ caller stores it losslessly.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ucm.codecs.layout import DTYPES, KVLayout, Part, group_for
@@ -18,8 +20,11 @@ from ucm.errors import BlockCorrupt
 
 try:  # native/kvcodec.c: the decoding loop outside the GIL (setup.py builds it)
     from ucm._kvcodec import dequantize as _dequantize
+    from ucm._kvcodec import dequantize_block as _dequantize_block
 except ImportError:  # pragma: no cover - a host without a C compiler
-    _dequantize = None
+    _dequantize = _dequantize_block = None
+
+_KIND_IDS = {"raw": 0, "k": 1, "v": 2}
 
 
 class Unquantizable(Exception):
@@ -121,10 +126,35 @@ def encode(layout: KVLayout, group: int, bits: int, raw: memoryview) -> bytes:
     return b"".join(out)
 
 
+@functools.lru_cache(maxsize=64)
+def plan(layout: KVLayout, group: int, bits: int) -> bytes | None:
+    """The native loop's plan of a block (per part: kind, tokens, channels, group, offset in
+    the raw block, offset in the payload), or None when a part has an odd number of channels
+    for int4 (the numpy loop decodes those)."""
+    rows, opos, pos = [], 0, 0
+    for part in layout.parts:
+        kind, tokens, channels = part
+        if kind == "raw":
+            rows.append((0, tokens, 1, 1, opos, pos))
+            pos += tokens
+        else:
+            if bits == 4 and channels % 2:
+                return None
+            g, ngroups = part_geometry(part, group)
+            rows.append((_KIND_IDS[kind], tokens, channels, g, opos, pos))
+            pos += 4 * ngroups + (tokens * channels if bits == 8 else tokens * channels // 2)
+        opos += layout.part_bytes(part)
+    return np.array(rows, np.int64).tobytes()
+
+
 def decode_into(layout: KVLayout, group: int, bits: int, stored: memoryview,
                 out: np.ndarray) -> None:
     """out (uint8, raw size) = the block `stored` holds; `stored` has the length
     `payload_bytes` gives (checked by the caller)."""
+    steps = plan(layout, group, bits) if _dequantize_block is not None else None
+    if steps is not None:
+        _dequantize_block(out, stored, steps, bits, DTYPES[layout.dtype])
+        return
     data = np.frombuffer(stored, np.uint8)
     pos = opos = 0
     for part in layout.parts:
