@@ -269,11 +269,11 @@ def decode_header(data: Buffer, *, expect_key: bytes | None = None,
     # Every later allocation is bounded by raw_len, which loads compare with their buffer.
     if payload_len != raw_len if codec_value is Codec.NONE else payload_len > zstd_bound(raw_len):
         raise BlockCorrupt(f"a payload of {payload_len} bytes cannot hold {raw_len} raw bytes")
-    if (codec_value > Codec.ZSTD) != (version == FORMAT_VERSION_PARAMS):
-        raise BlockCorrupt(f"codec {codec_value.name.lower()} in a version {version} header")
     header = BlockHeader(key, ns.decode(errors="replace"), codec_value, payload_len, raw_len,
                          payload_sum, params)
-    if codec_value > Codec.ZSTD:
+    if codec > 1 or version != FORMAT_VERSION:  # codecs with parameters (plain ints: cheap)
+        if (codec > 1) != (version == FORMAT_VERSION_PARAMS):
+            raise BlockCorrupt(f"codec {codec_value.name.lower()} in a version {version} header")
         from ucm.codecs import check_params
 
         check_params(header)
