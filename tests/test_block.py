@@ -70,7 +70,7 @@ def test_every_header_byte_is_covered():
 
 @pytest.mark.parametrize(("index", "value", "match"), [
     (0, b"XXXX", "bad magic"),
-    (1, 2, "unsupported block format version 2"),
+    (1, 3, "unsupported block format version 3"),
     (2, 9, "unknown codec 9"),
     (4, 256, "out of range"),
     (5, 256, "out of range"),

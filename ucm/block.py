@@ -5,8 +5,8 @@ A stored block is a 4 KiB header followed by the payload, so the payload starts 
 
     offset  size  field
     0       4     magic b"UCMB"
-    4       2     format version (1)
-    6       1     codec (0 = none, 1 = zstd)
+    4       2     format version (1; 2 when the codec has parameters)
+    6       1     codec (0 = none, 1 = zstd, 2 = shuffle_zstd, 3 = int8, 4 = int4)
     7       1     flags (reserved, 0)
     8       2     key length      (<= 255)
     10      2     namespace length (<= 255)
@@ -15,7 +15,13 @@ A stored block is a 4 KiB header followed by the payload, so the payload starts 
     24      8     raw length (bytes the caller gets back)
     32      8     xxh3-64 of the stored payload
     40      4     xxh32 of the header bytes before this field, key and namespace included
-    44      .     key bytes, then namespace bytes, then zero padding up to 4096
+                  (version 2: the parameter length and parameters too)
+    44      .     key bytes, then namespace bytes, then (version 2) the codec parameters'
+                  length (u16) and bytes, then zero padding up to 4096
+
+Codecs none and zstd write version 1, byte for byte as before; the codecs of `ucm.codecs`
+(shuffle_zstd, int8, int4) keep their parameters (element size, KV layout, group size) in the
+header and write version 2.
 
 Every load checks the header checksum, the key and namespace the header names, the raw size
 against the caller's buffer, and the payload checksum before the block counts as loaded; a
@@ -44,6 +50,7 @@ if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations o
 
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
+FORMAT_VERSION_PARAMS = 2  # a header with codec parameters
 PAYLOAD_OFFSET = 4096
 MAX_KEY_BYTES = 255
 MAX_NAMESPACE_BYTES = 255
@@ -51,11 +58,15 @@ MAX_NAMESPACE_BYTES = 255
 _FIXED = struct.Struct("<4sHBBHHIQQQ")
 _HEADER_CRC = struct.Struct("<I")
 _FIXED_END = _FIXED.size + _HEADER_CRC.size  # 44
+_PARAMS_LEN = struct.Struct("<H")
 
 
 class Codec(enum.IntEnum):
     NONE = 0
     ZSTD = 1
+    SHUFFLE_ZSTD = 2  # lossless: byte planes, then zstd
+    INT8 = 3  # KIVI quantization of KV blocks of a known layout (ucm.codecs)
+    INT4 = 4
 
     @classmethod
     def parse(cls, name: str | int | Codec) -> Codec:
@@ -78,6 +89,7 @@ class BlockHeader:
     payload_len: int
     raw_len: int
     checksum: int
+    params: bytes = b""  # the codec's parameters (version 2 headers)
 
     @property
     def stored_len(self) -> int:
@@ -170,18 +182,43 @@ def encode_header(
     digest: int | None = None,
 ) -> bytes:
     """Builds the 4 KiB header for `payload` (the bytes as stored, after the codec);
-    `digest`: its xxh3-64 when the caller has it already (`copy_hashed`)."""
+    `digest`: its xxh3-64 when the caller has it already (`copy_hashed`). A payload that
+    `encode_payload` made for a codec of `ucm.codecs` names its own codec and parameters."""
     ns = namespace.encode()
     if len(ns) > MAX_NAMESPACE_BYTES:
         raise InvalidRequest(f"namespace is {len(ns)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
-    payload_len = memoryview(payload).nbytes
+    view = memoryview(payload)
+    params = b""
+    if codec > Codec.ZSTD:
+        codec, params = _encoded_as(view.obj)
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, int(codec), 0, len(key), len(ns), PAYLOAD_OFFSET,
-        payload_len, raw_len, checksum(payload) if digest is None else digest,
+        MAGIC, FORMAT_VERSION_PARAMS if params else FORMAT_VERSION, int(codec), 0, len(key),
+        len(ns), PAYLOAD_OFFSET, view.nbytes, raw_len,
+        checksum(payload) if digest is None else digest,
     )
-    crc = xxhash.xxh32_intdigest(fixed + key + ns)
-    head = fixed + _HEADER_CRC.pack(crc) + key + ns
+    tail = key + ns + (_PARAMS_LEN.pack(len(params)) + params if params else b"")
+    if _FIXED_END + len(tail) > PAYLOAD_OFFSET:
+        raise InvalidRequest("codec parameters do not fit in the block header")
+    crc = xxhash.xxh32_intdigest(fixed + tail)
+    head = fixed + _HEADER_CRC.pack(crc) + tail
     return head + bytes(PAYLOAD_OFFSET - len(head))
+
+
+def _encoded_as(obj: object) -> tuple[Codec, bytes]:
+    """The codec and parameters of a payload `encode_payload` made with ucm.codecs."""
+    from ucm.codecs import Encoded
+
+    if type(obj) is not Encoded:
+        raise InvalidRequest("a payload of this codec must come from encode_payload")
+    return obj.codec, obj.params
+
+
+def stored_codec(codec: Codec, payload: Buffer) -> tuple[Codec, bytes]:
+    """(codec, parameters) a header must name for `payload`, made by `encode_payload(codec)`
+    (a quantizing codec may have stored a block losslessly)."""
+    if codec <= Codec.ZSTD:
+        return codec, b""
+    return _encoded_as(memoryview(payload).obj)
 
 
 def decode_header(data: Buffer, *, expect_key: bytes | None = None,
@@ -197,7 +234,7 @@ def decode_header(data: Buffer, *, expect_key: bytes | None = None,
      payload_sum) = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise BlockCorrupt("bad magic: not a ucm block")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION and version != FORMAT_VERSION_PARAMS:
         raise BlockCorrupt(f"unsupported block format version {version}")
     if offset != PAYLOAD_OFFSET or key_len > MAX_KEY_BYTES or ns_len > MAX_NAMESPACE_BYTES:
         raise BlockCorrupt("header fields out of range")
@@ -206,8 +243,19 @@ def decode_header(data: Buffer, *, expect_key: bytes | None = None,
         raise BlockCorrupt("header truncated")
     key = bytes(view[_FIXED_END : _FIXED_END + key_len])
     ns = bytes(view[_FIXED_END + key_len : end])
+    params = b""
+    if version == FORMAT_VERSION_PARAMS:
+        if view.nbytes < end + _PARAMS_LEN.size:
+            raise BlockCorrupt("header truncated")
+        (params_len,) = _PARAMS_LEN.unpack_from(view, end)
+        if view.nbytes < end + _PARAMS_LEN.size + params_len:
+            raise BlockCorrupt("header truncated")
+        params = bytes(view[end + _PARAMS_LEN.size : end + _PARAMS_LEN.size + params_len])
+        ns_tail = ns + _PARAMS_LEN.pack(params_len) + params
+    else:
+        ns_tail = ns
     (crc,) = _HEADER_CRC.unpack_from(view, _FIXED.size)
-    if crc != xxhash.xxh32_intdigest(bytes(view[: _FIXED.size]) + key + ns):
+    if crc != xxhash.xxh32_intdigest(bytes(view[: _FIXED.size]) + key + ns_tail):
         raise BlockCorrupt("header checksum mismatch")
     if expect_key is not None and key != expect_key:
         raise BlockCorrupt("header names another key")
@@ -221,8 +269,15 @@ def decode_header(data: Buffer, *, expect_key: bytes | None = None,
     # Every later allocation is bounded by raw_len, which loads compare with their buffer.
     if payload_len != raw_len if codec_value is Codec.NONE else payload_len > zstd_bound(raw_len):
         raise BlockCorrupt(f"a payload of {payload_len} bytes cannot hold {raw_len} raw bytes")
-    return BlockHeader(key, ns.decode(errors="replace"), codec_value, payload_len, raw_len,
-                       payload_sum)
+    header = BlockHeader(key, ns.decode(errors="replace"), codec_value, payload_len, raw_len,
+                         payload_sum, params)
+    if codec > 1 or version != FORMAT_VERSION:  # codecs with parameters (plain ints: cheap)
+        if (codec > 1) != (version == FORMAT_VERSION_PARAMS):
+            raise BlockCorrupt(f"codec {codec_value.name.lower()} in a version {version} header")
+        from ucm.codecs import check_params
+
+        check_params(header)
+    return header
 
 
 _local = threading.local()
@@ -247,10 +302,16 @@ def _decompressor():
 
 
 def encode_payload(codec: Codec, raw: Buffer) -> Buffer:
-    """The bytes to store for `raw`. For codec NONE this is `raw` itself (no copy)."""
+    """The bytes to store for `raw`. For codec NONE this is `raw` itself (no copy). The
+    codecs of `ucm.codecs` return an `Encoded` payload, which names the codec and parameters
+    its header gets (`encode_header`, `stored_codec`)."""
     if codec is Codec.NONE:
         return raw
-    return _compressor().compress(raw)
+    if codec is Codec.ZSTD:
+        return _compressor().compress(raw)
+    from ucm.codecs import encode
+
+    return encode(codec, as_byte_view(raw))
 
 
 def verify_payload(header: BlockHeader, stored: Buffer | Scatter) -> None:
@@ -324,6 +385,9 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
     if out.nbytes != header.raw_len:
         raise wrong_size(out, header)
     verify_payload(header, stored)
+    if header.codec is not Codec.ZSTD:
+        _decode_codec(header, stored, out)
+        return
     import zstandard
 
     try:
@@ -338,6 +402,20 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
     if len(raw) != header.raw_len:
         raise BlockCorrupt("decoded payload has the wrong length")
     copy_bytes(out, raw)
+
+
+def _decode_codec(header: BlockHeader, stored: Buffer, out: memoryview | Scatter) -> None:
+    """A verified payload of a `ucm.codecs` codec, decoded into `out` (raw_len bytes)."""
+    import numpy
+
+    from ucm.codecs import decode_into
+
+    if isinstance(out, memoryview) and not out.readonly:
+        decode_into(header, as_byte_view(stored), numpy.frombuffer(out, numpy.uint8))
+        return
+    target = memoryview(bytearray(header.raw_len))  # a Scatter: decoded, then copied in
+    decode_into(header, as_byte_view(stored), numpy.frombuffer(target, numpy.uint8))
+    copy_bytes(out, target)
 
 
 def as_byte_view(buf: Buffer) -> memoryview:

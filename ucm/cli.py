@@ -4,6 +4,7 @@
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
     ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
+    ucm bench codec [...]   block codec encode/decode rates next to memcpy (ucm.bench.codec)
     ucm bench policy [...]  eviction hit ratios: synthetic, or a trace vs Belady (ucm.bench.policy)
     ucm bench [...]         the kernel benchmark (ucm.bench.storage)
     ucm tune [...]          a config searched by replaying sample requests (ucm.autotune)
@@ -20,7 +21,7 @@ import sys
 # `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
 # to the storage benchmark (`ucm bench`, `ucm bench storage`).
 BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace",
-           "policy": "ucm.bench.policy"}
+           "policy": "ucm.bench.policy", "codec": "ucm.bench.codec"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace] "
+    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace|codec] "
                    "...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

@@ -42,7 +42,12 @@ from ucm.errors import ConfigError
 
 Durability = Literal["memory", "local", "all"]
 
-_TIER_KEYS = {"driver", "name", "capacity", "codec", "concurrency", "options"}
+_TIER_KEYS = {"driver", "name", "capacity", "codec", "compression", "concurrency", "options"}
+CodecName = Literal["none", "zstd", "shuffle_zstd", "int8", "int4"]
+# The smallest share of a 16-bit KV block's bytes each method can store (quantized codes alone;
+# zstd of shuffled bytes keeps about the exponent plane): a stated ratio below it cannot be met.
+_RATIO_FLOOR = {("quantize", 8): 0.5, ("quantize", 4): 0.25, ("lossless", 8): 0.5,
+                ("lossless", 4): 0.5}
 
 
 class _Strict(BaseModel):
@@ -50,13 +55,53 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
+class CompressionConfig(_Strict):
+    """KV compression, at the top level (`ucm_compression`) or per tier (`compression`)."""
+
+    enabled: bool = Field(default=True, description="compress what this tier stores")
+    method: Literal["quantize", "lossless"] = Field(
+        default="quantize", description="quantize: KIVI int8/int4 of KV blocks whose layout "
+        "the vLLM hook registered (any other block is stored lossless); lossless: byte "
+        "shuffle + zstd, bit-exact")
+    bits: Literal[4, 8] = Field(default=8, description="code width when quantizing")
+    compression_ratio: float | None = Field(
+        default=None, gt=0, le=1, description="the stored share of a 16-bit block's bytes you "
+        "expect; one below what the method can reach (0.5 for int8 and lossless, 0.25 for "
+        "int4, scales extra) is a config error; the reached ratio is in `ucm bench codec`")
+
+    @field_validator("compression_ratio")
+    @classmethod
+    def _reachable_ratio(cls, ratio: float | None, info: ValidationInfo) -> float | None:
+        method, bits = info.data.get("method"), info.data.get("bits")
+        if ratio is None or method is None or bits is None:  # None: that field was invalid
+            return ratio
+        floor = _RATIO_FLOOR[(method, bits)]
+        if ratio < floor:
+            what = f"int{bits}" if method == "quantize" else "lossless"
+            raise ValueError(f"{ratio} is below what {what} can reach ({floor})")
+        return ratio
+
+    @property
+    def codec(self) -> CodecName:
+        if not self.enabled:
+            return "none"
+        if self.method == "lossless":
+            return "shuffle_zstd"
+        return "int8" if self.bits == 8 else "int4"
+
+
 class TierConfig(_Strict):
     driver: str = Field(description="the driver's registered name (memory, posix, s3, ...)")
     name: str | None = Field(default=None, description="the tier's name; default: the driver's")
     capacity: ByteSize | None = Field(
         default=None, description="bytes the kernel lets this tier hold (> 0); null: unbounded")
-    codec: Literal["none", "zstd"] = Field(
-        default="none", description="how stored payloads are encoded; loads decode any codec")
+    codec: CodecName = Field(
+        default="none", description="how stored payloads are encoded (int8 and int4 quantize "
+        "KV blocks of a registered layout, anything else goes shuffle_zstd); loads decode any "
+        "codec; `compression` sets it too")
+    compression: CompressionConfig | None = Field(
+        default=None, description="this tier's KV compression; overrides ucm_compression and "
+        "sets `codec` (give one of the two)")
     concurrency: int = Field(default=8, ge=1, le=1024,
                              description="driver calls in flight at once on this tier")
     # SerializeAsAny: dumps hold the driver's own options (secrets starred), not those of the
@@ -79,6 +124,14 @@ class TierConfig(_Strict):
         factory = get_driver_class(str(data["driver"]))
         common["options"] = factory.Options(**own)
         return common
+
+    @model_validator(mode="after")
+    def _compression_sets_codec(self) -> TierConfig:
+        if self.compression is None:
+            return self
+        if "codec" in self.model_fields_set and self.codec != self.compression.codec:
+            raise ValueError("give either codec or compression, not both")
+        return self.model_copy(update={"codec": self.compression.codec})
 
     @field_validator("capacity")
     @classmethod
@@ -139,6 +192,9 @@ class UCMConfig(_Strict):
     threads: ThreadsConfig = Field(default_factory=ThreadsConfig,
                                    description="the threads the kernel owns and lends to its "
                                    "drivers")
+    ucm_compression: CompressionConfig | None = Field(
+        default=None, description="KV compression for every tier that sets neither codec "
+        "nor compression of its own")
     trace: TraceConfig | None = Field(default=None,
                                       description="record every event's life; null: off "
                                       "(unless UCM_TRACE names a directory)")
@@ -150,6 +206,15 @@ class UCMConfig(_Strict):
         if size > MAX_NAMESPACE_BYTES:  # a file name and a block header field hold it
             raise ValueError(f"is {size} bytes as UTF-8; the limit is {MAX_NAMESPACE_BYTES}")
         return namespace
+
+    @model_validator(mode="after")
+    def _compress_tiers(self) -> UCMConfig:
+        top = self.ucm_compression
+        if top is None:
+            return self
+        tiers = [t if t.compression is not None or "codec" in t.model_fields_set
+                 else t.model_copy(update={"codec": top.codec}) for t in self.tiers]
+        return self.model_copy(update={"tiers": tiers})
 
     @model_validator(mode="after")
     def _unique_tier_names(self) -> UCMConfig:

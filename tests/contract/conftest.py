@@ -91,6 +91,14 @@ SPECS: list[DriverSpec] = [
                flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
     DriverSpec("faulty-memory", "faulty", lambda s: {"inner": {"driver": "memory"}},
                flip_record_byte),
+    # Quantizing codecs store the suite's opaque blocks losslessly (no KV layout is
+    # registered): the version-2 headers and the shuffle_zstd payloads go through every check.
+    DriverSpec("memory-int8", "memory", lambda s: {}, flip_record_byte, codec="int8"),
+    DriverSpec("memory-shared-shuffle", "memory",
+               lambda s: {"shared": True, "shm_dir": str(s.shm), "size": "1GiB"},
+               flip_arena_byte, codec="shuffle_zstd", cross_process=True),
+    DriverSpec("posix-int4", "posix", lambda s: {"path": str(s.disk / "root")}, flip_file_byte,
+               codec="int4", cross_process=True, persistent=True, truncate=truncate_file),
 ]
 
 # s3 on the session's SeaweedFS (tests/backends/_support.py starts it), one prefix per test.
@@ -104,6 +112,8 @@ SPECS += [
                backends.flip_pool_byte, persistent=True),
     DriverSpec("pmem-shm", "pmem", lambda s: {"path": str(s.shm), "size": "64MiB"},
                backends.flip_pool_byte, persistent=True),
+    DriverSpec("pmem-shuffle", "pmem", lambda s: {"path": str(s.disk / "pmem"), "size": "64MiB"},
+               backends.flip_pool_byte, codec="shuffle_zstd", persistent=True),
 ]
 
 

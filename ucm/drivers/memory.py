@@ -43,6 +43,7 @@ from ucm.block import (
     copy_hashed,
     decode_payload_into,
     encode_payload,
+    stored_codec,
 )
 from ucm.drivers._protocol import DriverOptions
 from ucm.drivers._shm_arena import ShmArena
@@ -109,14 +110,17 @@ class LocalBlocks(Backend):
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
         sizes = []
         for key, view in zip(keys, views, strict=True):
-            if self.codec is Codec.NONE:  # copied and hashed in one pass
+            codec, params = self.codec, b""
+            if codec is Codec.NONE:  # copied and hashed in one pass
                 payload = bytearray(view.nbytes)
                 digest = copy_hashed(memoryview(payload), view)
             else:
-                payload = bytearray(encode_payload(self.codec, view))
+                encoded = encode_payload(codec, view)
+                codec, params = stored_codec(codec, encoded)  # shuffle_zstd, int8, int4
+                payload = bytearray(encoded)
                 digest = checksum(payload)
-            header = BlockHeader(key, self.namespace, self.codec, len(payload), view.nbytes,
-                                 digest)
+            header = BlockHeader(key, self.namespace, codec, len(payload), view.nbytes,
+                                 digest, params)
             self.records[key] = _Record(header, payload)
             sizes.append(max(len(payload), 1))  # 0 would mean "not stored"
         return sizes

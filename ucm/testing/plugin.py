@@ -17,7 +17,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--ucm-driver-options", metavar="JSON|FILE", default="{}",
                     help="the driver's options: a JSON object or a JSON file; \"{tmp}\" and "
                          "\"{shm}\" in strings become fresh directories per test")
-    group.addoption("--ucm-driver-codec", default="none", choices=["none", "zstd"],
+    group.addoption("--ucm-driver-codec", default="none",
+                    choices=["none", "zstd", "shuffle_zstd", "int8", "int4"],
                     help="the codec the driver is opened with")
     group.addoption("--ucm-driver-corrupt", metavar="MODULE:FUNCTION",
                     help="a hook (driver, key) that flips one payload byte of a stored block; "

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ucm.codecs.vllm import register_kv_caches
 from ucm.drivers import LoadState
 from ucm.errors import KernelClosed, UCMError
 from ucm.kernel import Load, Store
@@ -189,6 +190,9 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
                            num_blocks: int | None = None) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
+        # where keys and values sit, for tiers that quantize (ucm.codecs)
+        register_kv_caches(kv_caches, self.layout.num_blocks, self.layout.block_bytes,
+                           interpretable=self.layout.device.type == "cuda")
         self._shared = kernels.acquire(self.settings.ucm_config, self)
         self._kernel = self._shared.kernel
         if self.layout.scatters and self.settings.hugepages:

@@ -1,0 +1,289 @@
+"""The codecs of ucm.codecs through the block format: round trips, corruption, forged headers."""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ucm.block import (
+    PAYLOAD_OFFSET,
+    Codec,
+    Scatter,
+    decode_header,
+    decode_payload_into,
+    encode_header,
+    encode_payload,
+)
+from ucm.codecs import KVLayout, layout, register_layout, stats, unregister_layout
+from ucm.codecs.quant import from_f32, to_f32
+from ucm.errors import BlockCorrupt
+
+KEY, NS = b"key", "ns"
+DTYPES = ["fp16", "bf16", "fp32"]
+
+
+def kv_layout(dtype: str, tokens: int = 16, channels: int = 64, layers: int = 3) -> KVLayout:
+    return KVLayout(dtype, (("k", tokens, channels), ("v", tokens, channels)) * layers)
+
+
+def values(lay: KVLayout, seed: int = 0) -> np.ndarray:
+    """Random KV of `lay` as float32 (exactly representable in its dtype) and its bytes."""
+    rng = np.random.default_rng(seed)
+    n = lay.raw_bytes // lay.itemsize
+    x = (rng.standard_normal(n) * rng.uniform(0.1, 4.0)).astype(np.float32)
+    raw = np.empty(lay.raw_bytes, np.uint8)
+    from_f32(x, lay.dtype, raw)
+    return raw
+
+
+@pytest.fixture
+def registered():
+    made = []
+
+    def register(lay: KVLayout) -> KVLayout:
+        register_layout(lay)
+        made.append(lay)
+        return lay
+
+    yield register
+    for lay in made:
+        unregister_layout(lay)
+
+
+def roundtrip(codec: Codec, raw: np.ndarray, *, scatter: bool = False
+              ) -> tuple[np.ndarray, object, bytes]:
+    payload = encode_payload(codec, memoryview(raw))
+    head = encode_header(KEY, NS, codec, payload, raw.nbytes)
+    header = decode_header(head, expect_key=KEY, expect_namespace=NS)
+    out = np.zeros(raw.nbytes, np.uint8)
+    if scatter:
+        half = raw.nbytes // 2
+        target = Scatter([memoryview(out[:half]), memoryview(out[half:])])
+        decode_payload_into(header, bytes(payload), target)
+    else:
+        decode_payload_into(header, bytes(payload), memoryview(out))
+    return out, header, bytes(payload)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scatter", [False, True])
+def test_shuffle_zstd_is_bit_exact(dtype, scatter, registered):
+    lay = registered(kv_layout(dtype))
+    raw = values(lay)
+    out, header, _ = roundtrip(Codec.SHUFFLE_ZSTD, raw, scatter=scatter)
+    assert header.codec is Codec.SHUFFLE_ZSTD and header.params == bytes([lay.itemsize])
+    assert np.array_equal(out, raw)
+
+
+def test_shuffle_zstd_of_odd_sized_bytes():
+    raw = np.frombuffer(b"odd bytes!" * 333 + b"x", np.uint8)
+    out, header, _ = roundtrip(Codec.SHUFFLE_ZSTD, raw)
+    assert header.params == b"\x01" and np.array_equal(out, raw)
+
+
+def _max_error_ok(lay: KVLayout, raw: np.ndarray, out: np.ndarray, bits: int) -> None:
+    """Every element within half its group's step (plus the cast to the cache's dtype)."""
+    x, y = to_f32(raw, lay.dtype), to_f32(out, lay.dtype)
+    pos = 0
+    eps = {"fp16": 2.0**-10, "bf16": 2.0**-7, "fp32": 2.0**-22}[lay.dtype]
+    for kind, tokens, channels in lay.parts:
+        n = tokens * channels
+        xs, ys = x[pos:pos + n].reshape(tokens, channels), y[pos:pos + n].reshape(tokens,
+                                                                                 channels)
+        pos += n
+        g = layout.group_for(layout.DEFAULT_GROUP, tokens if kind == "k" else channels)
+        if kind == "k":
+            grouped = xs.reshape(tokens // g, g, channels)
+            spread = np.repeat(grouped.max(1) - grouped.min(1), g, axis=0)
+        else:
+            grouped = xs.reshape(tokens, channels // g, g)
+            spread = np.repeat(grouped.max(2) - grouped.min(2), g, axis=1)
+        step = spread / ((1 << bits) - 1)
+        # half a step (float16 parameters round it up by at most 2**-10), then the output cast
+        bound = step / 2 * (1 + 2.0**-9) + np.abs(xs) * eps + 1e-6
+        assert (np.abs(ys - xs) <= bound).all()
+        assert (np.abs(ys - xs) > 0).any()  # really quantized
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("codec", "bits"), [(Codec.INT8, 8), (Codec.INT4, 4)])
+def test_quantized_round_trip_within_half_a_step(dtype, codec, bits, registered):
+    lay = registered(kv_layout(dtype, tokens=16, channels=96))
+    raw = values(lay, seed=bits)
+    out, header, payload = roundtrip(codec, raw)
+    assert header.codec is codec
+    assert len(payload) < raw.nbytes * (0.7 if bits == 8 or dtype == "fp32" else 0.4)
+    _max_error_ok(lay, raw, out, bits)
+    out2, _, _ = roundtrip(codec, raw, scatter=True)
+    assert np.array_equal(out, out2)
+
+
+def test_layout_with_raw_parts_and_odd_geometry(registered):
+    lay = registered(KVLayout("fp16", (("raw", 10, 1), ("k", 6, 10), ("v", 7, 6))))
+    raw = values(lay)
+    out, header, _ = roundtrip(Codec.INT4, raw)
+    assert header.codec is Codec.INT4 and np.array_equal(out[:10], raw[:10])
+    x, y = to_f32(raw[10:], "fp16"), to_f32(out[10:], "fp16")
+    assert np.abs(x - y).max() <= (x.max() - x.min()) / 15
+
+
+def test_without_a_layout_quantizing_tiers_store_losslessly():
+    raw = np.frombuffer(bytes(range(256)) * 64, np.uint8)
+    before = stats["no_layout"]
+    out, header, _ = roundtrip(Codec.INT8, raw)
+    assert header.codec is Codec.SHUFFLE_ZSTD and np.array_equal(out, raw)
+    assert stats["no_layout"] == before + 1
+
+
+def test_non_finite_values_are_stored_losslessly(registered):
+    lay = registered(kv_layout("fp32"))
+    raw = values(lay)
+    raw.view(np.float32)[5] = np.inf
+    out, header, _ = roundtrip(Codec.INT8, raw)
+    assert header.codec is Codec.SHUFFLE_ZSTD and np.array_equal(out, raw)
+
+
+@pytest.mark.parametrize("codec", [Codec.SHUFFLE_ZSTD, Codec.INT8, Codec.INT4])
+def test_a_flipped_payload_byte_is_corrupt(codec, registered):
+    lay = registered(kv_layout("bf16"))
+    raw = values(lay)
+    payload = bytes(encode_payload(codec, memoryview(raw)))
+    header = decode_header(encode_header(KEY, NS, codec, encode_payload(codec, memoryview(raw)),
+                                         raw.nbytes))
+    for pos in (0, len(payload) // 2, len(payload) - 1):
+        bad = bytearray(payload)
+        bad[pos] ^= 0x10
+        with pytest.raises(BlockCorrupt, match="checksum"):
+            decode_payload_into(header, bad, memoryview(bytearray(raw.nbytes)))
+
+
+def test_every_parameter_byte_is_covered(registered):
+    lay = registered(kv_layout("fp16"))
+    raw = values(lay)
+    head = encode_header(KEY, NS, Codec.INT8, encode_payload(Codec.INT8, memoryview(raw)),
+                         raw.nbytes)
+    params = decode_header(head).params
+    start = 44 + len(KEY) + len(NS)
+    for offset in range(start, start + 2 + len(params)):
+        bad = bytearray(head)
+        bad[offset] ^= 0x01
+        with pytest.raises(BlockCorrupt):
+            decode_header(bad)
+
+
+def forge(codec: int, params: bytes, payload_len: int, raw_len: int, version: int = 2, *,
+          checksum: int = 0) -> bytes:
+    fixed = struct.pack("<4sHBBHHIQQQ", b"UCMB", version, codec, 0, len(KEY), len(NS.encode()),
+                        PAYLOAD_OFFSET, payload_len, raw_len, checksum)
+    tail = KEY + NS.encode() + (struct.pack("<H", len(params)) + params if version == 2 else b"")
+    head = fixed + struct.pack("<I", xxhash.xxh32_intdigest(fixed + tail)) + tail
+    return head + bytes(PAYLOAD_OFFSET - len(head))
+
+
+@pytest.mark.parametrize(("codec", "params", "payload_len", "raw_len", "version", "match"), [
+    (9, b"", 10, 10, 2, "unknown codec"),
+    (3, b"", 10, 2**62, 2, "parameters truncated"),
+    (2, b"\x03", 100, 4096, 2, "element size"),
+    (2, b"\x02", 100, 4097, 2, "element size"),
+    (3, layout.pack(kv_layout("fp16"), 32), 10, 2**40, 2, "raw size"),
+    (3, layout.pack(kv_layout("fp16"), 32), 10, kv_layout("fp16").raw_bytes, 2, "length"),
+    (3, layout.pack(kv_layout("fp16"), 32) + b"x", 10, 100, 2, "wrong length"),
+    (3, b"\x01\x20\x00\xff\xff\xff\xff\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\xff\xff"
+        b"\xff\xff", 10, 2**40, 2, "raw size"),
+    (3, b"", 10, 10, 1, "version 1 header"),
+    (0, b"", 10, 10, 2, "version 2 header"),
+])
+def test_forged_headers_are_corrupt(codec, params, payload_len, raw_len, version, match):
+    with pytest.raises(BlockCorrupt, match=match):
+        decode_header(forge(codec, params, payload_len, raw_len, version))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(codec=st.sampled_from([2, 3, 4, 5]), params=st.binary(max_size=64),
+       payload=st.binary(max_size=512), raw_len=st.integers(0, 2**62), choice=st.integers(0, 99))
+def test_decoder_fuzz(codec, params, payload, raw_len, choice):
+    """Random parameters and payloads with a right checksum: a header is refused, or its
+    payload decodes into a buffer of its raw size or is refused; nothing else is raised and
+    nothing much larger than the raw size is allocated."""
+    if choice < 50:  # half the cases: well-formed parameters of a random layout
+        lay = KVLayout(("fp16", "bf16", "fp32")[choice % 3],
+                       (("k", 1 + choice % 5, 8), ("v", 4, 1 + choice % 7)) * (1 + choice % 3))
+        params, raw_len = layout.pack(lay, 1 + choice % 40), lay.raw_bytes
+    elif choice < 70:
+        raw_len %= 4096
+    head = forge(codec, params, len(payload), raw_len, checksum=xxhash.xxh3_64_intdigest(payload))
+    try:
+        header = decode_header(head)
+    except BlockCorrupt:
+        return
+    if raw_len > 2**20:
+        return  # a load's buffer has the raw size: a larger one is refused before decoding
+    out = bytearray(raw_len)
+    tracemalloc.start()
+    try:
+        decode_payload_into(header, payload, memoryview(out))
+    except BlockCorrupt:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 16 * raw_len + 2**20
+
+
+def test_a_huge_declared_size_is_refused_before_decoding(registered):
+    lay = registered(kv_layout("bf16"))
+    raw = values(lay)
+    payload = encode_payload(Codec.SHUFFLE_ZSTD, memoryview(raw))
+    header = decode_header(encode_header(KEY, NS, Codec.SHUFFLE_ZSTD, payload, raw.nbytes))
+    with pytest.raises(BlockCorrupt, match="buffer is"):
+        decode_payload_into(header, bytes(payload), memoryview(bytearray(raw.nbytes - 2)))
+
+
+def test_version_1_blocks_still_read():
+    """Codecs none and zstd write version 1 headers, byte for byte as before."""
+    raw = b"abc" * 1000
+    for codec in (Codec.NONE, Codec.ZSTD):
+        head = encode_header(KEY, NS, codec, encode_payload(codec, raw), len(raw))
+        assert struct.unpack_from("<H", head, 4)[0] == 1
+        assert decode_header(head).params == b""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.INT4])
+def test_native_decoding_matches_the_numpy_reference(dtype, codec, registered, monkeypatch):
+    kvcodec = pytest.importorskip("ucm._kvcodec")
+    from ucm.codecs import quant
+
+    lay = registered(KVLayout(dtype, (("k", 32, 40), ("v", 16, 72), ("k", 8, 24))))
+    raw = values(lay, seed=3)
+    block, _, _ = roundtrip(codec, raw)  # one native call for the block
+    monkeypatch.setattr(quant, "_dequantize_block", None)
+    native, _, _ = roundtrip(codec, raw)  # one native call per part
+    monkeypatch.setattr(quant, "_dequantize", kvcodec.dequantize_portable)
+    portable, _, _ = roundtrip(codec, raw)
+    monkeypatch.setattr(quant, "_dequantize", None)
+    reference, _, _ = roundtrip(codec, raw)
+    for decoded in (block, native, portable):
+        assert np.array_equal(decoded, reference)
+
+
+def test_native_decoding_checks_its_sizes():
+    kvcodec = pytest.importorskip("ucm._kvcodec")
+    out = bytearray(16 * 8 * 2)
+    with pytest.raises(ValueError, match="sizes"):
+        kvcodec.dequantize(out, bytes(16 * 8), bytes(4), bytes(4), True, 8, 2, 16, 8, 16)
+    with pytest.raises(ValueError, match="geometry"):
+        kvcodec.dequantize(out, bytes(16 * 8), bytes(16), bytes(16), True, 8, 2, 16, 8, 5)
+    plan = np.array([(1, 16, 8, 16, 0, 0)], np.int64)
+    kvcodec.dequantize_block(out, bytes(4 * 8 + 16 * 8), plan.tobytes(), 8, 2)
+    for bad in ((1, 16, 8, 16, 1, 0), (1, 16, 8, 16, 0, 1), (1, 16, 8, 5, 0, 0),
+                (3, 16, 8, 16, 0, 0), (0, 1 << 40, 1, 1, 0, 0), (1, -16, 8, 16, 0, 0)):
+        with pytest.raises(ValueError, match="plan"):
+            kvcodec.dequantize_block(out, bytes(4 * 8 + 16 * 8),
+                                     np.array([bad], np.int64).tobytes(), 8, 2)

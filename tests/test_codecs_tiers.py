@@ -1,0 +1,171 @@
+"""Compression as configuration, and mixed codecs across tiers through the kernel: every
+tier's store encodes with its own codec, promotion and propagation re-encode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ucm.block import PAYLOAD_OFFSET, Codec, decode_header
+from ucm.codecs import KVLayout, register_layout, unregister_layout
+from ucm.codecs.quant import from_f32, to_f32
+from ucm.config import load_config
+from ucm.errors import ConfigError
+from ucm.kernel import KernelCore, Load, Store
+
+LAYOUT = KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)) * 4)
+
+
+@pytest.fixture
+def layout():
+    register_layout(LAYOUT)
+    yield LAYOUT
+    unregister_layout(LAYOUT)
+
+
+def kv_blocks(n: int) -> tuple[list[bytes], list[bytes]]:
+    rng = np.random.default_rng(1)
+    data = []
+    for _ in range(n):
+        raw = np.empty(LAYOUT.raw_bytes, np.uint8)
+        from_f32(rng.standard_normal(LAYOUT.raw_bytes // 2).astype(np.float32), "bf16", raw)
+        data.append(raw.tobytes())
+    return [bytes([i]) * 16 for i in range(n)], data
+
+
+def stored_codecs(root: Path) -> list[Codec]:
+    files = [p for p in root.rglob("*") if p.is_file() and p.stat().st_size > PAYLOAD_OFFSET]
+    return [decode_header(p.read_bytes()[:PAYLOAD_OFFSET]).codec for p in files]
+
+
+def memory_codecs(core: KernelCore) -> list[Codec]:
+    return [r.header.codec for r in core.tiers[0].driver.backend.records.values()]
+
+
+def close_to(loaded: bytes, original: bytes, bits: int) -> bool:
+    x = to_f32(np.frombuffer(original, np.uint8), "bf16")
+    y = to_f32(np.frombuffer(loaded, np.uint8), "bf16")
+    return bool(np.abs(x - y).max() <= (x.max() - x.min()) / ((1 << bits) - 1))
+
+
+async def test_quantized_lower_tier_under_an_uncompressed_memory_tier(tmp_path, layout):
+    config = load_config({
+        "ucm_compression": {"method": "quantize", "bits": 8, "compression_ratio": 0.5},
+        "tiers": [{"driver": "memory", "codec": "none"},
+                  {"driver": "posix", "path": str(tmp_path / "blocks")}],
+    })
+    assert [t.codec for t in config.tiers] == ["none", "int8"]
+    keys, data = kv_blocks(3)
+    async with KernelCore.open(config) as core:
+        assert (await core.run(Store(keys, buffers=data))).ok
+        await core.wait_background_idle()
+        assert stored_codecs(tmp_path / "blocks") == [Codec.INT8] * 3
+        assert memory_codecs(core) == [Codec.NONE] * 3
+        memory = core.tiers[0]
+        for key in keys:
+            memory.discard(key)
+        await memory.driver.delete(keys)
+        out = [bytearray(len(d)) for d in data]
+        result = await core.run(Load(keys, buffers=out))
+        assert result.tiers == ("posix",) * 3
+        assert all(close_to(o, d, 8) and bytes(o) != d for o, d in zip(out, data, strict=True))
+        await core.wait_background_idle()  # promoted: stored again, with memory's codec
+        assert memory_codecs(core) == [Codec.NONE] * 3
+        again = [bytearray(len(d)) for d in data]
+        assert (await core.run(Load(keys, buffers=again))).tiers == ("memory",) * 3
+        assert again == out
+
+
+async def test_quantized_memory_over_a_lossless_disk(tmp_path, layout):
+    config = load_config({
+        "tiers": [{"driver": "memory", "compression": {"method": "quantize", "bits": 4}},
+                  {"driver": "posix", "path": str(tmp_path / "blocks"),
+                   "compression": {"method": "lossless"}}],
+        "durability": "all",
+    })
+    keys, data = kv_blocks(2)
+    async with KernelCore.open(config) as core:
+        assert (await core.run(Store(keys, buffers=data))).ok
+        assert memory_codecs(core) == [Codec.INT4] * 2
+        assert stored_codecs(tmp_path / "blocks") == [Codec.SHUFFLE_ZSTD] * 2
+        out = [bytearray(len(d)) for d in data]
+        assert (await core.run(Load(keys, buffers=out))).tiers == ("memory",) * 2
+        assert all(close_to(o, d, 4) for o, d in zip(out, data, strict=True))
+        memory = core.tiers[0]
+        for key in keys:
+            memory.discard(key)
+        await memory.driver.delete(keys)
+        exact = [bytearray(len(d)) for d in data]
+        assert (await core.run(Load(keys, buffers=exact))).tiers == ("posix",) * 2
+        assert [bytes(b) for b in exact] == data
+
+
+async def test_opaque_blocks_on_a_quantizing_tier_stay_exact(tmp_path):
+    config = load_config({"tiers": [{"driver": "memory", "codec": "int4"}]})
+    data = [bytes(range(256)) * 40]
+    async with KernelCore.open(config) as core:
+        await core.run(Store([b"k" * 16], buffers=data))
+        assert memory_codecs(core) == [Codec.SHUFFLE_ZSTD]
+        out = [bytearray(len(data[0]))]
+        await core.run(Load([b"k" * 16], buffers=out))
+        assert bytes(out[0]) == data[0]
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"ucm_compression": {"bits": 8, "compression_ratio": 0.25}},
+     "ucm_compression.compression_ratio"),
+    ({"ucm_compression": {"method": "lossless", "compression_ratio": 0.3}},
+     "ucm_compression.compression_ratio"),
+    ({"ucm_compression": {"method": "sparse"}}, "ucm_compression.method"),
+    ({"ucm_compression": {"bits": 2}}, "ucm_compression.bits"),
+    ({"ucm_compression": {"ratio": 0.5}}, "ucm_compression.ratio: unknown key"),
+    ({"tiers": [{"driver": "memory", "compression": {"bits": 8, "compression_ratio": 0.3}}]},
+     "tiers.0.compression.compression_ratio"),
+    ({"tiers": [{"driver": "memory", "codec": "zstd", "compression": {"bits": 8}}]},
+     "tiers.0: give either codec or compression"),
+    ({"tiers": [{"driver": "memory", "codec": "lz4"}]}, "tiers.0.codec"),
+])
+def test_config_errors_name_the_key(config, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config({"tiers": [{"driver": "memory"}], **config})
+
+
+def test_compression_config_forms():
+    config = load_config({
+        "ucm_compression": {"enabled": True, "method": "quantize", "bits": 4,
+                            "compression_ratio": 0.25},
+        "tiers": [{"driver": "memory"},
+                  {"driver": "memory", "name": "b", "compression": {"enabled": False}},
+                  {"driver": "memory", "name": "c", "codec": "zstd"}],
+    })
+    assert [t.codec for t in config.tiers] == ["int4", "none", "zstd"]
+    assert load_config(config.model_dump()) == config  # a dump loads back the same
+    off = load_config({"ucm_compression": {"enabled": False}, "tiers": [{"driver": "memory"}]})
+    assert off.tiers[0].codec == "none"
+
+
+def test_the_layout_of_vllm_caches():
+    torch = pytest.importorskip("torch")
+    from ucm.codecs.layout import layout_for, unregister_layout
+    from ucm.codecs.vllm import register_kv_caches
+    from ucm.vllm_hook.layout import BlockLayout
+
+    halves = {f"l{i}": torch.zeros(2, 10, 16, 2, 32, dtype=torch.bfloat16) for i in range(3)}
+    found = register_kv_caches(halves, 10, BlockLayout(halves, 10).block_bytes,
+                               interpretable=True)
+    try:
+        assert [lay.parts for lay in found] == [(("k", 16, 64), ("v", 16, 64)) * 3,
+                                                (("k", 16, 64), ("v", 16, 64))]
+        assert layout_for(3 * 2 * 16 * 64 * 2) == found[0] and found[0].dtype == "bf16"
+    finally:
+        for lay in found:
+            unregister_layout(lay)
+    joint = {"l": torch.zeros(10, 2, 16, 2, 32, dtype=torch.float16)}
+    assert [lay.parts for lay in register_kv_caches(joint, 10, 2 * 16 * 64 * 2,
+                                                    interpretable=True)] == [
+        (("k", 16, 64), ("v", 16, 64))]
+    unregister_layout(KVLayout("fp16", (("k", 16, 64), ("v", 16, 64))))
+    # CPU caches (ISA-dependent order inside a block): nothing is registered
+    assert register_kv_caches(halves, 10, 3 * 2 * 16 * 64 * 2, interpretable=False) == []

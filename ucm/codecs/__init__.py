@@ -1,0 +1,145 @@
+"""The payload codecs beyond none and zstd, as `ucm.block` calls them: encode a block's raw
+bytes into a payload plus the parameters its header keeps, and decode a checked payload back
+into the caller's buffer, bounded by the raw size the header declares.
+
+    shuffle_zstd  lossless: each element's byte planes stored together, then zstd
+    int8, int4    KIVI quantization of KV blocks of a registered layout (ucm.codecs.layout);
+                  any other block is stored shuffle_zstd and counted in `stats`
+
+The header's codec byte says what a block holds: a quantizing tier's blocks that could not be
+quantized say shuffle_zstd (or zstd), so loads never guess.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ucm.codecs.layout import (
+    DEFAULT_GROUP,
+    KVLayout,
+    layout_for,
+    pack,
+    register_layout,
+    unpack,
+    unregister_layout,
+)
+from ucm.errors import BlockCorrupt
+
+if TYPE_CHECKING:
+    from ucm.block import BlockHeader, Codec
+
+__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_into", "encode", "layout_for",
+           "register_layout", "stats", "unregister_layout"]
+
+log = logging.getLogger("ucm.codecs")
+
+# Blocks a quantizing tier stored losslessly, by reason; a warning is logged the first time.
+stats: Counter[str] = Counter()
+
+_SHUFFLE = struct.Struct("<B")  # shuffle_zstd parameters: the element size
+
+
+class Encoded(bytes):
+    """A payload, with the codec and parameters its header must name (`ucm.block`
+    `encode_header` finds them through a view of it)."""
+
+    codec: Codec
+    params: bytes
+
+
+def _encoded(payload: bytes, codec: Codec, params: bytes) -> Encoded:
+    out = Encoded(payload)
+    out.codec, out.params = codec, params
+    return out
+
+
+def _fallback(reason: str) -> None:
+    if not stats[reason]:
+        log.warning("a quantizing tier stores a block losslessly: %s (counted in "
+                    "ucm.codecs.stats[%r])", reason, reason)
+    stats[reason] += 1
+
+
+def encode(codec: Codec, raw: memoryview, *, group: int = DEFAULT_GROUP) -> Encoded:
+    from ucm.block import Codec, zstd_bound
+
+    layout = layout_for(raw.nbytes)
+    if codec in (Codec.INT8, Codec.INT4):
+        if layout is None:
+            _fallback("no_layout")
+        else:
+            from ucm.codecs import quant
+
+            bits = 8 if codec is Codec.INT8 else 4
+            try:
+                payload = quant.encode(layout, group, bits, raw)
+            except quant.Unquantizable as exc:
+                _fallback(f"unquantizable ({exc})")
+            else:
+                return _encoded(payload, codec, pack(layout, group))
+    itemsize = layout.itemsize if layout is not None else 2
+    if raw.nbytes % itemsize:
+        itemsize = 1
+    payload = _compress(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T.tobytes())
+    if len(payload) > zstd_bound(raw.nbytes):  # pragma: no cover - zstd stays within it
+        raise AssertionError("zstd exceeded its bound")
+    return _encoded(payload, Codec.SHUFFLE_ZSTD, _SHUFFLE.pack(itemsize))
+
+
+def _compress(data: bytes) -> bytes:
+    from ucm.block import _compressor
+
+    return bytes(_compressor().compress(data))
+
+
+def check_params(header: BlockHeader) -> None:
+    """Raises BlockCorrupt unless the header's parameters fit its codec and lengths (called
+    by decode_header, before anything is allocated for the payload)."""
+    from ucm.block import Codec
+
+    if header.codec is Codec.SHUFFLE_ZSTD:
+        if len(header.params) != _SHUFFLE.size:
+            raise BlockCorrupt("shuffle parameters have the wrong length")
+        (itemsize,) = _SHUFFLE.unpack(header.params)
+        if itemsize not in (1, 2, 4, 8) or header.raw_len % itemsize:
+            raise BlockCorrupt("shuffle element size does not fit the block")
+        return
+    from ucm.codecs.quant import payload_bytes
+
+    layout, group = unpack(header.params, header.raw_len)
+    bits = 8 if header.codec is Codec.INT8 else 4
+    if payload_bytes(layout, group, bits) != header.payload_len:
+        raise BlockCorrupt("quantized payload length does not match its layout")
+
+
+def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> None:
+    """out (uint8, header.raw_len bytes) = the raw bytes of a verified payload."""
+    from ucm.block import Codec
+
+    if header.codec is Codec.SHUFFLE_ZSTD:
+        import zstandard
+
+        (itemsize,) = _SHUFFLE.unpack(header.params)
+        try:
+            from ucm.block import _decompressor
+
+            declared = zstandard.frame_content_size(stored)
+            if declared >= 0 and declared != header.raw_len:
+                raise BlockCorrupt("zstd frame declares another size")
+            planes = _decompressor().decompress(stored, max_output_size=max(header.raw_len, 1))
+        except zstandard.ZstdError as exc:
+            raise BlockCorrupt(f"zstd payload does not decode: {exc}") from None
+        if len(planes) != header.raw_len:
+            raise BlockCorrupt("decoded payload has the wrong length")
+        src = np.frombuffer(planes, np.uint8).reshape(itemsize, -1)
+        out.reshape(-1, itemsize)[...] = src.T
+        return
+    from ucm.codecs import quant
+
+    layout, group = unpack(header.params, header.raw_len)
+    quant.decode_into(layout, group, 8 if header.codec is Codec.INT8 else 4, stored, out)

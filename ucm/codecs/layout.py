@@ -1,0 +1,141 @@
+"""Where keys and values sit in a block: what a quantizing codec needs to interpret its bytes.
+
+A `KVLayout` is the block's parts in order, each a row-major [tokens, channels] matrix of keys
+("k"), values ("v"), or bytes to keep as they are ("raw": `tokens` bytes, `channels` 1), all
+of one element dtype. The vLLM hook registers the layout of its blocks (`register_layout`);
+a quantizing tier quantizes a block only when a layout of exactly its size is registered in
+the process, and stores any other block losslessly: bytes it cannot interpret are never
+quantized. The layout travels in every quantized block's header (`pack`), so a load needs
+nothing but the block.
+
+Packed (little-endian): dtype u8 | group u16 | repeat u32 | runs u16 | per run: kind u8,
+tokens u32, channels u32, count u32. The parts are the runs expanded, the whole repeated.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+
+from ucm.errors import BlockCorrupt
+
+DTYPES = {"fp16": 1, "bf16": 2, "fp32": 3}
+ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+KINDS = {"raw": 0, "k": 1, "v": 2}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_KIND_NAMES = {v: k for k, v in KINDS.items()}
+
+_HEAD = struct.Struct("<BHIH")
+_RUN = struct.Struct("<BIII")
+MAX_PARTS = 1 << 16  # a decoder expands at most this many parts (a forged header gets no more)
+DEFAULT_GROUP = 32
+
+Part = tuple[str, int, int]  # kind, tokens, channels
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    dtype: str  # fp16 | bf16 | fp32
+    parts: tuple[Part, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        for kind, tokens, channels in self.parts:
+            if kind not in KINDS or tokens < 1 or channels < 1:
+                raise ValueError(f"bad layout part {(kind, tokens, channels)!r}")
+        if not self.parts or len(self.parts) > MAX_PARTS:
+            raise ValueError(f"a layout has 1 to {MAX_PARTS} parts")
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    def part_bytes(self, part: Part) -> int:
+        kind, tokens, channels = part
+        return tokens * channels * (1 if kind == "raw" else self.itemsize)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(self.part_bytes(p) for p in self.parts)
+
+
+def group_for(group: int, n: int) -> int:
+    """The group size used along an axis of `n` values: the largest divisor of `n` that
+    divides `group`, or the whole axis when that is under 4 (encoder and decoder agree)."""
+    g = _gcd(group, n)
+    return g if g >= 4 else n
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def pack(layout: KVLayout, group: int) -> bytes:
+    runs: list[tuple[str, int, int, int]] = []
+    for part in layout.parts:
+        if runs and runs[-1][:3] == part:
+            runs[-1] = (*part, runs[-1][3] + 1)
+        else:
+            runs.append((*part, 1))
+    repeat = 1
+    for period in range(1, len(runs) // 2 + 1):  # the shortest run list the whole repeats
+        if len(runs) % period == 0 and runs == runs[:period] * (len(runs) // period):
+            repeat, runs = len(runs) // period, runs[:period]
+            break
+    out = [_HEAD.pack(DTYPES[layout.dtype], group, repeat, len(runs))]
+    out += [_RUN.pack(KINDS[k], t, c, n) for k, t, c, n in runs]
+    return b"".join(out)
+
+
+def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
+    """(layout, group) from a header's parameters; BlockCorrupt unless they are well formed
+    and describe exactly `raw_len` bytes. Sizes are checked before anything is expanded."""
+    if len(params) < _HEAD.size:
+        raise BlockCorrupt("codec parameters truncated")
+    dtype_id, group, repeat, nruns = _HEAD.unpack_from(params)
+    if dtype_id not in _DTYPE_NAMES or group < 1 or repeat < 1 or nruns < 1:
+        raise BlockCorrupt("codec parameters out of range")
+    if len(params) != _HEAD.size + nruns * _RUN.size:
+        raise BlockCorrupt("codec parameters have the wrong length")
+    dtype = _DTYPE_NAMES[dtype_id]
+    runs, nparts, total = [], 0, 0
+    for i in range(nruns):
+        kind_id, tokens, channels, count = _RUN.unpack_from(params, _HEAD.size + i * _RUN.size)
+        if kind_id not in _KIND_NAMES or tokens < 1 or channels < 1 or count < 1:
+            raise BlockCorrupt("codec parameters out of range")
+        kind = _KIND_NAMES[kind_id]
+        runs.append((kind, tokens, channels, count))
+        nparts += count
+        total += count * tokens * channels * (1 if kind == "raw" else ITEMSIZE[dtype])
+    if nparts * repeat > MAX_PARTS or total * repeat != raw_len:
+        raise BlockCorrupt("codec parameters do not describe the block's raw size")
+    parts = tuple((k, t, c) for k, t, c, n in runs for _ in range(n)) * repeat
+    return KVLayout(dtype, parts), group
+
+
+# -- the layouts this process knows, by block size ----------------------------------------------
+
+_layouts: dict[int, KVLayout] = {}
+_lock = threading.Lock()
+
+
+def register_layout(layout: KVLayout) -> None:
+    """Declares that blocks of `layout.raw_bytes` bytes stored by this process are KV of this
+    layout (the vLLM hook calls it once it knows the cache). A quantizing tier quantizes only
+    blocks of a registered size."""
+    with _lock:
+        _layouts[layout.raw_bytes] = layout
+
+
+def unregister_layout(layout: KVLayout) -> None:
+    with _lock:
+        if _layouts.get(layout.raw_bytes) == layout:
+            del _layouts[layout.raw_bytes]
+
+
+def layout_for(nbytes: int) -> KVLayout | None:
+    return _layouts.get(nbytes)
