@@ -129,6 +129,8 @@ class PageIO:
             return [False] * len(keys)
         stored = [bool(s) for s in result.stored]
         self.counters.add("stored_pages", sum(stored))
+        if not all(stored):  # refused page by page (a tier full or failing): not a call failure
+            self.counters.add("store_failed_pages", len(stored) - sum(stored))
         return stored
 
     def statistics(self) -> dict[str, int]:
