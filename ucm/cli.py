@@ -2,6 +2,8 @@
 
     ucm demo [...]          stored KV reused by a second vLLM engine (ucm.bench.demo)
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
+    ucm bench sglang [...]  TTFT on SGLang: recompute, host-memory floor, file backend, ucm
+                            (ucm.bench.sglang)
     ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
     ucm bench [...]         the kernel benchmark, or `policy` (ucm.bench.storage)
@@ -17,7 +19,8 @@ import sys
 
 # `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
 # to the storage benchmark (`ucm bench`, `ucm bench storage`, `ucm bench policy`).
-BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace"}
+BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
+           "trace": "ucm.bench.trace"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="cold then warm vLLM engines over a chat workload",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace] "
+    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|sparse|trace] "
                    "...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
