@@ -188,3 +188,17 @@ def test_vllm_and_sglang_pages_of_one_model_never_share_a_namespace():
         assert sglang_ns != vllm_ns
         same = [a == b for a, b in zip(sglang_ns.split("-"), vllm_ns.split("-"), strict=True)]
         assert same == [True, True, True, True, False, True]  # only the layout differs
+
+
+def test_a_page_in_one_span_is_stored_from_where_it_lies_and_pieces_are_gathered():
+    from ucm.sglang_hook.backend import _one_span
+
+    data = torch.arange(16, dtype=torch.uint8)
+    base = data.data_ptr()
+    view = _one_span([(base, 4), (base + 4, 12)])
+    assert isinstance(view, memoryview) and view.nbytes == 16
+    data[0] = 99  # the same memory: no copy was made
+    assert view[0] == 99
+    gathered = _one_span([(base + 8, 4), (base, 4)])
+    assert isinstance(gathered, bytearray)
+    assert list(gathered) == [8, 9, 10, 11, 99, 1, 2, 3]

@@ -321,16 +321,19 @@ def _view(address: int, nbytes: int) -> memoryview:
 
 def _one_span(pieces: list[tuple[int, int]]) -> memoryview | bytearray:
     """A page's bytes for a store: a view when its pieces lie end to end, else one copy."""
-    address, total = pieces[0]
-    if all(p == address + sum(s for _, s in pieces[:i]) for i, (p, _) in enumerate(pieces)):
-        total = sum(s for _, s in pieces)
-        return _view(address, total)
-    out = bytearray(sum(s for _, s in pieces))
-    at = 0
+    end = pieces[0][0]
+    for address, nbytes in pieces:
+        if address != end:
+            break
+        end += nbytes
+    else:
+        return _view(pieces[0][0], end - pieces[0][0])
+    out = bytearray(sum(nbytes for _, nbytes in pieces))
     base = ctypes.addressof((ctypes.c_char * len(out)).from_buffer(out))
-    for p, s in pieces:
-        ctypes.memmove(base + at, p, s)
-        at += s
+    at = 0
+    for address, nbytes in pieces:
+        ctypes.memmove(base + at, address, nbytes)
+        at += nbytes
     return out
 
 
