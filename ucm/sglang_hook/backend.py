@@ -140,7 +140,8 @@ class UCMStorageBase:
         self.k_then_v = layout == "layer_first" and not self.is_mla
         self.page_bytes = int(mem_pool_host.get_dummy_flat_data_page().nbytes)
         config = self.ucm_config.model_copy(update={"namespace": self.namespace})
-        self.kernel = Kernel(config)
+        # No call waits longer than `timeout`, so neither does closing for what is in flight.
+        self.kernel = Kernel(config, drain_timeout=self.timeout)
         self.io = PageIO(self.kernel, timeout=self.timeout)
         try:
             self.kernel.start()
