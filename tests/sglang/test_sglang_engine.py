@@ -1,0 +1,146 @@
+"""ucm as SGLang's HiCache storage tier, on real SGLang (in .venv-sglang, one process per run):
+a fresh engine loads a stored prefix and answers as the cold one did; the loaded pages are
+really used (noise changes the answer); corrupt pages are recomputed; storage that hangs
+is a miss; a bad config stops the engine at start. Offline (`sglang.Engine`) and over HTTP."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sglang_support import (
+    PAGE_SIZE,
+    SGLangFailed,
+    long_prompt,
+    needs_sglang,
+    posix,
+    run_sglang,
+    ucm_extra,
+)
+
+from ucm.bench.models import ModelSpec
+from ucm.kernel import Delete, Kernel, Store
+
+pytestmark = [needs_sglang, pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPT = long_prompt()
+
+
+def full_hit(result: dict[str, Any]) -> bool:
+    """Storage served at least 90 % of the prompt."""
+    return result["storage_tokens"] >= 0.9 * result["prompt_tokens"]
+
+
+@pytest.fixture(scope="module")
+def stored(sglang_model: str, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[Path, dict[str, Any]]:
+    """A cold run that computed PROMPT and stored its pages: (store root, its result)."""
+    root = tmp_path_factory.mktemp("sglang-store")
+    [cold] = run_sglang({"model": sglang_model, "backend": "dynamic",
+                         "extra": ucm_extra(posix(root)), "prompts": [PROMPT], "settle": 5})
+    assert cold["storage_tokens"] == 0
+    return root, cold
+
+
+def copy_store(root: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "store"
+    shutil.copytree(root, copy)
+    return copy
+
+
+def stored_pages(root: Path) -> tuple[str, list[Path]]:
+    """The namespace directory's name and its page files."""
+    [ns_dir] = [p for p in root.iterdir() if p.is_dir()]
+    return ns_dir.name, sorted(ns_dir.rglob("*.blk"))
+
+
+def page_bytes() -> int:
+    """One fp32 page of the layer_first host pool: K and V of every layer."""
+    spec = ModelSpec()
+    return 2 * spec.layers * PAGE_SIZE * spec.kv_heads * (spec.hidden // spec.heads) * 4
+
+
+def warm(model: str, root: Path, **extra: Any) -> dict[str, Any]:
+    [result] = run_sglang({"model": model, "backend": "dynamic",
+                           "extra": ucm_extra(posix(root), **extra), "prompts": [PROMPT]})
+    return result
+
+
+def test_a_fresh_engine_loads_the_stored_prefix_with_the_same_output(sglang_model, stored):
+    root, cold = stored
+    namespace, pages = stored_pages(root)
+    assert "sglang.layer_first.mha" in namespace and "float32" in namespace
+    assert len(pages) >= cold["prompt_tokens"] // PAGE_SIZE  # and the generated tokens' pages
+    result = warm(sglang_model, root)
+    assert full_hit(result), result
+    assert result["details"].get("storage_backend") == "UCMStorage"
+    assert result["text"] == cold["text"]
+
+
+def test_noise_over_the_stored_pages_changes_the_output(sglang_model, stored, tmp_path):
+    root = copy_store(stored[0], tmp_path)
+    namespace, pages = stored_pages(root)
+    keys = [bytes.fromhex(p.stem) for p in pages]
+    rng = np.random.default_rng(0)
+    noise = [rng.standard_normal(page_bytes() // 4).astype(np.float32) for _ in keys]
+    with Kernel({**posix(root), "namespace": namespace}) as kernel:
+        kernel.submit(Delete(keys)).result(30)
+        assert kernel.submit(Store(keys, buffers=noise)).result(30).ok
+    result = warm(sglang_model, root)
+    assert full_hit(result), result  # the noise was loaded as if it were the prefix ...
+    assert result["text"] != stored[1]["text"]  # ... and used
+
+
+def test_corrupt_pages_are_recomputed_with_the_same_output(sglang_model, stored, tmp_path):
+    root = copy_store(stored[0], tmp_path)
+    _, pages = stored_pages(root)
+    for page in pages:  # one flipped byte in each page's payload: its checksum fails
+        data = bytearray(page.read_bytes())
+        data[-100] ^= 0xFF
+        page.write_bytes(bytes(data))
+    result = warm(sglang_model, root)
+    assert not full_hit(result), result
+    assert result["text"] == stored[1]["text"]
+
+
+def test_storage_that_hangs_is_a_miss_not_a_hang(sglang_model, stored, tmp_path):
+    hanging = {"tiers": [{"driver": "faulty", "inner": {"driver": "posix",
+                                                         "path": str(tmp_path)},
+                          "hang": True}], "deadline": 1.0}
+    [result] = run_sglang({"model": sglang_model, "backend": "dynamic",
+                           "extra": ucm_extra(hanging, timeout=1.0), "prompts": [PROMPT]},
+                          watchdog=180)
+    assert result["storage_tokens"] == 0
+    assert result["text"] == stored[1]["text"]
+
+
+@pytest.mark.parametrize(("ucm", "extra", "message"), [
+    ({"tiers": [{"driver": "no-such-driver"}]}, {}, "no-such-driver"),
+    ({"tiers": [{"driver": "memory"}]}, {"timeout": -1}, "timeout"),
+    ({"tiers": [{"driver": "memory"}]}, {"tiemout": 3}, "tiemout"),
+], ids=["unknown-driver", "bad-timeout", "unknown-key"])
+def test_a_bad_config_stops_the_engine_at_start_with_a_clear_error(sglang_model, ucm, extra,
+                                                                   message):
+    with pytest.raises(SGLangFailed, match=message):
+        run_sglang({"model": sglang_model, "backend": "dynamic",
+                    "extra": ucm_extra(ucm, **extra), "prompts": [PROMPT]}, watchdog=180)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_http_server_stores_and_a_restarted_one_loads(sglang_model, tmp_path):
+    spec = {"model": sglang_model, "backend": "dynamic", "http": True,
+            "extra": ucm_extra(posix(tmp_path)), "prompts": [PROMPT]}
+    [cold] = run_sglang({**spec, "port": free_port(), "settle": 5})
+    [again] = run_sglang({**spec, "port": free_port()})
+    assert cold["storage_tokens"] == 0
+    assert full_hit(again), again
+    assert again["text"] == cold["text"]

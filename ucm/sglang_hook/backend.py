@@ -1,0 +1,349 @@
+"""The HiCache storage backend: SGLang's pages in and out of a ucm kernel.
+
+SGLang names a page by its own chain of SHA-256 digests over the token ids (each page's
+digest covers every earlier page), so the chain is already content addressed; the storage key
+is that digest hashed with this model's namespace seed (`ucm.engine.keys.foreign_key`), then
+turned into this TP/PP rank's shard key. SGLang never sees a ucm error: every method answers
+with a miss (False, None, 0) instead, counted in `get_stats()`, since an exception in its
+prefetch thread hangs the request.
+
+Zero copy (`interface_v1`): `host_pool.get_page_buffer_meta` gives each page's pieces in the
+host pool (2 x layers of them in the layer_first layout); a load reads straight into them
+through a `Scatter`. A store passes a page as it lies when its pieces are one span, and
+otherwise gathers them once, since a kernel store takes one contiguous snapshot per page.
+Either way a page's bytes are in SGLang's flat-page order (`get_data_page`), so the plain
+`batch_get`/`batch_set` interface and the zero-copy one read each other's pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ucm.block import Scatter
+from ucm.config import UCMConfig, load_config
+from ucm.engine.keys import (
+    chain_seed,
+    foreign_key,
+    make_namespace,
+    model_identity,
+    rank_key,
+    weights_fingerprint,
+)
+from ucm.engine.pages import FAILURES, PageIO
+from ucm.errors import ConfigError, UCMError
+from ucm.kernel import Kernel
+
+log = logging.getLogger("ucm.sglang_hook")
+
+OPTIONS = {"ucm", "model_id", "model_path", "timeout", "backend_name", "module_path",
+           "class_name", "interface_v1"}
+DEFAULT_TIMEOUT = 10.0
+T = TypeVar("T")
+
+
+def page_namespace(*, model_id: str, model_type: str, dtype: str, page_size: int, layout: str,
+                   is_mla: bool) -> str:
+    """The namespace of SGLang's pages: its host-pool layout is part of it, so pages are
+    shared only with engines whose pages have the same bytes (none but SGLang: see
+    docs/sglang.md)."""
+    kv_layout = f"sglang.{layout}.{'mla' if is_mla else 'mha'}"
+    return make_namespace(model_type=model_type, model_id=model_id, dtype=dtype,
+                          block_size=page_size, kv_layout=kv_layout)
+
+
+def storage_key(seed: bytes, sglang_key: str, *, rank: int, size: int) -> bytes:
+    """The ucm key of one rank's shard of the page SGLang names `sglang_key`."""
+    return rank_key(foreign_key(seed, bytes.fromhex(sglang_key)), rank, size)
+
+
+def _identity(model: str, model_id: str | None) -> tuple[str, str]:
+    """(model_type, model identity) of a local checkpoint, or of a name vouched for."""
+    config_path = os.path.join(model, "config.json")
+    hf: dict[str, Any] = {}
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            hf = json.load(f)
+    model_type = str(hf.get("model_type", "model"))
+    if model_id:
+        return model_type, model_id
+    if hf and os.path.isdir(model):
+        return model_type, model_identity(hf, "weights:" + weights_fingerprint(model))
+    log.warning("ucm: model %r is not a local checkpoint; its pages are named by its name "
+                "(set model_id in the extra config to vouch for its identity)", model)
+    return model_type, model_identity({}, f"name:{model}")
+
+
+class UCMStorageBase:
+    """ucm as a HiCache storage backend; SGLang builds it as `cls(storage_config, kwargs)`.
+
+    The extra config's `ucm` key holds a ucm config (a dict, or a path to a YAML file);
+    `model_path` or `model_id` names the model when the served name is not its checkpoint,
+    `timeout` bounds each call (seconds). A bad config raises ConfigError here, at start.
+    """
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        unknown = sorted(set(extra) - OPTIONS)
+        if unknown:
+            raise ConfigError(f"ucm.sglang_hook: unknown extra config keys {unknown} "
+                              f"(known: {sorted(OPTIONS)})")
+        if "ucm" not in extra:
+            raise ConfigError("ucm.sglang_hook: the extra config needs a 'ucm' key holding a "
+                              "ucm config (tiers, ...)")
+        self.ucm_config: UCMConfig = load_config(extra["ucm"])
+        timeout = extra.get("timeout", DEFAULT_TIMEOUT)
+        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigError(f"ucm.sglang_hook: timeout must be a number of seconds > 0, not "
+                              f"{timeout!r}")
+        self.timeout = float(timeout)
+        model = str(extra.get("model_path") or getattr(storage_config, "model_name", "") or "")
+        self.model_type, self.model_id = _identity(model, extra.get("model_id"))
+        tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
+        tp_size = int(getattr(storage_config, "tp_size", 1) or 1)
+        pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
+        pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
+        self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
+        # MLA pages are the same on every TP rank: one shard, any rank reads it.
+        self.rank = pp_rank * (1 if self.is_mla else tp_size) + (0 if self.is_mla else tp_rank)
+        self.size = pp_size * (1 if self.is_mla else tp_size)
+        self.kernel: Kernel | None = None
+        self.io: PageIO | None = None
+        self.seed = b""
+        self.namespace = ""
+        self.k_then_v = False  # layer_first MHA: pieces come K0 V0 K1 V1 ..., pages K... V...
+        self.page_bytes = 0
+        # (pages, GB/s) of each load and store since SGLang last asked: its storage metrics.
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "prefetch_bandwidth": [],
+                                                 "backup_pgs": [], "backup_bandwidth": []}
+
+    # -- set up ----------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Called once by SGLang with the host pool: its dtype, page size and layout complete
+        the namespace, and the kernel starts. A config the drivers refuse raises (at start);
+        storage that is down only makes every call a miss."""
+        self.mem_pool_host = mem_pool_host
+        layout = str(getattr(mem_pool_host, "layout", "layer_first"))
+        self.page_size = int(mem_pool_host.page_size)
+        self.namespace = page_namespace(
+            model_id=self.model_id, model_type=self.model_type,
+            dtype=str(mem_pool_host.dtype), page_size=self.page_size, layout=layout,
+            is_mla=self.is_mla)
+        self.seed = chain_seed(self.namespace)
+        self.k_then_v = layout == "layer_first" and not self.is_mla
+        self.page_bytes = int(mem_pool_host.get_dummy_flat_data_page().nbytes)
+        config = self.ucm_config.model_copy(update={"namespace": self.namespace})
+        # No call waits longer than `timeout`, so neither does closing for what is in flight.
+        self.kernel = Kernel(config, drain_timeout=self.timeout)
+        self.io = PageIO(self.kernel, timeout=self.timeout)
+        try:
+            self.kernel.start()
+        except ConfigError:
+            raise
+        except UCMError as exc:  # down now: misses until it answers (each submit retries)
+            log.warning("ucm: storage did not start (%s); HiCache storage calls miss", exc)
+        log.info("ucm: SGLang HiCache storage, namespace %s, rank %d of %d", self.namespace,
+                 self.rank, self.size)
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        return [storage_key(self.seed, k, rank=self.rank, size=self.size) for k in keys]
+
+    @staticmethod
+    def _trace_id(keys: Sequence[str], extra_info: Any) -> str:
+        """A request id for the trace: SGLang passes none, so the prefix's first page names it
+        (a prefix's lookups, loads and stores then share it)."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        return "sglang:" + str((prefix or keys)[0])[:16]
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if self.io is not None:
+            self.io.counters.add(name, n)
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """The number of leading pages stored."""
+        try:
+            if self.io is None or not keys:
+                return 0
+            return self.io.stored_prefix(self._keys(keys),
+                                         request_id=self._trace_id(keys, extra_info))
+        except Exception as exc:  # never into SGLang
+            return self._failed("lookup", exc, len(keys), 0)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- zero copy -------------------------------------------------------------------------------
+    def _pages(self, host_indices: Any, n: int) -> list[list[tuple[int, int]]]:
+        """(address, bytes) of each page's pieces in the host pool, in flat-page order."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // n
+        if per * n != len(ptrs):
+            raise ValueError(f"{len(ptrs)} pieces for {n} pages")
+        pages = []
+        for i in range(n):
+            pieces = list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per],
+                              strict=True))
+            if self.k_then_v:
+                pieces = pieces[0::2] + pieces[1::2]
+            pages.append(pieces)
+        return pages
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None,
+                     ) -> list[bool]:
+        try:
+            if self.io is None or not keys:
+                return [False] * len(keys)
+            buffers = [Scatter.of_views(tuple(_view(p, s) for p, s in page))
+                       for page in self._pages(host_indices, len(keys))]
+            return self._timed("prefetch", self.io.load, self._keys(keys), buffers,
+                               self._trace_id(keys, extra_info))
+        except Exception as exc:
+            return self._failed("load", exc, len(keys), [False] * len(keys))
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None,
+                     ) -> list[bool]:
+        try:
+            if self.io is None or not keys:
+                return [False] * len(keys)
+            buffers = [_one_span(page) for page in self._pages(host_indices, len(keys))]
+            return self._timed("backup", self.io.store, self._keys(keys), buffers,
+                               self._trace_id(keys, extra_info))
+        except Exception as exc:
+            return self._failed("store", exc, len(keys), [False] * len(keys))
+
+    # -- the plain interface (flat page tensors) ------------------------------------------------
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[Any]:
+        try:
+            if self.io is None or not keys or target_locations is None:
+                return [None] * len(keys)
+            views = [_tensor_bytes(t) for t in target_locations]
+            ok = self._timed("prefetch", self.io.load, self._keys(keys), views,
+                             self._trace_id(keys, None))
+            return [t if good else None for t, good in zip(target_locations, ok, strict=True)]
+        except Exception as exc:
+            return self._failed("load", exc, len(keys), [None] * len(keys))
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        try:
+            if self.io is None or not keys or values is None:
+                return False
+            views = [_tensor_bytes(v.contiguous()) for v in values]
+            return all(self._timed("backup", self.io.store, self._keys(keys), views,
+                                   self._trace_id(keys, None)))
+        except Exception as exc:
+            return bool(self._failed("store", exc, len(keys), False))
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # -- the rest --------------------------------------------------------------------------------
+    def _failed(self, op: str, exc: BaseException, pages: int, answer: T) -> T:
+        """An unexpected error (a bug, an odd host pool): a miss, counted and logged once."""
+        if self.io is not None:
+            self.io.counters.failure(op, exc, pages, None)
+        if not getattr(self, "_warned", False):
+            self._warned = True
+            log.warning("ucm: HiCache storage %s failed (%s: %s); answered as a miss", op,
+                        type(exc).__name__, exc)
+        return answer
+
+    def _timed(self, kind: str, call: Callable[..., list[bool]], keys: list[bytes],
+               buffers: Sequence[Any], request_id: str) -> list[bool]:
+        start = time.perf_counter()
+        ok = call(keys, buffers, request_id=request_id)
+        seconds = time.perf_counter() - start
+        done = sum(ok)
+        if done:
+            with self._metrics_lock:
+                self._metrics[f"{kind}_pgs"].append(done)
+                self._metrics[f"{kind}_bandwidth"].append(
+                    done * self.page_bytes / 1e9 / max(seconds, 1e-9))
+        return ok
+
+    def get_stats(self) -> Any:
+        """The pages and bandwidth of each load (prefetch) and store (backup) since the last
+        call, as SGLang's StorageMetrics (its `--enable-storage-metrics` histograms); ucm's
+        own counters are in `statistics()`."""
+        with self._metrics_lock:
+            drained = {k: list(v) for k, v in self._metrics.items()}
+            for v in self._metrics.values():
+                v.clear()
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return None
+        metrics = StorageMetrics()
+        metrics.prefetch_pgs.extend(int(v) for v in drained["prefetch_pgs"])
+        metrics.backup_pgs.extend(int(v) for v in drained["backup_pgs"])
+        metrics.prefetch_bandwidth.extend(drained["prefetch_bandwidth"])
+        metrics.backup_bandwidth.extend(drained["backup_bandwidth"])
+        return metrics
+
+    def statistics(self) -> dict[str, Any]:
+        """This backend's page counters and the kernel's own."""
+        out: dict[str, Any] = dict(self.io.statistics()) if self.io is not None else {}
+        if self.kernel is not None:
+            try:
+                out["kernel"] = self.kernel.statistics()
+            except FAILURES as exc:
+                out["kernel_error"] = str(exc)
+        return out
+
+    def clear(self) -> None:
+        """SGLang's /clear_hicache_storage_backend: ucm keeps its pages (they are shared with
+        other processes and evicted by the tiers' own policy)."""
+
+    def close(self) -> None:
+        if self.kernel is not None:
+            try:
+                self.kernel.close()
+            except Exception as exc:
+                log.warning("ucm: closing the kernel failed: %s", exc)
+
+
+def _view(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of `nbytes` at `address` (memory SGLang's host pool owns)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _one_span(pieces: list[tuple[int, int]]) -> memoryview | bytearray:
+    """A page's bytes for a store: a view when its pieces lie end to end, else one copy."""
+    end = pieces[0][0]
+    for address, nbytes in pieces:
+        if address != end:
+            break
+        end += nbytes
+    else:
+        return _view(pieces[0][0], end - pieces[0][0])
+    out = bytearray(sum(nbytes for _, nbytes in pieces))
+    base = ctypes.addressof((ctypes.c_char * len(out)).from_buffer(out))
+    at = 0
+    for address, nbytes in pieces:
+        ctypes.memmove(base + at, address, nbytes)
+        at += nbytes
+    return out
+
+
+def _tensor_bytes(tensor: Any) -> memoryview:
+    """A CPU tensor's bytes as a writable view (SGLang's flat pages are contiguous)."""
+    return memoryview(tensor.view(-1).view(_uint8(tensor)).numpy()).cast("B")
+
+
+def _uint8(tensor: Any) -> Any:
+    import torch  # the caller is SGLang: torch is loaded already
+
+    return torch.uint8
