@@ -1,6 +1,7 @@
 """The `ucm` command.
 
     ucm demo [...]          stored KV reused by a second vLLM engine (ucm.bench.demo)
+    ucm serve MODEL [...]   vLLM's OpenAI server with the connector (ucm.vllm_hook.serve)
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
     ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="cold then warm vLLM engines over a chat workload",
                    add_help=False)
+    sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the ucm connector: "
+                   "`ucm serve MODEL [vLLM options]`", add_help=False)
     sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace] "
                    "...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
@@ -36,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from ucm.bench.demo import main as demo_main
 
         return int(demo_main(rest) or 0)
+    if command == "serve":
+        from ucm.vllm_hook.serve import main as serve_main
+
+        return int(serve_main(rest) or 0)
     if command == "bench":
         if rest and rest[0] in BENCHES:
             module = importlib.import_module(BENCHES[rest[0]])
