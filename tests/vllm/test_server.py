@@ -184,14 +184,15 @@ def wait_stored(store: Path, blocks: int, timeout: float = 60) -> int:
 
 
 def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[str] = (),
-                   env: dict[str, str] | None = None) -> None:
+                   warm_extra: list[str] = (), env: dict[str, str] | None = None) -> None:
     store = tmp_path / "store"
     config = {"tiers": [{"driver": "posix", "path": str(store)}]}
     with Server(model, tmp_path, config, extra=extra, env=env, name="cold") as server:
         cold = run_requests(server, "cold")
         full = [(r["prompt_tokens"] - 1) // BLOCK for r in cold]
         assert wait_stored(store, ranks * sum(full)) >= ranks * sum(full)
-    with Server(model, tmp_path, config, extra=extra, env=env, name="warm") as server:
+    with Server(model, tmp_path, config, extra=[*extra, *warm_extra], env=env,
+                name="warm") as server:
         warm = run_requests(server, "warm")
         samples = server.metrics()
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in cold]
@@ -202,6 +203,10 @@ def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[st
     assert metric_sum(samples, "vllm:external_prefix_cache_hits_total") == loaded
     assert metric_sum(samples, "vllm:prompt_tokens_by_source_total",
                       source="external_kv_transfer") == loaded
+    # ucm's own series in the same /metrics, summed over the TP ranks (one shard each)
+    assert metric_sum(samples, "ucm_connector_blocks_total", op="load", result="ok") == \
+        ranks * sum(full)
+    assert metric_sum(samples, "ucm_lookup_hits_total") >= sum(full)  # the scheduler's
 
 
 def test_ucm_serve_arguments():

@@ -302,13 +302,20 @@ def _lookup_only(tier: Any) -> Any:
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def start_kernel(config: UCMConfig) -> Kernel:
+def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = ()) -> Kernel:
     """A Kernel for `config`, starting in the background: opening a tier can be slow or hang
     (an unreachable backend), and vLLM's start-up must not wait for it. Until `kernel.running`
-    the hook treats every block as a miss."""
+    the hook treats every block as a miss. `sinks` get its trace records (the connector's
+    stats, `ucm.vllm_hook.stats`), beside any trace the config asks for."""
     from ucm.kernel import Kernel
 
-    kernel = Kernel(config)
+    tracer = None
+    if sinks:
+        from ucm.trace import Tracer, tracer_from_config
+
+        tracer = tracer_from_config(config) or Tracer()
+        tracer.sinks.extend(sinks)
+    kernel = Kernel(config, tracer=tracer)
 
     def start() -> None:
         try:
@@ -361,11 +368,12 @@ class ProcessKernels:
     def _key(config: UCMConfig) -> tuple[int, str]:
         return os.getpid(), json.dumps(config.model_dump(mode="json"), sort_keys=True)
 
-    def acquire(self, config: UCMConfig, worker: WorkerSide | None) -> SharedKernel:
-        """Starts a kernel for `config` (`start_kernel`) owned by `worker` (a WorkerSide; None
-        for a kernel shared without one) and makes it findable. Its owner closes it, after
-        `release`."""
-        shared = SharedKernel(start_kernel(config), worker)
+    def acquire(self, config: UCMConfig, worker: WorkerSide | None,
+                sinks: tuple[Any, ...] = ()) -> SharedKernel:
+        """Starts a kernel for `config` (`start_kernel`, feeding `sinks`) owned by `worker` (a
+        WorkerSide; None for a kernel shared without one) and makes it findable. Its owner
+        closes it, after `release`."""
+        shared = SharedKernel(start_kernel(config, sinks), worker)
         with self._lock:
             self._shared[self._key(config)] = shared
         return shared

@@ -156,8 +156,9 @@ class _LayerwiseLoad:
 
 
 class WorkerSide:
-    def __init__(self, settings: HookSettings) -> None:
+    def __init__(self, settings: HookSettings, sinks: tuple[Any, ...] = ()) -> None:
         self.settings = settings
+        self._sinks = sinks  # tracer sinks of the kernel (the connector's stats)
         self.stats: Counter[str] = Counter()
         self.layout: BlockLayout | None = None
         self._kernel: Any = None
@@ -189,7 +190,7 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
                            num_blocks: int | None = None) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
-        self._shared = kernels.acquire(self.settings.ucm_config, self)
+        self._shared = kernels.acquire(self.settings.ucm_config, self, self._sinks)
         self._kernel = self._shared.kernel
         if self.layout.scatters and self.settings.hugepages:
             regions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
