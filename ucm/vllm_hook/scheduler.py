@@ -76,6 +76,12 @@ class SchedulerSide:
         """Whether it looks up in a kernel of its own (not in a worker side's, one process)."""
         return self._own_kernel
 
+    @property
+    def shares_kernel(self) -> bool:
+        """Whether it looks up in a worker side's kernel (one process), which it hands each
+        step's loads as soon as it has planned them."""
+        return self._shared is not None
+
     def _get_kernel(self) -> Any:
         if self._kernel is None:
             self._shared = kernels.find(self.settings.ucm_config)

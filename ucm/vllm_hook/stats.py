@@ -39,6 +39,9 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                          "corrupt, failed; dropped: a save over max_store_bytes)",
                          ("op", "result")),
     "busy_rejections": ("Events refused: inbox full", ()),
+    "connector_early_loads": ("Step loads started before start_load_kv (when the scheduler "
+                              "planned the step, or when a worker process received it); "
+                              "unused: the step did not ask for them", ("outcome",)),
 }
 TIER_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tier_used_bytes": ("Bytes held by a tier", ("tier",)),
@@ -54,6 +57,7 @@ _OUTCOMES = {"loaded_blocks": ("load", "ok"), "saved_blocks": ("store", "ok"),
              "save_dropped_blocks": ("store", "dropped"),
              **{f"load_{s.name.lower()}": ("load", s.name.lower())
                 for s in LoadState if s is not LoadState.OK}}
+_EARLY = {"early_loads": ("started",), "early_loads_unused": ("unused",)}
 _PARTS = ("counters", "histograms", "gauges")
 
 
@@ -114,6 +118,9 @@ class SideStats:
         if side_stats is not None:
             for stat, labels in _OUTCOMES.items():
                 self._delta(counters, "connector_blocks", labels, stat, side_stats.get(stat, 0))
+            for stat, labels in _EARLY.items():
+                self._delta(counters, "connector_early_loads", labels, stat,
+                            side_stats.get(stat, 0))
         else:
             data["gauges"] = {}  # the scheduler's lookup kernel holds no occupancy of its own
         now = time.monotonic()
