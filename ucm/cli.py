@@ -5,6 +5,7 @@
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
     ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
+    ucm bench serve [...]   multi-turn chat through vLLM's OpenAI server (ucm.bench.serve)
     ucm bench [...]         the kernel benchmark, or `policy` (ucm.bench.storage)
 
 Subcommands import their modules lazily: `ucm --help` needs neither torch nor vLLM.
@@ -18,7 +19,8 @@ import sys
 
 # `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
 # to the storage benchmark (`ucm bench`, `ucm bench storage`, `ucm bench policy`).
-BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace"}
+BENCHES = {"vllm": "ucm.bench.vllm", "sparse": "ucm.bench.sparse", "trace": "ucm.bench.trace",
+           "serve": "ucm.bench.serve"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the ucm connector: "
                    "`ucm serve MODEL [vLLM options]`", add_help=False)
-    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace] "
+    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sparse|trace|serve] "
                    "...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

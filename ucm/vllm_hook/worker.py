@@ -249,9 +249,9 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------
     def load_early(self, loads: list[BlockTransfer]) -> bool:
-        """Starts a step's loads as soon as the scheduler has planned them, when it runs in
-        this process, so that the copy overlaps what vLLM does between execute_model and
-        start_load_kv.
+        """Starts a step's loads as soon as the scheduler has planned them (it runs in this
+        process) or this worker process has received the step (`connector.StepMetadata`), so
+        that the copy overlaps what vLLM does before start_load_kv.
         `start_load_kv` waits for them (or, should the step not be the one planned, for them
         to stop). Direct loads into a host-memory cache only, and only where vLLM runs steps
         in turn (`early_loads`), so the blocks a step's schedule gave a request are not in
