@@ -1,12 +1,14 @@
 """The `ucm` command.
 
     ucm demo [...]          stored KV reused by a second vLLM engine (ucm.bench.demo)
+    ucm serve MODEL [...]   vLLM's OpenAI server with the connector (ucm.vllm_hook.serve)
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
     ucm bench sglang [...]  TTFT on SGLang: recompute, host-memory floor, file backend, ucm
                             (ucm.bench.sglang)
     ucm bench sparse [...]  sparse selection and KV codecs on the CPU (ucm.bench.sparse)
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
     ucm bench codec [...]   block codec encode/decode rates next to memcpy (ucm.bench.codec)
+    ucm bench serve [...]   multi-turn chat through vLLM's OpenAI server (ucm.bench.serve)
     ucm bench policy [...]  eviction hit ratios: synthetic, or a trace vs Belady (ucm.bench.policy)
     ucm bench [...]         the kernel benchmark (ucm.bench.storage)
     ucm tune [...]          a config searched by replaying sample requests (ucm.autotune)
@@ -23,7 +25,8 @@ import sys
 # `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
 # to the storage benchmark (`ucm bench`, `ucm bench storage`).
 BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
-           "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec"}
+           "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec",
+           "serve": "ucm.bench.serve"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="cold then warm vLLM engines over a chat workload",
                    add_help=False)
+    sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the ucm connector: "
+                   "`ucm serve MODEL [vLLM options]`", add_help=False)
     sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|sparse|"
-                   "trace|codec] ...` (storage by default)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|serve|"
+                   "sparse|trace|codec] ...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -44,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from ucm.bench.demo import main as demo_main
 
         return int(demo_main(rest) or 0)
+    if command == "serve":
+        from ucm.vllm_hook.serve import main as serve_main
+
+        return int(serve_main(rest) or 0)
     if command == "tune":
         from ucm.autotune._cli import main as tune_main
 

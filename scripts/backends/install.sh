@@ -29,6 +29,10 @@ want nfs && packages+=(nfs-ganesha nfs-ganesha-vfs bc)
 # --- redis (redis-server; redis-cli, from redis-tools, for the start script's ready check)
 want redis && packages+=(redis-server redis-tools bc)
 
+# --- prometheus (Debian's server; tests/vllm/test_metrics_prometheus.py starts its own on
+#     127.0.0.1, scraping a vLLM server, to run the Grafana dashboard's queries)
+want prometheus && packages+=(prometheus)
+
 # --- network namespaces for the two-host tests
 want netns && packages+=(iproute2)
 

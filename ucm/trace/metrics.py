@@ -11,15 +11,15 @@
 With tracing configured (`trace:` or `UCM_TRACE`), add the sink to `kernel.tracer.sinks`
 before the first event instead of building a Tracer.
 
-**Inside vLLM** (several processes, one `/metrics` on the API server): vLLM runs
-prometheus_client in multiprocess mode when `PROMETHEUS_MULTIPROC_DIR` is set (it sets one
-itself for multi-process API servers). Export the variable before vLLM starts so that the
-scheduler and worker processes inherit it; then every process's `MetricsSink` writes its
-counters, histograms and gauges (gauges as `livesum`) to that directory and vLLM's `/metrics`
-aggregates them: nothing else to do, and no `serve_metrics`. `watch` (a custom collector) is
-per process and does not reach vLLM's `/metrics`; tier occupancy is then read from
-`Kernel.statistics()`. For a standalone multiprocess set-up, `serve_metrics(port,
-multiprocess=True)` serves the aggregate of `PROMETHEUS_MULTIPROC_DIR`.
+**Inside vLLM** the connector reports the same series through vLLM's connector-stats hooks
+(`ucm.vllm_hook.stats`): each kernel it starts feeds a `StatsSink`, vLLM sums the workers' and
+the scheduler's counts every step and the API server's `/metrics` shows them as `ucm_*` series
+(with vLLM's `model_name` and `engine` labels), tier occupancy included: nothing to set up, and
+no `MetricsSink` or `serve_metrics` in vLLM's processes (their series would carry the same
+names). For a standalone multiprocess set-up (`PROMETHEUS_MULTIPROC_DIR` exported before the
+processes start), each process's `MetricsSink` writes its counters, histograms and gauges (as
+`livesum`) there and `serve_metrics(port, multiprocess=True)` serves the aggregate; `watch` (a
+custom collector) is per process and is not aggregated.
 
 Counters and histograms are updated in the tracer's drain (every ~100 ms, off the kernel
 thread), so they lag the kernel by at most one drain interval.
@@ -27,6 +27,7 @@ thread), so they lag the kernel by at most one drain interval.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,49 +42,49 @@ LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0
 _PENDING_LIMIT = 200_000  # open events remembered; more means done records were lost
 
 
-class MetricsSink:
-    """A tracer sink that turns records into `ucm_*` metrics."""
+# The `ucm_*` series the trace feeds (name without the namespace: help, labels). Counters are
+# exposed with `_total`; the connector's stats (ucm.vllm_hook.stats) export the same names.
+COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "events": ("Events finished, by type and outcome", ("type", "outcome")),
+    "lookup_keys": ("Keys looked up that reached a tier", ("tier",)),
+    "lookup_hits": ("Keys a lookup found in a tier", ("tier",)),
+    "load_keys": ("Keys a load asked a tier for", ("tier",)),
+    "load_hits": ("Keys a tier loaded", ("tier",)),
+    "loaded_bytes": ("Block bytes loaded", ("tier",)),
+    "stored_bytes": ("Block bytes stored", ("tier",)),
+    "stored_blocks": ("Blocks stored", ("tier",)),
+    "errors": ("Driver errors and failed blocks", ("tier", "op", "kind")),
+    "evictions": ("Blocks evicted", ("tier",)),
+    "trace_dropped_records": ("Trace records lost to ring overflow", ()),
+}
+HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "event_duration_seconds": ("Event latency from dispatch to completion", ("type",)),
+    "event_queue_seconds": ("Time from submit (host thread) to dispatch", ("type",)),
+    "driver_op_duration_seconds": ("Driver call latency, waiting for the tier's concurrency "
+                                   "limit included", ("tier", "op")),
+}
+GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "inbox_depth": ("Events submitted and not yet dispatched", ()),
+    "in_flight_events": ("Events dispatched and not finished", ()),
+}
 
-    def __init__(self, registry: Any = None, *, namespace: str = "ucm") -> None:
-        reg = prom.REGISTRY if registry is None else registry
-        self.registry = reg
-        ns = namespace
 
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Any:
-            return prom.Counter(name, doc, list(labels), namespace=ns, registry=reg)
+class TraceCounts:
+    """Reads trace records into counts; a subclass says where they go (`inc`, `observe`,
+    `set`, each by a metric's name above and its label values)."""
 
-        self.events = counter("events", "Events finished, by type and outcome",
-                              ("type", "outcome"))
-        self.event_seconds = prom.Histogram(
-            "event_duration_seconds", "Event latency from dispatch to completion",
-            ["type"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
-        self.queue_seconds = prom.Histogram(
-            "event_queue_seconds", "Time from submit (host thread) to dispatch",
-            ["type"], namespace=ns, registry=reg, buckets=LATENCY_BUCKETS)
-        self.op_seconds = prom.Histogram(
-            "driver_op_duration_seconds", "Driver call latency, waiting for the tier's "
-            "concurrency limit included", ["tier", "op"], namespace=ns, registry=reg,
-            buckets=LATENCY_BUCKETS)
-        self.lookup_keys = counter("lookup_keys_total", "Keys looked up that reached a tier",
-                                   ("tier",))
-        self.lookup_hits = counter("lookup_hits_total", "Keys a lookup found in a tier",
-                                   ("tier",))
-        self.load_keys = counter("load_keys_total", "Keys a load asked a tier for", ("tier",))
-        self.load_hits = counter("load_hits_total", "Keys a tier loaded", ("tier",))
-        self.loaded_bytes = counter("loaded_bytes_total", "Block bytes loaded", ("tier",))
-        self.stored_bytes = counter("stored_bytes_total", "Block bytes stored", ("tier",))
-        self.stored_blocks = counter("stored_blocks_total", "Blocks stored", ("tier",))
-        self.errors = counter("errors_total", "Driver errors and failed blocks",
-                              ("tier", "op", "kind"))
-        self.evictions = counter("evictions_total", "Blocks evicted", ("tier",))
-        self.dropped = counter("trace_dropped_records_total",
-                               "Trace records lost to ring overflow")
-        self.inbox = prom.Gauge("inbox_depth", "Events submitted and not yet dispatched",
-                                namespace=ns, registry=reg, multiprocess_mode="livesum")
-        self.in_flight = prom.Gauge("in_flight_events", "Events dispatched and not finished",
-                                    namespace=ns, registry=reg, multiprocess_mode="livesum")
+    def __init__(self) -> None:
         self._submitted: dict[int, int] = {}
         self._started: dict[int, tuple[int, str]] = {}
+
+    def inc(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        raise NotImplementedError
+
+    def observe(self, name: str, labels: tuple[str, ...], seconds: float) -> None:
+        raise NotImplementedError
+
+    def set(self, name: str, value: float) -> None:
+        raise NotImplementedError
 
     # -- the sink ------------------------------------------------------------------------------
     def consume(self, records: Sequence[tuple]) -> None:
@@ -95,54 +96,84 @@ class MetricsSink:
                 kind = str(fields.get("type", "?")).lower()
                 t_submit = submitted.pop(event_id, None)
                 if t_submit is not None:
-                    self.queue_seconds.labels(kind).observe((t - t_submit) / 1e9)
+                    self.observe("event_queue_seconds", (kind,), (t - t_submit) / 1e9)
                 started[event_id] = (t, kind)
             elif phase == "done":
                 begun = started.pop(event_id, None)
                 if begun is not None:
-                    self.event_seconds.labels(begun[1]).observe((t - begun[0]) / 1e9)
-                    self.events.labels(begun[1], fields.get("outcome", "?")).inc()
+                    self.observe("event_duration_seconds", (begun[1],), (t - begun[0]) / 1e9)
+                    self.inc("events", (begun[1], str(fields.get("outcome", "?"))), 1)
             elif phase == "submit":
                 submitted[event_id] = t
             elif phase == "result":
                 self._lookup_result(fields)
             elif phase == "error":
-                self.errors.labels(fields.get("tier", "?"), fields.get("op", "?"),
-                                   fields.get("kind", "?")).inc()
+                self.inc("errors", (str(fields.get("tier", "?")), str(fields.get("op", "?")),
+                                    str(fields.get("kind", "?"))), 1)
             elif phase == "evict":
-                self.evictions.labels(fields.get("tier", "?")).inc(fields.get("keys", 0))
+                self.inc("evictions", (str(fields.get("tier", "?")),), fields.get("keys", 0))
             elif phase == "dropped":
-                self.dropped.inc(fields.get("count", 0))
+                self.inc("trace_dropped_records", (), fields.get("count", 0))
         if len(submitted) > _PENDING_LIMIT:
             submitted.clear()
         if len(started) > _PENDING_LIMIT:
             started.clear()
-        self.inbox.set(len(submitted))
-        self.in_flight.set(len(started))
+        self.set("inbox_depth", len(submitted))
+        self.set("in_flight_events", len(started))
 
     def _op(self, t: int, fields: dict) -> None:
-        tier, op = fields.get("tier", "?"), fields.get("op", "?")
+        tier, op = str(fields.get("tier", "?")), str(fields.get("op", "?"))
         t0 = fields.get("t0")
         if t0 is not None:
-            self.op_seconds.labels(tier, op).observe((t - t0) / 1e9)
+            self.observe("driver_op_duration_seconds", (tier, op), (t - t0) / 1e9)
         if "error" in fields:
             return
         if op == "load":
-            self.load_keys.labels(tier).inc(fields.get("keys", 0))
-            self.load_hits.labels(tier).inc(fields.get("hits", 0))
-            self.loaded_bytes.labels(tier).inc(fields.get("bytes", 0))
+            self.inc("load_keys", (tier,), fields.get("keys", 0))
+            self.inc("load_hits", (tier,), fields.get("hits", 0))
+            self.inc("loaded_bytes", (tier,), fields.get("bytes", 0))
         elif op == "store":
-            self.stored_bytes.labels(tier).inc(fields.get("bytes", 0))
-            self.stored_blocks.labels(tier).inc(fields.get("stored", 0))
+            self.inc("stored_bytes", (tier,), fields.get("bytes", 0))
+            self.inc("stored_blocks", (tier,), fields.get("stored", 0))
 
     def _lookup_result(self, fields: dict) -> None:
         remaining = fields.get("keys", 0)
         for tier, hits in (fields.get("hits") or {}).items():
             if remaining <= 0:
                 break
-            self.lookup_keys.labels(tier).inc(remaining)
-            self.lookup_hits.labels(tier).inc(hits)
+            self.inc("lookup_keys", (str(tier),), remaining)
+            self.inc("lookup_hits", (str(tier),), hits)
             remaining -= hits
+
+
+class MetricsSink(TraceCounts):
+    """A tracer sink that turns records into `ucm_*` metrics."""
+
+    def __init__(self, registry: Any = None, *, namespace: str = "ucm") -> None:
+        super().__init__()
+        reg = prom.REGISTRY if registry is None else registry
+        self.registry = reg
+        ns = namespace
+        self._metrics: dict[str, Any] = {}
+        for name, (doc, labels) in COUNTERS.items():
+            self._metrics[name] = prom.Counter(name, doc, list(labels), namespace=ns,
+                                               registry=reg)
+        for name, (doc, labels) in HISTOGRAMS.items():
+            self._metrics[name] = prom.Histogram(name, doc, list(labels), namespace=ns,
+                                                 registry=reg, buckets=LATENCY_BUCKETS)
+        for name, (doc, _labels) in GAUGES.items():
+            self._metrics[name] = prom.Gauge(name, doc, namespace=ns, registry=reg,
+                                             multiprocess_mode="livesum")
+
+    def inc(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        metric = self._metrics[name]
+        (metric.labels(*labels) if labels else metric).inc(value)
+
+    def observe(self, name: str, labels: tuple[str, ...], seconds: float) -> None:
+        self._metrics[name].labels(*labels).observe(seconds)
+
+    def set(self, name: str, value: float) -> None:
+        self._metrics[name].set(value)
 
     # -- occupancy -----------------------------------------------------------------------------
     def watch(self, kernel: Any) -> KernelCollector:
@@ -151,6 +182,56 @@ class MetricsSink:
         collector = KernelCollector(kernel)
         self.registry.register(collector)
         return collector
+
+
+class StatsSink(TraceCounts):
+    """A tracer sink that keeps the counts between two `take()`s as plain data, for a process
+    that ships them elsewhere (the vLLM connector's stats, `ucm.vllm_hook.stats`)."""
+
+    MAX_OBSERVATIONS = 4096  # per series between two takes; beyond, latencies are skipped
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._counts: dict[str, float] = {}
+        self._observed: dict[str, list[float]] = {}
+        self._gauges: dict[str, float] = {}
+
+    def inc(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        key = series_key(name, labels)  # a zero too: the series then exists (a hit rate of 0)
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + value
+
+    def observe(self, name: str, labels: tuple[str, ...], seconds: float) -> None:
+        key = series_key(name, labels)
+        with self._lock:
+            values = self._observed.setdefault(key, [])
+            if len(values) < self.MAX_OBSERVATIONS:
+                values.append(seconds)
+
+    def set(self, name: str, value: float) -> None:
+        with self._lock:
+            self._gauges[series_key(name, ())] = value
+
+    def take(self) -> dict[str, dict]:
+        """The counts since the last take, the observations, the gauges' last values:
+        {"counters": {series: n}, "histograms": {series: [seconds]}, "gauges": {series: v}}
+        (series: `series_key`)."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+            observed, self._observed = self._observed, {}
+            gauges = dict(self._gauges)
+        return {"counters": counts, "histograms": observed, "gauges": gauges}
+
+
+def series_key(name: str, labels: tuple[str, ...]) -> str:
+    """A series as one string (plain data crosses vLLM's processes): name and label values."""
+    return "\t".join((name, *labels))
+
+
+def split_series(key: str) -> tuple[str, tuple[str, ...]]:
+    name, *labels = key.split("\t")
+    return name, tuple(labels)
 
 
 class KernelCollector:

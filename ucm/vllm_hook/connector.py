@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
 from ucm.vllm_hook.sparse import SparseAttention
+from ucm.vllm_hook.stats import SideStats, UCMConnectorStats, UCMPromMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +33,30 @@ def live_connectors() -> list[UCMConnector]:
     return list(_live)
 
 
+class StepMetadata(UCMConnectorMetadata):
+    """A step's metadata with loads, as the scheduler sends it to worker processes (vLLM's
+    multiprocess executor pickles it). Unpickled in a worker process, that is as soon as the
+    worker receives the step, it starts the step's loads there (`WorkerSide.load_early`), so
+    they run while vLLM prepares the step's inputs; `start_load_kv` then waits for them."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        try:
+            load_on_arrival(self)
+        except Exception:  # never fail vLLM's unpickling: start_load_kv loads instead
+            log.exception("ucm: early load on arrival failed")
+
+
+def load_on_arrival(meta: UCMConnectorMetadata) -> bool:
+    """Starts `meta`'s loads on this process's worker side, unless a scheduler side lives here
+    too (one process: it started them when it planned the step). True when they started."""
+    live = live_connectors()
+    if not meta.loads or any(c.scheduler is not None for c in live):
+        return False
+    workers = [c.worker for c in live if c.worker is not None]
+    return len(workers) == 1 and workers[0].load_early(meta.loads)
+
+
 class UCMConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
                  ) -> None:
@@ -40,11 +65,13 @@ class UCMConnector(KVConnectorBase_V1):
         self.scheduler = None
         self.worker = None
         self.sparse: SparseAttention | None = None
+        self._stats = SideStats()  # fed by this side's kernel; vLLM's /metrics shows them
+        sinks = (self._stats.sink,)
         if role == KVConnectorRole.SCHEDULER:
             from ucm.vllm_hook.scheduler import SchedulerSide
 
             self.scheduler = SchedulerSide(self.settings,
-                                           layers=kv_layer_count(kv_cache_config))
+                                           layers=kv_layer_count(kv_cache_config), sinks=sinks)
             # A block that does not load is a miss: vLLM recomputes it (unless the user asked
             # for "fail"). The scheduler reads this right after building its connector.
             kvt = vllm_config.kv_transfer_config
@@ -53,7 +80,7 @@ class UCMConnector(KVConnectorBase_V1):
         else:
             from ucm.vllm_hook.worker import WorkerSide
 
-            self.worker = WorkerSide(self.settings)
+            self.worker = WorkerSide(self.settings, sinks)
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._layers = kv_layer_count(kv_cache_config)
             if self.settings.sparse is not None:  # wraps vLLM's CPU attention (.sparse)
@@ -76,7 +103,10 @@ class UCMConnector(KVConnectorBase_V1):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        if meta.loads and self.settings.early_loads and not self.scheduler.shares_kernel:
+            return StepMetadata(loads=meta.loads, saves=meta.saves)  # loads on arrival
+        return meta
 
     def request_finished(self, request: Any, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -112,6 +142,25 @@ class UCMConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker else set()
+
+    # -- vLLM's connector stats: ucm's metrics in the server's /metrics (ucm.vllm_hook.stats) --
+    def get_kv_connector_stats(self) -> UCMConnectorStats | None:
+        if self.worker is not None:
+            return self._stats.take(side_stats=self.worker.stats, kernel=self.worker.kernel)
+        if self.scheduler is not None and self.scheduler.owns_kernel:
+            stats = self._stats.take()
+            return None if stats.is_empty() else stats
+        return None  # one process: the worker side reports the kernel they share
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,
+                                 ) -> UCMConnectorStats | None:
+        return UCMConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> UCMPromMetrics:
+        return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- both ------------------------------------------------------------------------------------
     def statistics(self) -> dict[str, Any]:

@@ -49,11 +49,14 @@ class _RequestState:
 
 
 class SchedulerSide:
-    def __init__(self, settings: HookSettings, *, layers: int | None = None) -> None:
+    def __init__(self, settings: HookSettings, *, layers: int | None = None,
+                 sinks: tuple[Any, ...] = ()) -> None:
         """`layers`: the KV cache layers of the model (vLLM's KVCacheConfig). The layerwise
         mode stores each layer of a block on its own, so a block is a hit only when every
-        layer is stored; without the count only the first layer is looked up."""
+        layer is stored; without the count only the first layer is looked up. `sinks`: tracer
+        sinks of a lookup kernel of its own (the connector's stats)."""
         self.settings = settings
+        self._sinks = sinks
         self.block_size = settings.block_size
         self.layers = (layers or 1) if settings.layerwise else 1
         if settings.layerwise and not layers:
@@ -68,13 +71,25 @@ class SchedulerSide:
         self._kernel_wait_since: float | None = None
 
     # -- the kernel ------------------------------------------------------------------------------
+    @property
+    def owns_kernel(self) -> bool:
+        """Whether it looks up in a kernel of its own (not in a worker side's, one process)."""
+        return self._own_kernel
+
+    @property
+    def shares_kernel(self) -> bool:
+        """Whether it looks up in a worker side's kernel (one process), which it hands each
+        step's loads as soon as it has planned them."""
+        return self._shared is not None
+
     def _get_kernel(self) -> Any:
         if self._kernel is None:
             self._shared = kernels.find(self.settings.ucm_config)
             if self._shared is not None:
                 self._kernel = self._shared.kernel
             else:
-                self._kernel = start_kernel(scheduler_config(self.settings.ucm_config))
+                self._kernel = start_kernel(scheduler_config(self.settings.ucm_config),
+                                            self._sinks)
                 self._own_kernel = True
         return self._kernel
 

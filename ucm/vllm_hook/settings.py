@@ -73,8 +73,9 @@ class HookOptions(BaseModel):
         default=True, description="host-memory KV caches: read loaded blocks straight into "
         "the cache, with no staging buffer")
     early_loads: bool = Field(
-        default=True, description="scheduler and worker in one process: start a step's loads "
-        "when the scheduler plans them (not with async scheduling or pipeline parallelism)")
+        default=True, description="start a step's loads as soon as they are planned (scheduler "
+        "and worker in one process) or the worker receives the step (in another), before vLLM "
+        "prepares its inputs (not with async scheduling)")
     hugepages: bool = Field(
         default=False, description="host-memory KV caches: collapse (up to 4 GiB of) the "
         "cache into huge pages at start")
@@ -330,13 +331,20 @@ def _lookup_only(tier: Any) -> Any:
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def start_kernel(config: UCMConfig) -> Kernel:
+def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = ()) -> Kernel:
     """A Kernel for `config`, starting in the background: opening a tier can be slow or hang
     (an unreachable backend), and vLLM's start-up must not wait for it. Until `kernel.running`
-    the hook treats every block as a miss."""
+    the hook treats every block as a miss. `sinks` get its trace records (the connector's
+    stats, `ucm.vllm_hook.stats`), beside any trace the config asks for."""
     from ucm.kernel import Kernel
 
-    kernel = Kernel(config)
+    tracer = None
+    if sinks:
+        from ucm.trace import Tracer, tracer_from_config
+
+        tracer = tracer_from_config(config) or Tracer()
+        tracer.sinks.extend(sinks)
+    kernel = Kernel(config, tracer=tracer)
 
     def start() -> None:
         try:
@@ -391,11 +399,12 @@ class ProcessKernels:
         the key holds no secret in the clear)."""
         return os.getpid(), config_fingerprint(config)
 
-    def acquire(self, config: UCMConfig, worker: WorkerSide | None) -> SharedKernel:
-        """Starts a kernel for `config` (`start_kernel`) owned by `worker` (a WorkerSide; None
-        for a kernel shared without one) and makes it findable. Its owner closes it, after
-        `release`."""
-        shared = SharedKernel(start_kernel(config), worker)
+    def acquire(self, config: UCMConfig, worker: WorkerSide | None,
+                sinks: tuple[Any, ...] = ()) -> SharedKernel:
+        """Starts a kernel for `config` (`start_kernel`, feeding `sinks`) owned by `worker` (a
+        WorkerSide; None for a kernel shared without one) and makes it findable. Its owner
+        closes it, after `release`."""
+        shared = SharedKernel(start_kernel(config, sinks), worker)
         with self._lock:
             self._shared[self._key(config)] = shared
         return shared

@@ -157,8 +157,9 @@ class _LayerwiseLoad:
 
 
 class WorkerSide:
-    def __init__(self, settings: HookSettings) -> None:
+    def __init__(self, settings: HookSettings, sinks: tuple[Any, ...] = ()) -> None:
         self.settings = settings
+        self._sinks = sinks  # tracer sinks of the kernel (the connector's stats)
         self.stats: Counter[str] = Counter()
         self.layout: BlockLayout | None = None
         self._kernel: Any = None
@@ -193,7 +194,7 @@ class WorkerSide:
         # where keys and values sit, for tiers that quantize (ucm.codecs)
         register_kv_caches(kv_caches, self.layout.num_blocks, self.layout.block_bytes,
                            interpretable=self.layout.device.type == "cuda")
-        self._shared = kernels.acquire(self.settings.ucm_config, self)
+        self._shared = kernels.acquire(self.settings.ucm_config, self, self._sinks)
         self._kernel = self._shared.kernel
         if self.layout.scatters and self.settings.hugepages:
             regions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -252,9 +253,9 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------------
     def load_early(self, loads: list[BlockTransfer]) -> bool:
-        """Starts a step's loads as soon as the scheduler has planned them, when it runs in
-        this process, so that the copy overlaps what vLLM does between execute_model and
-        start_load_kv.
+        """Starts a step's loads as soon as the scheduler has planned them (it runs in this
+        process) or this worker process has received the step (`connector.StepMetadata`), so
+        that the copy overlaps what vLLM does before start_load_kv.
         `start_load_kv` waits for them (or, should the step not be the one planned, for them
         to stop). Direct loads into a host-memory cache only, and only where vLLM runs steps
         in turn (`early_loads`), so the blocks a step's schedule gave a request are not in

