@@ -12,10 +12,13 @@ Modules and the process each runs in:
     scheduler.py   the scheduler process (EngineCore): lookups, hit accounting, plans
     layout.py      the worker process: block byte ranges and staging copies (torch)
     worker.py      the worker process: loads, saves, load-error reporting
+    layerwise.py   the worker process: the layerwise mode's loads, layer by layer
     hugepages.py   the worker process: a host-memory KV cache collapsed into huge pages
     sparse.py      the worker process: sparse decode attention (kv_connector_extra_config
                    "sparse"); wraps vLLM 0.32.0's CPUAttentionBackendImpl.forward
+    stats.py       both: ucm's counters through vLLM's connector-stats hooks (/metrics)
     connector.py   both: the KVConnectorBase_V1 facade that builds one side by role
+    serve.py       the `ucm serve` command: vLLM's OpenAI server with the connector
 
 `UCMConnector` is imported lazily so that `ucm.vllm_hook.keys` works without vLLM installed.
 """

@@ -5,7 +5,7 @@ host memory (vLLM on CPU) each block's target is a `Scatter` of its pieces in th
 storage reads land straight in the KV cache: no staging buffer, no copy (`direct_loads`).
 Otherwise the load goes into a reused staging buffer, and the verified blocks are copied into
 the cache before the forward pass. In the layerwise mode each layer of each block is stored as
-a ucm block of its own, and the step's loads go layer by layer (`_LayerwiseLoad`): vLLM waits
+a ucm block of its own, and the step's loads go layer by layer (`LayerwiseLoad`): vLLM waits
 for a layer in `wait_for_layer_load`, on entry to that attention layer, while the later layers
 are still loading. A block that does not load (missing, corrupt, I/O error,
 KernelBusy, deadline, `load_timeout`) is reported through `get_block_ids_with_load_errors`, and
@@ -39,6 +39,7 @@ from ucm.errors import KernelClosed, UCMError
 from ucm.kernel import Load, Store
 from ucm.vllm_hook.hugepages import collapse_cache
 from ucm.vllm_hook.keys import layer_key, rank_key
+from ucm.vllm_hook.layerwise import LayerwiseLoad
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import HookSettings, SharedKernel, kernels, wait_running
@@ -46,114 +47,6 @@ from ucm.vllm_hook.settings import HookSettings, SharedKernel, kernels, wait_run
 log = logging.getLogger("ucm.vllm_hook")
 
 _SPARE_SNAPSHOT_BYTES = 256 * 2**20  # snapshot buffers kept for reuse once their store ends
-
-
-class _LayerwiseLoad:
-    """One step's loads in the layerwise mode, where each layer of each block is a ucm block
-    of its own (`layer_key`): checked on its own, so a layer can be used as soon as it is in.
-
-    Layers load in forward order, two Load events in flight at a time (a finished one submits
-    the next from its done callback): the first layer arrives as fast as one layer can, and
-    the rest load while the layers before them compute. `wait_layer` (vLLM's
-    wait_for_layer_load, on entry to each attention layer) waits for one layer; `finish`
-    waits for every layer and says which blocks did not load whole."""
-
-    WINDOW = 2
-
-    def __init__(self, worker: WorkerSide, transfers: list[BlockTransfer],
-                 keys: list[bytes]) -> None:
-        self.worker, self.transfers, self.keys = worker, transfers, keys
-        layout = worker.layout
-        self.layers = list(layout.by_layer)
-        self.index = {name: i for i, name in enumerate(self.layers)}
-        self.block_ids = [b for t in transfers for b in t.block_ids]
-        self.direct = worker.settings.direct_loads and layout.scatters
-        self.staging: torch.Tensor | None = None
-        if not self.direct:
-            staging = worker._load_staging
-            if staging is None or staging.shape[0] < len(keys):
-                staging = worker._load_staging = layout.new_staging(len(keys))
-            self.staging = staging
-        self._lock = threading.Lock()
-        self._next = 0
-        self._closed = False  # no more submissions (a layer gave up waiting to be submitted)
-        self._submitted = [threading.Event() for _ in self.layers]
-        self.completions: list[concurrent.futures.Future | None] = [None] * len(self.layers)
-        self.states: list[tuple[LoadState, ...] | None] = [None] * len(self.layers)
-        self._waited: set[int] = set()
-        for _ in range(min(self.WINDOW, len(self.layers))):
-            self._submit_next()
-
-    def _submit_next(self) -> None:
-        with self._lock:
-            i = self._next
-            if i >= len(self.layers) or self._closed:
-                return
-            self._next += 1
-        name, layout = self.layers[i], self.worker.layout
-        completion = None
-        try:
-            keys = [layer_key(k, i) for k in self.keys]
-            if self.staging is None:
-                buffers = [layout.scatter_layer(b, name) for b in self.block_ids]
-            else:
-                off, nbytes = layout.layer_span(name)
-                buffers = [self.staging[r, off:off + nbytes].numpy()
-                           for r in range(len(self.keys))]
-            completion = self.worker.kernel.submit(
-                Load(keys, buffers=buffers, request_id=self.transfers[0].req_id))
-        except UCMError as exc:
-            log.warning("ucm: load of layer %s not submitted (%s); recomputing", name, exc)
-        except Exception:  # it may run on the kernel's thread: never raise there
-            log.exception("ucm: load of layer %s not submitted", name)
-        self.completions[i] = completion
-        self._submitted[i].set()
-        if completion is not None:
-            completion.add_done_callback(self._done)
-
-    def _done(self, _: concurrent.futures.Future) -> None:
-        try:  # on the kernel's trio thread: must not raise
-            self._submit_next()
-        except Exception:  # pragma: no cover
-            log.exception("ucm: layerwise load could not go on")
-
-    def wait_layer(self, name: str) -> None:
-        i = self.index.get(name)
-        if i is not None and i not in self._waited:
-            self._wait(i)
-
-    def _wait(self, i: int) -> None:
-        worker = self.worker
-        if not self._submitted[i].wait(worker.settings.load_timeout):
-            with self._lock:
-                self._closed = True  # what is not submitted by now never will be
-        completion = self.completions[i] if self._submitted[i].is_set() else None
-        states = worker._await_load(completion, direct=self.staging is None,
-                                    what=f"load of layer {self.layers[i]}")
-        self.states[i] = states
-        self._waited.add(i)
-        if self.staging is not None and states is not None:
-            row = 0
-            for t in self.transfers:
-                n = len(t.block_ids)
-                good = next((j for j in range(n) if states[row + j] is not LoadState.OK), n)
-                if good:
-                    worker.layout.copy_in(t.block_ids[:good], self.staging,
-                                          layer=self.layers[i], first_row=row)
-                row += n
-
-    def finish(self) -> None:
-        """Waits for every layer, then counts the step's loads and marks the blocks that did
-        not load whole (every layer) for recompute."""
-        for i in range(len(self.layers)):
-            if i not in self._waited:
-                self._wait(i)
-        rows: list[LoadState | None] = []
-        for r in range(len(self.keys)):
-            bad = next((s[r] if s is not None else None for s in self.states
-                        if s is None or s[r] is not LoadState.OK), LoadState.OK)
-            rows.append(bad)
-        self.worker._account(self.transfers, rows)
 
 
 class WorkerSide:
@@ -165,7 +58,7 @@ class WorkerSide:
         self._kernel: Any = None
         self._shared: SharedKernel | None = None  # the kernel, as a scheduler side finds it
         self._load_staging: torch.Tensor | None = None
-        self._layerwise: _LayerwiseLoad | None = None
+        self._layerwise: LayerwiseLoad | None = None
         self._early: tuple[tuple, concurrent.futures.Future] | None = None  # load_early's
         self._load_errors: set[int] = set()
         self._save_staging: torch.Tensor | None = None
@@ -321,7 +214,7 @@ class WorkerSide:
             return
         keys = [self._key(d) for t in meta.loads for d in t.digests]
         if self.settings.layerwise:
-            self._layerwise = _LayerwiseLoad(self, meta.loads, keys)
+            self._layerwise = LayerwiseLoad(self, meta.loads, keys)
             self.stats["load_blocks"] += n
             return
         if self.settings.direct_loads and self.layout.scatters:

@@ -1,0 +1,131 @@
+"""The layerwise mode's loads (worker process): each layer of a block is a ucm block of its
+own, and a step's loads go layer by layer, later layers loading while earlier ones compute.
+vLLM waits for a layer in `wait_for_layer_load`, on entry to that attention layer."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from ucm.drivers import LoadState
+from ucm.errors import UCMError
+from ucm.kernel import Load
+from ucm.vllm_hook.keys import layer_key
+from ucm.vllm_hook.metadata import BlockTransfer
+
+if TYPE_CHECKING:
+    from ucm.vllm_hook.worker import WorkerSide
+
+log = logging.getLogger("ucm.vllm_hook")
+
+
+class LayerwiseLoad:
+    """One step's loads in the layerwise mode, where each layer of each block is a ucm block
+    of its own (`layer_key`): checked on its own, so a layer can be used as soon as it is in.
+
+    Layers load in forward order, two Load events in flight at a time (a finished one submits
+    the next from its done callback): the first layer arrives as fast as one layer can, and
+    the rest load while the layers before them compute. `wait_layer` (vLLM's
+    wait_for_layer_load, on entry to each attention layer) waits for one layer; `finish`
+    waits for every layer and says which blocks did not load whole."""
+
+    WINDOW = 2
+
+    def __init__(self, worker: WorkerSide, transfers: list[BlockTransfer],
+                 keys: list[bytes]) -> None:
+        self.worker, self.transfers, self.keys = worker, transfers, keys
+        layout = worker.layout
+        self.layers = list(layout.by_layer)
+        self.index = {name: i for i, name in enumerate(self.layers)}
+        self.block_ids = [b for t in transfers for b in t.block_ids]
+        self.direct = worker.settings.direct_loads and layout.scatters
+        self.staging: torch.Tensor | None = None
+        if not self.direct:
+            staging = worker._load_staging
+            if staging is None or staging.shape[0] < len(keys):
+                staging = worker._load_staging = layout.new_staging(len(keys))
+            self.staging = staging
+        self._lock = threading.Lock()
+        self._next = 0
+        self._closed = False  # no more submissions (a layer gave up waiting to be submitted)
+        self._submitted = [threading.Event() for _ in self.layers]
+        self.completions: list[concurrent.futures.Future | None] = [None] * len(self.layers)
+        self.states: list[tuple[LoadState, ...] | None] = [None] * len(self.layers)
+        self._waited: set[int] = set()
+        for _ in range(min(self.WINDOW, len(self.layers))):
+            self._submit_next()
+
+    def _submit_next(self) -> None:
+        with self._lock:
+            i = self._next
+            if i >= len(self.layers) or self._closed:
+                return
+            self._next += 1
+        name, layout = self.layers[i], self.worker.layout
+        completion = None
+        try:
+            keys = [layer_key(k, i) for k in self.keys]
+            if self.staging is None:
+                buffers = [layout.scatter_layer(b, name) for b in self.block_ids]
+            else:
+                off, nbytes = layout.layer_span(name)
+                buffers = [self.staging[r, off:off + nbytes].numpy()
+                           for r in range(len(self.keys))]
+            completion = self.worker.kernel.submit(
+                Load(keys, buffers=buffers, request_id=self.transfers[0].req_id))
+        except UCMError as exc:
+            log.warning("ucm: load of layer %s not submitted (%s); recomputing", name, exc)
+        except Exception:  # it may run on the kernel's thread: never raise there
+            log.exception("ucm: load of layer %s not submitted", name)
+        self.completions[i] = completion
+        self._submitted[i].set()
+        if completion is not None:
+            completion.add_done_callback(self._done)
+
+    def _done(self, _: concurrent.futures.Future) -> None:
+        try:  # on the kernel's trio thread: must not raise
+            self._submit_next()
+        except Exception:  # pragma: no cover
+            log.exception("ucm: layerwise load could not go on")
+
+    def wait_layer(self, name: str) -> None:
+        i = self.index.get(name)
+        if i is not None and i not in self._waited:
+            self._wait(i)
+
+    def _wait(self, i: int) -> None:
+        worker = self.worker
+        if not self._submitted[i].wait(worker.settings.load_timeout):
+            with self._lock:
+                self._closed = True  # what is not submitted by now never will be
+        completion = self.completions[i] if self._submitted[i].is_set() else None
+        states = worker._await_load(completion, direct=self.staging is None,
+                                    what=f"load of layer {self.layers[i]}")
+        self.states[i] = states
+        self._waited.add(i)
+        if self.staging is not None and states is not None:
+            row = 0
+            for t in self.transfers:
+                n = len(t.block_ids)
+                good = next((j for j in range(n) if states[row + j] is not LoadState.OK), n)
+                if good:
+                    worker.layout.copy_in(t.block_ids[:good], self.staging,
+                                          layer=self.layers[i], first_row=row)
+                row += n
+
+    def finish(self) -> None:
+        """Waits for every layer, then counts the step's loads and marks the blocks that did
+        not load whole (every layer) for recompute."""
+        for i in range(len(self.layers)):
+            if i not in self._waited:
+                self._wait(i)
+        rows: list[LoadState | None] = []
+        for r in range(len(self.keys)):
+            bad = next((s[r] if s is not None else None for s in self.states
+                        if s is None or s[r] is not LoadState.OK), LoadState.OK)
+            rows.append(bad)
+        self.worker._account(self.transfers, rows)
