@@ -10,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # ucm._hostcopy (setup.py, native/hostcopy.c) needs a C compiler, Python's headers and
 # xxhash.h. Without them ucm still installs and runs; its verified copies are then slower.
-# With vLLM, its engines run on tcmalloc (ucm.bench.engines.TCMALLOC_PATHS says why).
+# With vLLM, its engines run on tcmalloc (ucm.vllm_hook.environment.TCMALLOC_PATHS says why).
 apt_deps=()
 command -v gcc >/dev/null || apt_deps+=(gcc)
 [ -f /usr/include/xxhash.h ] || apt_deps+=(libxxhash-dev)
@@ -19,7 +19,7 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     apt_deps+=(python3-dev)
 have_tcmalloc() {  # asks ucm.bench.engines itself (stdlib only: importable before ucm installs)
     .venv/bin/python -c 'import sys; sys.path.insert(0, ".")
-from ucm.bench.engines import find_tcmalloc; sys.exit(find_tcmalloc() is None)'
+from ucm.vllm_hook.environment import find_tcmalloc; sys.exit(find_tcmalloc() is None)'
 }
 if [[ ",$extras," == *",vllm,"* ]] && ! have_tcmalloc; then
     apt_deps+=(libtcmalloc-minimal4)

@@ -31,8 +31,8 @@ up by its first (P - 2) // bs.
 TTFT is the wall time of `generate(max_tokens=1)` for one prompt after a warm-up request.
 Engines run on tcmalloc, as vLLM's CPU backend asks, where the system has it: with glibc's
 malloc the page faults of a long prefill's tensors make prefill times unreadable
-(ucm.bench.engines.TCMALLOC_PATHS). After each store pass the files written are synced, so no
-writeback runs while hits are timed. Each connector's engine runs `--repeat` stored prompts,
+(ucm.vllm_hook.environment.TCMALLOC_PATHS). After each store pass the files written are synced,
+so no writeback runs while hits are timed. Each connector's engine runs `--repeat` stored prompts,
 each twice in a row with vLLM's prefix cache on: first loaded by the connector, then vLLM's own
 hit in the same engine (the floor: nothing to load, the limit); and that `--rounds` times,
 vLLM's prefix cache emptied before each load (not the connector's storage). The overhead is the
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes, tail=args.tail)
     print(f"engine processes' malloc: {', '.join(sorted(allocators))}"
           + ("" if allocators == {"tcmalloc"} else
-             " (vLLM on CPU asks for tcmalloc: see ucm.bench.engines.TCMALLOC_PATHS)"))
+             " (vLLM on CPU asks for tcmalloc: see ucm.vllm_hook.environment.TCMALLOC_PATHS)"))
     return 0
 
 

