@@ -170,6 +170,19 @@ def run_requests(server: Server, phase: str) -> list[dict]:
     return out
 
 
+def settled_metrics(server: Server, name: str, at_least: float, tries: int = 20) -> dict:
+    """/metrics once `name` has reached `at_least`: connector stats reach vLLM with its next
+    step, so a short request is sent between reads (it has no full block: no lookups, no loads)."""
+    samples = server.metrics()
+    for _ in range(tries):
+        if metric_sum(samples, name) >= at_least:
+            break
+        time.sleep(0.2)
+        stream(server.client, server.model, "completion", words(12, 13))
+        samples = server.metrics()
+    return samples
+
+
 def wait_stored(store: Path, blocks: int, timeout: float = 60) -> int:
     """Waits until the store holds at least `blocks` block files (stores are written in the
     background) and their count has settled."""
@@ -194,7 +207,7 @@ def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[st
     with Server(model, tmp_path, config, extra=[*extra, *warm_extra], env=env,
                 name="warm") as server:
         warm = run_requests(server, "warm")
-        samples = server.metrics()
+        samples = settled_metrics(server, "ucm_lookup_hits_total", sum(full))
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in cold]
     assert [r["text"] for r in warm] == [r["text"] for r in cold]
     assert [r["cached"] for r in cold] == [0, 0]
