@@ -150,15 +150,20 @@ def _aligned(view: memoryview | Scatter) -> bool:
                for p in parts)
 
 
+def _advance(parts: list[memoryview], n: int) -> None:
+    """Drops the first `n` bytes of `parts` (what a short pwritev/preadv moved)."""
+    while parts and n >= parts[0].nbytes:
+        n -= parts[0].nbytes
+        parts.pop(0)
+    if parts and n:
+        parts[0] = parts[0][n:]
+
+
 def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
     while parts:
         n = os.pwritev(fd, parts, offset)
         offset += n
-        while parts and n >= parts[0].nbytes:
-            n -= parts[0].nbytes
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
+        _advance(parts, n)
 
 
 def _read_into(fd: int, parts: list[memoryview], offset: int, *, once: bool = False) -> int:
@@ -171,11 +176,7 @@ def _read_into(fd: int, parts: list[memoryview], offset: int, *, once: bool = Fa
             return total + n
         total += n
         offset += n
-        while parts and n >= parts[0].nbytes:
-            n -= parts[0].nbytes
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
+        _advance(parts, n)
     return total
 
 
