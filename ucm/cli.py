@@ -9,6 +9,8 @@
     ucm bench trace [...]   what tracing costs (ucm.bench.trace)
     ucm bench codec [...]   block codec encode/decode rates next to memcpy (ucm.bench.codec)
     ucm bench serve [...]   multi-turn chat through vLLM's OpenAI server (ucm.bench.serve)
+    ucm bench quality [...] KV compression on a real model: agreement, perplexity, bytes
+                            (ucm.bench.quality)
     ucm bench policy [...]  eviction hit ratios: synthetic, or a trace vs Belady (ucm.bench.policy)
     ucm bench [...]         the kernel benchmark (ucm.bench.storage)
     ucm tune [...]          a config searched by replaying sample requests (ucm.autotune)
@@ -26,7 +28,7 @@ import sys
 # to the storage benchmark (`ucm bench`, `ucm bench storage`).
 BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
            "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec",
-           "serve": "ucm.bench.serve"}
+           "serve": "ucm.bench.serve", "quality": "ucm.bench.quality"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|serve|"
-                   "sparse|trace|codec] ...` (storage by default)", add_help=False)
+                   "sparse|trace|codec|quality] ...` (storage by default)", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2

@@ -59,6 +59,10 @@ class Phase:
     repeat: int = 1  # run the batch this many times; results of the last run are kept
     stepwise: bool = False  # step the engine to time each request's first token
     reset_prefix_cache: bool = False  # empty vLLM's own prefix cache first (not a connector's)
+    # Return the logprobs of each prompt's last `logprob_tail` tokens given the ones before
+    # (a held-out continuation's perplexity after a loaded prefix). Only tokens the engine
+    # computes have them: vLLM leaves the rows of cached and loaded tokens uninitialised.
+    logprob_tail: int = 0
 
 
 def kv_transfer_config(spec: EngineSpec) -> Any:
@@ -111,7 +115,12 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=phase.max_tokens, ignore_eos=True)
+    extra: dict[str, Any] = {}
+    if phase.logprob_tail:  # vLLM skips every cache for such requests unless told not to,
+        # and detokenizes every row, the uninitialised ones of loaded tokens included.
+        extra = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False}
+    params = SamplingParams(temperature=0.0, max_tokens=phase.max_tokens, ignore_eos=True,
+                            **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in phase.prompts]
     walls, ttft = [], []
     outs: list[Any] = []
@@ -125,7 +134,7 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - t0)
-    return {
+    result = {
         "name": phase.name,
         "wall_s": walls,
         "ttft_s": ttft,
@@ -134,6 +143,25 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
         "prompt_tokens": [len(p) for p in phase.prompts],
         "worker_delta": {k: v - before.get(k, 0) for k, v in _worker_counters().items()},
     }
+    if phase.logprob_tail:
+        result["tail_logprobs"] = [_tail_logprobs(p, o, phase.logprob_tail)
+                                   for p, o in zip(phase.prompts, outs, strict=True)]
+    return result
+
+
+def _tail_logprobs(prompt: list[int], out: Any, tail: int) -> list[float]:
+    """The logprob of each of the prompt's last `tail` tokens given the ones before it."""
+    entries = out.prompt_logprobs  # one per prompt token; the first is None
+    if entries is None or len(entries) != len(prompt) or tail >= len(prompt):
+        raise RuntimeError(f"vLLM returned {len(entries or [])} prompt logprobs for a "
+                           f"{len(prompt)}-token prompt")
+    found = []
+    for pos in range(len(prompt) - tail, len(prompt)):
+        entry = entries[pos]
+        if entry is None or prompt[pos] not in entry:
+            raise RuntimeError(f"no logprob for prompt token {pos}")
+        found.append(float(entry[prompt[pos]].logprob))
+    return found
 
 
 def _worker_counters() -> dict[str, int]:
