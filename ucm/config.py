@@ -185,9 +185,12 @@ class UCMConfig(_Strict):
                             "every event is bounded")
     pin_ttl: float = Field(default=60.0, gt=0,
                            description="seconds a pinning lookup keeps its blocks from eviction")
-    eviction: Literal["s3fifo", "lru", "adaptive"] = Field(
-        default="s3fifo", description="each tier's eviction policy: s3fifo, lru, or adaptive "
-        "(S3-FIFO whose small-queue share follows its ghost hits, as ARC's split does)")
+    eviction: Literal["shadow", "s3fifo", "lru", "adaptive"] = Field(
+        default="shadow", description="each tier's eviction policy: shadow (two LRU segments, "
+        "blocks stored once and blocks used again, whose eviction weight sampled miniature "
+        "caches choose; never below LRU on the Mooncake conversation trace, see "
+        "docs/autotune.md), s3fifo, lru, or adaptive (S3-FIFO whose small-queue share follows "
+        "its ghost hits, as ARC's split does)")
     promote: bool = Field(default=True, description="copy hits from slower tiers upwards")
     threads: ThreadsConfig = Field(default_factory=ThreadsConfig,
                                    description="the threads the kernel owns and lends to its "

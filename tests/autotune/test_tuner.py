@@ -76,13 +76,13 @@ def test_the_tuned_config_beats_every_config_of_a_grid(tmp_path):
     bandwidths = {"memory": 10e9, "posix": 1e9}
     grid = [Candidate(int(gb * GB) // block * block, 0, e)
             for gb in (0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0) for e in ("lru", "s3fifo",
-                                                                           "adaptive")]
+                                                                           "adaptive", "shadow")]
     assert len(grid) >= 20
     best = max(tuner.evaluate(requests, c, block, bandwidths).hit_ratio for c in grid)
     assert tuner.best.hit_ratio >= best
     report = tuner.report()
     assert report["hit_ratio"] == tuner.best.hit_ratio and report["eviction"] in (
-        "lru", "s3fifo", "adaptive")
+        "lru", "s3fifo", "adaptive", "shadow")
 
 
 def test_a_latency_budget_is_kept_and_a_disk_tier_is_weighed(tmp_path):

@@ -8,14 +8,15 @@ import pytest
 
 from ucm.bench.policy import hit_ratio, zipf_scan_trace
 from ucm.kernel import LRUPolicy, S3FIFOPolicy
-from ucm.kernel._policy import AdaptiveS3FIFOPolicy, make_policy
+from ucm.kernel._policy import AdaptiveS3FIFOPolicy, ShadowLRUPolicy, make_policy
 
 
 def k(i: int) -> bytes:
     return i.to_bytes(4, "little")
 
 
-@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy, AdaptiveS3FIFOPolicy])
+@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy, AdaptiveS3FIFOPolicy,
+                                 ShadowLRUPolicy])
 def test_accounting_and_room(cls):
     policy = cls(100, clock=lambda: 0.0)
     for i in range(10):
@@ -30,7 +31,8 @@ def test_accounting_and_room(cls):
     assert policy.used == sum(policy.size_of(key) for key in policy)
 
 
-@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy, AdaptiveS3FIFOPolicy])
+@pytest.mark.parametrize("cls", [LRUPolicy, S3FIFOPolicy, AdaptiveS3FIFOPolicy,
+                                 ShadowLRUPolicy])
 def test_pinned_blocks_are_never_victims(cls):
     now = [0.0]
     policy = cls(50, clock=lambda: now[0])
@@ -96,12 +98,79 @@ def test_adaptive_moves_its_split_with_each_ghost_hit():
 
 
 def test_depth_hints_are_accepted_by_every_policy():
-    for name in ("lru", "s3fifo", "adaptive"):
+    for name in ("lru", "s3fifo", "adaptive", "shadow"):
         policy = make_policy(name, 3, clock=lambda: 0.0)
         for i in range(3):
             policy.insert(k(i), 1, i)
         policy.touch(k(0), 0)
         policy.touch(k(9), 1)  # absent: ignored
         assert len(policy) == 3 and policy.used == 3
-    with pytest.raises(ValueError, match="lru, s3fifo, adaptive"):
+    with pytest.raises(ValueError, match="lru, s3fifo, adaptive, shadow"):
         make_policy("nope", 1)
+
+
+def _replay(policy, trace: list[int]) -> int:
+    """Block-granular replay (a hit is touched, a miss stored): the number of hits."""
+    hits = 0
+    for i in trace:
+        key = k(i)
+        if key in policy:
+            hits += 1
+            policy.touch(key)
+            continue
+        policy.make_room(1)
+        policy.insert(key, 1)
+    return hits
+
+
+class _WeightOne(ShadowLRUPolicy):
+    WEIGHTS = (1.0,)
+
+
+def test_shadow_with_weight_one_evicts_as_lru_does():
+    rng = random.Random(3)
+    trace = [rng.randrange(300) for _ in range(5000)]
+    lru, shadow = LRUPolicy(100, clock=lambda: 0.0), _WeightOne(100, clock=lambda: 0.0)
+    for i in trace:
+        key = k(i)
+        for policy in (lru, shadow):
+            if key in policy:
+                policy.touch(key)
+            else:
+                victims = policy.make_room(1)
+                policy.insert(key, 1)
+        assert set(lru) == set(shadow), victims
+    assert shadow.weight == 1.0
+
+
+def test_shadow_protects_returned_blocks_from_one_off_blocks():
+    """Hot blocks return at a distance LRU cannot hold (a scan of fresh blocks in between):
+    the shadows pick a large weight, so fresh blocks go first and the hot set stays."""
+    trace = []
+    scan = 10_000
+    for _ in range(60):
+        trace.extend(range(80))  # 80 hot blocks, in a tier of 100
+        trace.extend(range(scan, scan + 150))  # 150 blocks never seen again
+        scan += 150
+    lru = _replay(LRUPolicy(100, clock=lambda: 0.0), trace)
+    policy = ShadowLRUPolicy(100, clock=lambda: 0.0)
+    shadow = _replay(policy, trace)
+    assert lru == 0  # each scan flushes the hot set
+    assert shadow >= 50 * 80, shadow  # from the third round on, nearly all 80 hit
+    assert policy.weight >= 8
+
+
+def test_shadow_keeps_lru_where_recency_is_all():
+    """Every block is read twice, 90 distinct blocks apart in a tier of 100: LRU hits each
+    second read; protecting blocks hit once would only lose. The shadows choose weight 1."""
+    trace = []
+    for start in range(0, 30_000, 30):
+        trace.extend(range(start, start + 30))
+        if start:
+            trace.extend(range(start - 30, start))
+    lru = _replay(LRUPolicy(100, clock=lambda: 0.0), trace)
+    policy = ShadowLRUPolicy(100, clock=lambda: 0.0)
+    shadow = _replay(policy, trace)
+    assert lru == 999 * 30
+    assert shadow >= lru - 2 * 30, (shadow, lru)
+    assert policy.weight <= 2
