@@ -1,160 +1,192 @@
-/* ucm._kvcodec: the decoding loop of the int8/int4 KV codecs (ucm/codecs/quant.py), one part of
- * a block a call, outside the GIL. The loop compiled for AVX2 and F16C (kvcodec_avx2.c) is
- * chosen at import when the CPU has both; IMPL names the one in use. Built by setup.py as an
- * optional extension: without it ucm.codecs decodes with numpy. */
+/* ucm._kvcodec: the coding loops of the int8/int4 KV codecs (ucm/codecs/quant.py), a block a
+ * call, outside the GIL. The loops compiled for AVX2 and F16C (kvcodec_avx2.c) are chosen at
+ * import when the CPU has both; IMPL names the ones in use. Built by setup.py as an optional
+ * extension: without it ucm.codecs codes with numpy. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KV_IMPL dequantize_portable_impl
+#define KV_SUFFIX portable
 #include "kvcodec_impl.h"
 
-typedef int (*impl_t)(char *, const uint8_t *, const uint16_t *, const uint16_t *, int, int, int,
-                      size_t, size_t, size_t, float *, float *, float *);
+typedef void (*decode_t)(const kv_part_t *, size_t, char *, const uint8_t *, int, int, float *,
+                         size_t *);
+typedef int (*encode_t)(const kv_part_t *, size_t, uint8_t *, const char *, int, int, float *,
+                        size_t *);
 #if defined(__x86_64__) || defined(__i386__)
-int dequantize_avx2(char *, const uint8_t *, const uint16_t *, const uint16_t *, int, int, int,
-                    size_t, size_t, size_t, float *, float *, float *);
+void kv_decode_block_avx2(const kv_part_t *, size_t, char *, const uint8_t *, int, int, float *,
+                          size_t *);
+int kv_encode_block_avx2(const kv_part_t *, size_t, uint8_t *, const char *, int, int, float *,
+                         size_t *);
 #endif
-static impl_t best_impl = dequantize_portable_impl;
+static decode_t best_decode = kv_decode_block_portable;
+static encode_t best_encode = kv_encode_block_portable;
 static const char *best_name = "portable";
 
-static PyObject *run(PyObject *args, impl_t impl)
+#define MAX_DIM (1 << 24)
+
+/* The plan (9 int64 a part: kind 0 raw / 1 k / 2 v, tokens, channels, group, offset in the raw
+ * block, offset in the payload, c-major, ti, ci) checked against the buffers; the scratch each
+ * side needs. Returns the parts (PyMem) or NULL with ValueError set. */
+static kv_part_t *check_plan(const Py_buffer *plan, size_t raw_len, size_t payload_len, int bits,
+                             int dtype, size_t *nparts, size_t *floats, size_t *sizes)
 {
-    Py_buffer out, codes, mins, steps;
-    int key, bits, dtype;
-    Py_ssize_t tokens, channels, group;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*iiinnn", &out, &codes, &mins, &steps, &key, &bits,
-                          &dtype, &tokens, &channels, &group))
-        return NULL;
-    PyObject *result = NULL;
-    float *scratch = NULL;
-    size_t itemsize = dtype == 3 ? 4 : 2;
-    if (tokens < 1 || channels < 1 || group < 1 || (bits != 8 && bits != 4) || dtype < 1 ||
-        dtype > 3 || (key ? tokens % group : channels % group) ||
-        (bits == 4 && channels % 2) || tokens > (1 << 24) || channels > (1 << 24)) {
-        PyErr_SetString(PyExc_ValueError, "dequantize: bad geometry");
-        goto done;
-    }
-    size_t n = (size_t)tokens * (size_t)channels;
-    size_t nparams = key ? (size_t)(tokens / group) * channels : (size_t)tokens * (channels / group);
-    if ((size_t)out.len != n * itemsize || (size_t)codes.len != (bits == 8 ? n : n / 2) ||
-        (size_t)mins.len != 2 * nparams || (size_t)steps.len != 2 * nparams) {
-        PyErr_SetString(PyExc_ValueError, "dequantize: buffer sizes do not match the geometry");
-        goto done;
-    }
-    scratch = PyMem_Malloc(((size_t)channels + 2 * nparams) * sizeof(float));
-    if (scratch == NULL) {
+    if ((bits != 8 && bits != 4) || dtype < 1 || dtype > 3 || plan->len % (9 * 8) ||
+        plan->len == 0)
+        goto bad;
+    size_t n = (size_t)plan->len / (9 * 8), itemsize = dtype == 3 ? 4 : 2;
+    const int64_t *q = (const int64_t *)plan->buf;
+    kv_part_t *parts = PyMem_Calloc(n, sizeof(kv_part_t));
+    if (parts == NULL) {
         PyErr_NoMemory();
-        goto done;
+        return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS
-    impl((char *)out.buf, (const uint8_t *)codes.buf, (const uint16_t *)mins.buf,
-         (const uint16_t *)steps.buf, key, bits, dtype, (size_t)tokens, (size_t)channels,
-         (size_t)group, scratch, scratch + channels, scratch + channels + nparams);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyMem_Free(scratch);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&mins);
-    PyBuffer_Release(&steps);
-    return result;
+    *floats = *sizes = 1;
+    for (size_t i = 0; i < n; i++, q += 9) {
+        int64_t kind = q[0], t = q[1], c = q[2], g = q[3], oo = q[4], po = q[5], cm = q[6],
+                ti = q[7], ci = q[8];
+        if (kind < 0 || kind > 2 || t < 1 || c < 1 || g < 1 || t > MAX_DIM || c > MAX_DIM ||
+            oo < 0 || po < 0 || (uint64_t)oo > raw_len || (uint64_t)po > payload_len ||
+            cm < 0 || cm > 1 || ti < 1 || ci < 1 || t % ti || c % ci)
+            goto bad_parts;
+        kv_part_t *p = parts + i;
+        *p = (kv_part_t){(size_t)kind, (size_t)t, (size_t)c, (size_t)g, (size_t)oo, (size_t)po,
+                         (size_t)cm, (size_t)ti, (size_t)ci};
+        if (kind == 0) {
+            if (c != 1 || cm || ti != 1 || ci != 1 || (size_t)t > raw_len - (size_t)oo ||
+                (size_t)t > payload_len - (size_t)po)
+                goto bad_parts;
+            continue;
+        }
+        if ((kind == 1 ? t % g : c % g) || (bits == 4 && c % 2))
+            goto bad_parts;
+        size_t count = (size_t)t * (size_t)c, ng = kv_groups(p);
+        size_t need = 4 + 2 * ng + (bits == 8 ? count : count / 2);
+        if (count > raw_len / itemsize || count * itemsize > raw_len - (size_t)oo ||
+            need > payload_len - (size_t)po)
+            goto bad_parts;
+        size_t f = (count > (size_t)c ? count : (size_t)c) + 2 * ng;
+        if (f > *floats)
+            *floats = f;
+        if ((size_t)t + (size_t)c > *sizes)
+            *sizes = (size_t)t + (size_t)c;
+    }
+    *nparts = n;
+    return parts;
+bad_parts:
+    PyMem_Free(parts);
+bad:
+    PyErr_SetString(PyExc_ValueError, "the plan does not fit the buffers");
+    return NULL;
 }
 
-static PyObject *dequantize(PyObject *self, PyObject *args) { return run(args, best_impl); }
-
-/* A whole block: `plan` holds per part six int64 (kind 0 raw / 1 k / 2 v, tokens, channels,
- * group, offset in out, offset in payload), as ucm/codecs/quant.py's `_plan` makes them; every
- * range is checked against the buffers before the loop runs. */
-static PyObject *dequantize_block(PyObject *self, PyObject *args)
+static PyObject *decode(PyObject *args, decode_t impl)
 {
     Py_buffer out, payload, plan;
     int bits, dtype;
     if (!PyArg_ParseTuple(args, "w*y*y*ii", &out, &payload, &plan, &bits, &dtype))
         return NULL;
     PyObject *result = NULL;
-    float *scratch = NULL;
-    const int64_t *p = (const int64_t *)plan.buf;
-    size_t nparts = (size_t)plan.len / (6 * sizeof(int64_t)), itemsize = dtype == 3 ? 4 : 2;
-    size_t most = 0;
-    if ((bits != 8 && bits != 4) || dtype < 1 || dtype > 3 || plan.len % (6 * 8))
-        goto bad;
-    for (size_t i = 0; i < nparts; i++) {
-        const int64_t *q = p + 6 * i;
-        int64_t kind = q[0], t = q[1], c = q[2], g = q[3], oo = q[4], po = q[5];
-        if (t < 1 || c < 1 || g < 1 || t > (1 << 24) || c > (1 << 24) || oo < 0 || po < 0 ||
-            kind < 0 || kind > 2)
-            goto bad;
-        size_t n = (size_t)t * (size_t)c;
-        if (kind == 0) {
-            if ((size_t)oo + (size_t)t > (size_t)out.len ||
-                (size_t)po + (size_t)t > (size_t)payload.len)
-                goto bad;
-            continue;
-        }
-        if ((kind == 1 ? t % g : c % g) || (bits == 4 && c % 2))
-            goto bad;
-        size_t np = kind == 1 ? (size_t)(t / g) * c : (size_t)t * (c / g);
-        size_t need = 4 * np + (bits == 8 ? n : n / 2);
-        if ((size_t)oo + n * itemsize > (size_t)out.len || (size_t)po + need > (size_t)payload.len)
-            goto bad;
-        if ((size_t)c + 2 * np > most)
-            most = (size_t)c + 2 * np;
-    }
-    scratch = PyMem_Malloc((most ? most : 1) * sizeof(float));
-    if (scratch == NULL) {
+    size_t nparts = 0, floats = 0, sizes = 0;
+    float *fs = NULL;
+    size_t *zs = NULL;
+    kv_part_t *parts = check_plan(&plan, (size_t)out.len, (size_t)payload.len, bits, dtype,
+                                  &nparts, &floats, &sizes);
+    if (parts == NULL)
+        goto done;
+    fs = PyMem_Malloc(floats * sizeof(float));
+    zs = PyMem_Malloc(sizes * sizeof(size_t));
+    if (fs == NULL || zs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (size_t i = 0; i < nparts; i++) {
-        const int64_t *q = p + 6 * i;
-        size_t t = (size_t)q[1], c = (size_t)q[2], g = (size_t)q[3];
-        char *o = (char *)out.buf + q[4];
-        const uint8_t *in = (const uint8_t *)payload.buf + q[5];
-        if (q[0] == 0) {
-            memcpy(o, in, t);
-            continue;
-        }
-        size_t np = q[0] == 1 ? (t / g) * c : t * (c / g);
-        best_impl(o, in + 4 * np, (const uint16_t *)in, (const uint16_t *)(in + 2 * np),
-                  q[0] == 1, bits, dtype, t, c, g, scratch, scratch + c, scratch + c + np);
-    }
+    impl(parts, nparts, (char *)out.buf, (const uint8_t *)payload.buf, bits, dtype, fs, zs);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
-    goto done;
-bad:
-    PyErr_SetString(PyExc_ValueError, "dequantize_block: the plan does not fit the buffers");
 done:
-    PyMem_Free(scratch);
+    PyMem_Free(parts);
+    PyMem_Free(fs);
+    PyMem_Free(zs);
     PyBuffer_Release(&out);
     PyBuffer_Release(&payload);
     PyBuffer_Release(&plan);
     return result;
 }
 
-static PyObject *dequantize_portable(PyObject *self, PyObject *args)
+static PyObject *encode(PyObject *args, encode_t impl)
 {
-    return run(args, dequantize_portable_impl);
+    Py_buffer out, raw, plan;
+    int bits, dtype;
+    if (!PyArg_ParseTuple(args, "w*y*y*ii", &out, &raw, &plan, &bits, &dtype))
+        return NULL;
+    PyObject *result = NULL;
+    size_t nparts = 0, floats = 0, sizes = 0;
+    float *fs = NULL;
+    size_t *zs = NULL;
+    int status = 0;
+    kv_part_t *parts = check_plan(&plan, (size_t)raw.len, (size_t)out.len, bits, dtype, &nparts,
+                                  &floats, &sizes);
+    if (parts == NULL)
+        goto done;
+    fs = PyMem_Malloc(floats * sizeof(float));
+    zs = PyMem_Malloc(sizes * sizeof(size_t));
+    if (fs == NULL || zs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    status = impl(parts, nparts, (uint8_t *)out.buf, (const char *)raw.buf, bits, dtype, fs, zs);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(status);
+done:
+    PyMem_Free(parts);
+    PyMem_Free(fs);
+    PyMem_Free(zs);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&plan);
+    return result;
+}
+
+static PyObject *dequantize_block(PyObject *self, PyObject *args)
+{
+    return decode(args, best_decode);
+}
+
+static PyObject *dequantize_block_portable(PyObject *self, PyObject *args)
+{
+    return decode(args, kv_decode_block_portable);
+}
+
+static PyObject *quantize_block(PyObject *self, PyObject *args)
+{
+    return encode(args, best_encode);
+}
+
+static PyObject *quantize_block_portable(PyObject *self, PyObject *args)
+{
+    return encode(args, kv_encode_block_portable);
 }
 
 static PyMethodDef methods[] = {
-    {"dequantize", dequantize, METH_VARARGS,
-     "dequantize(out, codes, mins, steps, key, bits, dtype, tokens, channels, group): one "
-     "part of a quantized block into `out` (dtype 1 fp16, 2 bf16, 3 fp32). mins and steps "
-     "are float16; sizes must match the geometry (ValueError). Runs outside the GIL."},
     {"dequantize_block", dequantize_block, METH_VARARGS,
-     "dequantize_block(out, payload, plan, bits, dtype): every part of a block in one call "
-     "(plan: int64 kind, tokens, channels, group, out offset, payload offset per part)."},
-    {"dequantize_portable", dequantize_portable, METH_VARARGS,
-     "dequantize with the loop every CPU runs."},
+     "dequantize_block(out, payload, plan, bits, dtype): every part of a block into `out` "
+     "(dtype 1 fp16, 2 bf16, 3 fp32; plan: int64 kind, tokens, channels, group, out offset, "
+     "payload offset, c-major, ti, ci per part, checked against the buffers: ValueError). "
+     "Runs outside the GIL."},
+    {"dequantize_block_portable", dequantize_block_portable, METH_VARARGS,
+     "dequantize_block with the loops every CPU runs."},
+    {"quantize_block", quantize_block, METH_VARARGS,
+     "quantize_block(payload, raw, plan, bits, dtype) -> 0, or 1 (a non-finite value) or 2 "
+     "(a range beyond float16): the payload of a block (its exact length). Outside the GIL."},
+    {"quantize_block_portable", quantize_block_portable, METH_VARARGS,
+     "quantize_block with the loops every CPU runs."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "ucm._kvcodec", "Decoding loops of the int8/int4 KV codecs.", -1,
+    PyModuleDef_HEAD_INIT, "ucm._kvcodec", "Coding loops of the int8/int4 KV codecs.", -1,
     methods,
 };
 
@@ -163,7 +195,8 @@ PyMODINIT_FUNC PyInit__kvcodec(void)
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
-        best_impl = dequantize_avx2;
+        best_decode = kv_decode_block_avx2;
+        best_encode = kv_encode_block_avx2;
         best_name = "avx2";
     }
 #endif

@@ -1,7 +1,7 @@
-/* ucm._kvcodec's dequantizing loop for CPUs with AVX2 and F16C (kvcodec.c picks it at import
- * when the CPU has both); a compiler that ignores the pragma builds the portable loop again. */
+/* ucm._kvcodec's coding loops for CPUs with AVX2 and F16C (kvcodec.c picks them at import when
+ * the CPU has both); a compiler that ignores the pragma builds the portable loops again. */
 #if defined(__x86_64__) || defined(__i386__)
 #pragma GCC target("avx2,f16c")
-#define KV_IMPL dequantize_avx2
+#define KV_SUFFIX avx2
 #include "kvcodec_impl.h"
 #endif

@@ -1,8 +1,11 @@
-/* The dequantizing loop of ucm._kvcodec, compiled twice: by kvcodec.c for any CPU and by
- * kvcodec_avx2.c for CPUs with AVX2 and F16C (the vector float16 conversions). KV_IMPL names
- * the function this inclusion defines. One part of a block: a row-major [tokens, channels]
- * matrix; keys ("k") have a minimum and a step per channel and group of `group` tokens,
- * values per token and group of `group` channels (ucm/codecs/quant.py is the reference). */
+/* The coding loops of ucm._kvcodec, compiled twice: by kvcodec.c for any CPU and by
+ * kvcodec_avx2.c for CPUs with AVX2 and F16C. KV_SUFFIX names the functions an inclusion
+ * defines. One part of a block at a time: its [tokens, channels] matrix, stored in the order
+ * the plan gives (t-major [T/ti, C/ci, ti, ci] or c-major [C/ci, T/ti, ci, ti]); keys ("k")
+ * are grouped per channel along `group` tokens, values per token along `group` channels, with
+ * two-level scales (ucm/codecs/quant.py is the reference, bit for bit: no fused multiply-add,
+ * float32 throughout, round to nearest even). */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -11,7 +14,33 @@
 #include <immintrin.h>
 #endif
 
-static inline float kv_half_to_float(uint16_t h)
+#define KV_CAT2(a, b) a##_##b
+#define KV_CAT(a, b) KV_CAT2(a, b)
+#define KV_FN(name) KV_CAT(name, KV_SUFFIX)
+
+#ifndef KV_SHARED_DONE
+#define KV_SHARED_DONE
+#define KV_GRID 255
+
+typedef struct {
+    size_t kind, tokens, channels, group, out_offset, payload_offset, c_major, ti, ci;
+} kv_part_t;
+
+static inline float kv_bits_float(uint32_t bits)
+{
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint32_t kv_float_bits(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return bits;
+}
+
+static inline float kv_half_to_float_sw(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
@@ -30,37 +59,77 @@ static inline float kv_half_to_float(uint16_t h)
     } else {
         bits = sign | ((exp + 112) << 23) | (man << 13);
     }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return kv_bits_float(bits);
 }
 
-static inline uint16_t kv_float_to_half(float f)
+static inline uint16_t kv_float_to_half_sw(float f)
 {
-#if defined(__F16C__)
-    return (uint16_t)_cvtss_sh(f, 0);
-#else
-    uint32_t x;
-    memcpy(&x, &f, 4);
+    uint32_t x = kv_float_bits(f);
     uint32_t sign = (x >> 16) & 0x8000, absx = x & 0x7fffffff;
-    if (absx >= 0x47800000) /* overflow, inf or nan */
-        return (uint16_t)(sign | (absx > 0x7f800000 ? 0x7e00 : 0x7c00));
+    if (absx >= 0x477ff000) { /* rounds to inf (65520 and above), inf or nan */
+        if (absx > 0x7f800000)
+            return (uint16_t)(sign | 0x7e00);
+        return (uint16_t)(sign | 0x7c00);
+    }
     if (absx < 0x38800000) { /* subnormal or zero: round to nearest even in float arithmetic */
-        float a;
-        memcpy(&a, &absx, 4);
-        a += 0.5f; /* 2^-1: the subnormal half bits land in the low mantissa */
-        uint32_t b;
-        memcpy(&b, &a, 4);
-        return (uint16_t)(sign | (b - 0x3f000000));
+        float a = kv_bits_float(absx) + 0.5f; /* the subnormal half bits land in the mantissa */
+        return (uint16_t)(sign | (kv_float_bits(a) - 0x3f000000));
     }
     uint32_t mant_odd = (absx >> 13) & 1;
     absx += 0xc8000fff + mant_odd; /* rebias exponent and round to nearest even */
     return (uint16_t)(sign | (absx >> 13));
+}
+
+static inline int kv_half_finite(uint16_t h) { return (h & 0x7c00) != 0x7c00; }
+
+/* The float16 next to h toward -inf (down) or +inf (up), as numpy's nextafter. */
+static inline uint16_t kv_half_next(uint16_t h, int up)
+{
+    if ((h & 0x7fff) == 0)
+        return up ? 0x0001 : 0x8001;
+    int negative = h >> 15;
+    return (uint16_t)(negative == !up ? h + 1 : h - 1);
+}
+
+/* Element offsets of a part's token and channel indices in its stored order. */
+static void kv_offsets(const kv_part_t *p, size_t *toff, size_t *coff)
+{
+    size_t t = p->tokens, c = p->channels, ti = p->ti, ci = p->ci;
+    for (size_t i = 0; i < t; i++)
+        toff[i] = p->c_major ? (i / ti) * ti * ci + i % ti : (i / ti) * (c / ci) * ti * ci +
+                                                             (i % ti) * ci;
+    for (size_t j = 0; j < c; j++)
+        coff[j] = p->c_major ? (j / ci) * (t / ti) * ti * ci + (j % ci) * ti : (j / ci) * ti * ci +
+                                                                              j % ci;
+}
+
+static inline size_t kv_groups(const kv_part_t *p)
+{
+    return p->kind == 1 ? (p->tokens / p->group) * p->channels
+                        : p->tokens * (p->channels / p->group);
+}
+#endif /* KV_SHARED_DONE */
+
+static inline float KV_FN(kv_half_to_float)(uint16_t h)
+{
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return kv_half_to_float_sw(h);
 #endif
 }
 
-/* row (float, n values) -> out in `dtype` (1 fp16, 2 bf16, 3 fp32) */
-static inline void kv_store_row(const float *row, char *out, size_t n, int dtype)
+static inline uint16_t KV_FN(kv_float_to_half)(float f)
+{
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    return kv_float_to_half_sw(f);
+#endif
+}
+
+/* row (float, n values) -> out in `dtype` (1 fp16, 2 bf16, 3 fp32), contiguous */
+static inline void KV_FN(kv_store_row)(const float *row, char *out, size_t n, int dtype)
 {
     size_t i = 0;
     if (dtype == 3) {
@@ -75,7 +144,7 @@ static inline void kv_store_row(const float *row, char *out, size_t n, int dtype
                              _mm256_cvtps_ph(_mm256_loadu_ps(row + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
         for (; i < n; i++)
-            o[i] = kv_float_to_half(row[i]);
+            o[i] = KV_FN(kv_float_to_half)(row[i]);
         return;
     }
     const uint32_t *u = (const uint32_t *)row;
@@ -93,18 +162,43 @@ static inline void kv_store_row(const float *row, char *out, size_t n, int dtype
         o[i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
 }
 
-/* Returns 0, or -1 when `channels` is too large for the row buffer the caller gave. */
-int KV_IMPL(char *out, const uint8_t *codes, const uint16_t *mins, const uint16_t *steps,
-                   int key, int bits, int dtype, size_t tokens, size_t channels, size_t group,
-                   float *row, float *pmin, float *pstep)
+/* One element of `dtype` at element index i of in, as float. */
+static inline float KV_FN(kv_load)(const char *in, size_t i, int dtype)
 {
-    size_t groups_per_row = key ? channels : channels / group;
-    size_t nparams = key ? (tokens / group) * channels : tokens * (channels / group);
-    for (size_t i = 0; i < nparams; i++) {
-        pmin[i] = kv_half_to_float(mins[i]);
-        pstep[i] = kv_half_to_float(steps[i]);
+    if (dtype == 3) {
+        float f;
+        memcpy(&f, in + 4 * i, 4);
+        return f;
     }
-    size_t itemsize = dtype == 3 ? 4 : 2;
+    uint16_t h;
+    memcpy(&h, in + 2 * i, 2);
+    return dtype == 1 ? KV_FN(kv_half_to_float)(h) : kv_bits_float((uint32_t)h << 16);
+}
+
+/* scratch: floats for one row (channels) + 2 * groups; size_t for tokens + channels */
+static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *in, int bits,
+                                  int dtype, float *row, float *pmin, float *pstep, size_t *toff,
+                                  size_t *coff)
+{
+    size_t tokens = p->tokens, channels = p->channels, group = p->group, ng = kv_groups(p);
+    size_t per_row = p->kind == 1 ? channels : channels / group, itemsize = dtype == 3 ? 4 : 2;
+    float levels = (float)((1 << bits) - 1);
+    uint16_t mh, sh;
+    memcpy(&mh, in, 2);
+    memcpy(&sh, in + 2, 2);
+    float m = KV_FN(kv_half_to_float)(mh), s = KV_FN(kv_half_to_float)(sh);
+    const uint8_t *lo = in + 4, *hi = in + 4 + ng, *codes = in + 4 + 2 * ng;
+    for (size_t i = 0; i < ng; i++) {
+        pmin[i] = m + (float)lo[i] * s;
+        pstep[i] = ((float)((int)hi[i] - (int)lo[i]) * s) / levels;
+    }
+    int plain = !p->c_major && p->ti == 1 && p->ci == 1;
+    if (!plain)
+        kv_offsets(p, toff, coff);
+    union {
+        uint16_t h[4096];
+        uint32_t w[2048];
+    } cast; /* one converted row, when the order scatters it */
     for (size_t t = 0; t < tokens; t++) {
         const uint8_t *c8 = codes + (bits == 8 ? t * channels : t * channels / 2);
         if (bits == 8) {
@@ -116,21 +210,208 @@ int KV_IMPL(char *out, const uint8_t *codes, const uint16_t *mins, const uint16_
                 row[2 * c + 1] = (float)(c8[c] >> 4);
             }
         }
-        if (key) {
-            const float *m = pmin + (t / group) * groups_per_row, *s = pstep + (t / group) *
-                                                                       groups_per_row;
+        if (p->kind == 1) {
+            const float *mm = pmin + (t / group) * per_row, *ss = pstep + (t / group) * per_row;
             for (size_t c = 0; c < channels; c++)
-                row[c] = row[c] * s[c] + m[c];
+                row[c] = row[c] * ss[c] + mm[c];
         } else {
-            const float *m = pmin + t * groups_per_row, *s = pstep + t * groups_per_row;
-            for (size_t j = 0; j < groups_per_row; j++) {
-                float mj = m[j], sj = s[j];
+            const float *mm = pmin + t * per_row, *ss = pstep + t * per_row;
+            for (size_t j = 0; j < per_row; j++) {
+                float mj = mm[j], sj = ss[j];
                 float *r = row + j * group;
                 for (size_t i = 0; i < group; i++)
                     r[i] = r[i] * sj + mj;
             }
         }
-        kv_store_row(row, out + t * channels * itemsize, channels, dtype);
+        if (plain) {
+            KV_FN(kv_store_row)(row, out + t * channels * itemsize, channels, dtype);
+            continue;
+        }
+        for (size_t c0 = 0; c0 < channels; c0 += 2048) { /* scatter through a converted chunk */
+            size_t n = channels - c0 < 2048 ? channels - c0 : 2048;
+            KV_FN(kv_store_row)(row + c0, (char *)&cast, n, dtype);
+            size_t base = toff[t];
+            if (itemsize == 2) {
+                uint16_t *o = (uint16_t *)out;
+                for (size_t c = 0; c < n; c++)
+                    o[base + coff[c0 + c]] = cast.h[c];
+            } else {
+                uint32_t *o = (uint32_t *)out;
+                for (size_t c = 0; c < n; c++)
+                    o[base + coff[c0 + c]] = cast.w[c];
+            }
+        }
+    }
+}
+
+/* Returns 0, 1 (a non-finite value) or 2 (the range overflows float16). scratch: floats for the
+ * matrix (tokens * channels) + 4 * groups; size_t for tokens + channels. */
+static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *dst, int bits,
+                                 int dtype, float *x, float *gmin, float *gmax, size_t *toff,
+                                 size_t *coff)
+{
+    size_t tokens = p->tokens, channels = p->channels, group = p->group, ng = kv_groups(p);
+    size_t per_row = p->kind == 1 ? channels : channels / group, n = tokens * channels;
+    int levels = (1 << bits) - 1;
+    int plain = !p->c_major && p->ti == 1 && p->ci == 1;
+    if (plain) {
+        for (size_t i = 0; i < n; i++)
+            x[i] = KV_FN(kv_load)(in, i, dtype);
+    } else {
+        kv_offsets(p, toff, coff);
+        for (size_t t = 0; t < tokens; t++)
+            for (size_t c = 0; c < channels; c++)
+                x[t * channels + c] = KV_FN(kv_load)(in, toff[t] + coff[c], dtype);
+    }
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad |= (kv_float_bits(x[i]) & 0x7f800000u) == 0x7f800000u;
+    if (bad)
+        return 1;
+    /* group minimums and maximums */
+    if (p->kind == 1) {
+        for (size_t gt = 0; gt < tokens / group; gt++) {
+            float *mn = gmin + gt * per_row, *mx = gmax + gt * per_row;
+            const float *r = x + gt * group * channels;
+            for (size_t c = 0; c < channels; c++)
+                mn[c] = mx[c] = r[c];
+            for (size_t i = 1; i < group; i++) {
+                r += channels;
+                for (size_t c = 0; c < channels; c++) {
+                    mn[c] = r[c] < mn[c] ? r[c] : mn[c];
+                    mx[c] = r[c] > mx[c] ? r[c] : mx[c];
+                }
+            }
+        }
+    } else {
+        for (size_t t = 0; t < tokens; t++)
+            for (size_t j = 0; j < per_row; j++) {
+                const float *r = x + t * channels + j * group;
+                float mn = r[0], mx = r[0];
+                for (size_t i = 1; i < group; i++) {
+                    mn = r[i] < mn ? r[i] : mn;
+                    mx = r[i] > mx ? r[i] : mx;
+                }
+                gmin[t * per_row + j] = mn;
+                gmax[t * per_row + j] = mx;
+            }
+    }
+    float lo_all = gmin[0], hi_all = gmax[0];
+    for (size_t i = 1; i < ng; i++) {
+        lo_all = gmin[i] < lo_all ? gmin[i] : lo_all;
+        hi_all = gmax[i] > hi_all ? gmax[i] : hi_all;
+    }
+    /* the part's grid: M rounded down, S up, M + 255 S >= every value */
+    uint16_t mh = KV_FN(kv_float_to_half)(lo_all);
+    if (KV_FN(kv_half_to_float)(mh) > lo_all)
+        mh = kv_half_next(mh, 0);
+    if (!kv_half_finite(mh))
+        return 2;
+    float m = KV_FN(kv_half_to_float)(mh);
+    float span = (hi_all - m) / (float)KV_GRID;
+    if (!(span > 0))
+        span = 1.0f;
+    uint16_t sh = KV_FN(kv_float_to_half)(span);
+    if (KV_FN(kv_half_to_float)(sh) < span)
+        sh = kv_half_next(sh, 1);
+    if (!kv_half_finite(sh))
+        return 2;
+    while (m + (float)KV_GRID * KV_FN(kv_half_to_float)(sh) < hi_all) {
+        sh = kv_half_next(sh, 1);
+        if (!kv_half_finite(sh))
+            return 2;
+    }
+    float s = KV_FN(kv_half_to_float)(sh);
+    memcpy(dst, &mh, 2);
+    memcpy(dst + 2, &sh, 2);
+    uint8_t *lo = dst + 4, *hi = dst + 4 + ng, *codes = dst + 4 + 2 * ng;
+    /* per group: the grid lines around it; gmin/gmax become its minimum and 1 / step */
+    for (size_t i = 0; i < ng; i++) {
+        float l = floorf((gmin[i] - m) / s);
+        l = l < 0 ? 0 : (l > KV_GRID - 1 ? KV_GRID - 1 : l);
+        int li = (int)l;
+        if (m + (float)li * s > gmin[i] && li > 0)
+            li--;
+        float h = ceilf((gmax[i] - m) / s);
+        h = h < 1 ? 1 : (h > KV_GRID ? KV_GRID : h);
+        int hi_ = (int)h;
+        if (hi_ < li + 1)
+            hi_ = li + 1;
+        float mn = m + (float)li * s, step = ((float)(hi_ - li) * s) / (float)levels;
+        if (mn + (float)levels * step < gmax[i] && hi_ < KV_GRID) {
+            hi_++;
+            step = ((float)(hi_ - li) * s) / (float)levels;
+        }
+        lo[i] = (uint8_t)li;
+        hi[i] = (uint8_t)hi_;
+        gmin[i] = mn;
+        gmax[i] = 1.0f / step;
+    }
+    float flevels = (float)levels;
+    for (size_t t = 0; t < tokens; t++) {
+        const float *r = x + t * channels;
+        const float *mm, *inv;
+        size_t stride;
+        if (p->kind == 1) {
+            mm = gmin + (t / group) * per_row;
+            inv = gmax + (t / group) * per_row;
+            stride = 1; /* one parameter per channel */
+        } else {
+            mm = gmin + t * per_row;
+            inv = gmax + t * per_row;
+            stride = 0; /* one per group of channels */
+        }
+        float *q = (float *)r; /* codes overwrite the row in place, as floats */
+        for (size_t c = 0; c < channels; c++) {
+            size_t k = stride ? c : c / group;
+            float v = nearbyintf((r[c] - mm[k]) * inv[k]);
+            q[c] = v < 0 ? 0 : (v > flevels ? flevels : v);
+        }
+        if (bits == 8) {
+            uint8_t *o = codes + t * channels;
+            for (size_t c = 0; c < channels; c++)
+                o[c] = (uint8_t)q[c];
+        } else {
+            uint8_t *o = codes + t * channels / 2;
+            for (size_t c = 0; c < channels / 2; c++)
+                o[c] = (uint8_t)((uint8_t)q[2 * c] | ((uint8_t)q[2 * c + 1] << 4));
+        }
+    }
+    return 0;
+}
+
+/* A whole block, parts already checked against the buffers. */
+void KV_FN(kv_decode_block)(const kv_part_t *parts, size_t nparts, char *out, const uint8_t *in,
+                            int bits, int dtype, float *fscratch, size_t *zscratch)
+{
+    for (size_t i = 0; i < nparts; i++) {
+        const kv_part_t *p = parts + i;
+        if (p->kind == 0) {
+            memcpy(out + p->out_offset, in + p->payload_offset, p->tokens);
+            continue;
+        }
+        size_t ng = kv_groups(p);
+        KV_FN(kv_decode_part)(p, out + p->out_offset, in + p->payload_offset, bits, dtype,
+                              fscratch, fscratch + p->channels, fscratch + p->channels + ng,
+                              zscratch, zscratch + p->tokens);
+    }
+}
+
+int KV_FN(kv_encode_block)(const kv_part_t *parts, size_t nparts, uint8_t *out, const char *in,
+                           int bits, int dtype, float *fscratch, size_t *zscratch)
+{
+    for (size_t i = 0; i < nparts; i++) {
+        const kv_part_t *p = parts + i;
+        if (p->kind == 0) {
+            memcpy(out + p->payload_offset, in + p->out_offset, p->tokens);
+            continue;
+        }
+        size_t n = p->tokens * p->channels, ng = kv_groups(p);
+        int status = KV_FN(kv_encode_part)(p, in + p->out_offset, out + p->payload_offset, bits,
+                                           dtype, fscratch, fscratch + n, fscratch + n + ng,
+                                           zscratch, zscratch + p->tokens);
+        if (status)
+            return status;
     }
     return 0;
 }

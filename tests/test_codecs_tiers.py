@@ -156,16 +156,18 @@ def test_the_layout_of_vllm_caches():
     found = register_kv_caches(halves, 10, BlockLayout(halves, 10).block_bytes,
                                interpretable=True)
     try:
-        assert [lay.parts for lay in found] == [(("k", 16, 64), ("v", 16, 64)) * 3,
-                                                (("k", 16, 64), ("v", 16, 64))]
+        assert found == [KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)) * 3),
+                         KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)))]
         assert layout_for(3 * 2 * 16 * 64 * 2) == found[0] and found[0].dtype == "bf16"
     finally:
         for lay in found:
             unregister_layout(lay)
     joint = {"l": torch.zeros(10, 2, 16, 2, 32, dtype=torch.float16)}
-    assert [lay.parts for lay in register_kv_caches(joint, 10, 2 * 16 * 64 * 2,
-                                                    interpretable=True)] == [
-        (("k", 16, 64), ("v", 16, 64))]
+    assert register_kv_caches(joint, 10, 2 * 16 * 64 * 2, interpretable=True) == [
+        KVLayout("fp16", (("k", 16, 64), ("v", 16, 64)))]
     unregister_layout(KVLayout("fp16", (("k", 16, 64), ("v", 16, 64))))
-    # CPU caches (ISA-dependent order inside a block): nothing is registered
+    # CPU caches of an unknown ISA (or none named): nothing is registered
     assert register_kv_caches(halves, 10, 3 * 2 * 16 * 64 * 2, interpretable=False) == []
+    cpu = {"l": torch.zeros(10, 2, 32, 128, dtype=torch.bfloat16)}
+    assert register_kv_caches(cpu, 10, 2 * 32 * 128 * 2, interpretable=False,
+                              cpu_isa="neon") == []

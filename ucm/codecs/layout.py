@@ -1,15 +1,22 @@
 """Where keys and values sit in a block: what a quantizing codec needs to interpret its bytes.
 
-A `KVLayout` is the block's parts in order, each a row-major [tokens, channels] matrix of keys
-("k"), values ("v"), or bytes to keep as they are ("raw": `tokens` bytes, `channels` 1), all
-of one element dtype. The vLLM hook registers the layout of its blocks (`register_layout`);
+A `KVLayout` is the block's parts in order, each a [tokens, channels] matrix of keys ("k"),
+values ("v"), or bytes to keep as they are ("raw": `tokens` bytes, `channels` 1), all of one
+element dtype. A part's elements are stored in one of two tiled orders (`Order`): with the
+tokens split into outer x `ti` inner and the channels into outer x `ci` inner, row-major over
+[tokens/ti, channels/ci, ti, ci] ("t-major"), or over [channels/ci, tokens/ti, ci, ti]
+("c-major"). Plain [T, C] is t-major with ti = ci = 1; [C, T] is c-major with 1, 1; vLLM's CPU
+attention packs keys for AMX as t-major 16 x 2 and values as c-major 2 x 16
+(ucm/codecs/vllm.py). The vLLM hook registers the layout of its blocks (`register_layout`);
 a quantizing tier quantizes a block only when a layout of exactly its size is registered in
 the process, and stores any other block losslessly: bytes it cannot interpret are never
 quantized. The layout travels in every quantized block's header (`pack`), so a load needs
 nothing but the block.
 
-Packed (little-endian): dtype u8 | group u16 | repeat u32 | runs u16 | per run: kind u8,
-tokens u32, channels u32, count u32. The parts are the runs expanded, the whole repeated.
+Packed (little-endian): format u8 (FORMAT: 0x80 | dtype) | group u16 | repeat u32 | runs u16 |
+per run: kind u8, tokens u32, channels u32, count u32, c-major u8, ti u16, ci u16. The parts
+are the runs expanded, the whole repeated. Parameters without the format bit (the first
+quantized format, fp16 scales per group) are refused as corrupt: such a block is a miss.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ucm.errors import BlockCorrupt
 
@@ -27,11 +35,24 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 _HEAD = struct.Struct("<BHIH")
-_RUN = struct.Struct("<BIII")
+_RUN = struct.Struct("<BIIIBHH")
+FORMAT = 0x80  # the format bit of the first byte: two-level scales, runs with an order
 MAX_PARTS = 1 << 16  # a decoder expands at most this many parts (a forged header gets no more)
-DEFAULT_GROUP = 32
+# Values are grouped per token along up to 64 channels (a head of most models), keys per channel
+# along up to 64 tokens (a vLLM block): two scale bytes a group (figures: docs/compression.md).
+DEFAULT_GROUP = 64
 
-Part = tuple[str, int, int]  # kind, tokens, channels
+
+class Order(NamedTuple):
+    """A part's element order: c_major False is [T/ti, C/ci, ti, ci], True [C/ci, T/ti, ci, ti]."""
+
+    c_major: bool = False
+    ti: int = 1
+    ci: int = 1
+
+
+TC = Order()
+Part = tuple  # (kind, tokens, channels[, order]); KVLayout keeps (kind, tokens, channels, order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +63,13 @@ class KVLayout:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
-        for kind, tokens, channels in self.parts:
-            if kind not in KINDS or tokens < 1 or channels < 1:
-                raise ValueError(f"bad layout part {(kind, tokens, channels)!r}")
-        if not self.parts or len(self.parts) > MAX_PARTS:
+        parts = tuple(_full(p) for p in self.parts)
+        object.__setattr__(self, "parts", parts)  # every part with its order
+        for kind, tokens, channels, order in parts:
+            if (kind not in KINDS or tokens < 1 or channels < 1 or not _order_fits(
+                    kind, tokens, channels, order)):
+                raise ValueError(f"bad layout part {(kind, tokens, channels, order)!r}")
+        if not parts or len(parts) > MAX_PARTS:
             raise ValueError(f"a layout has 1 to {MAX_PARTS} parts")
 
     @property
@@ -53,12 +77,26 @@ class KVLayout:
         return ITEMSIZE[self.dtype]
 
     def part_bytes(self, part: Part) -> int:
-        kind, tokens, channels = part
+        kind, tokens, channels = part[:3]
         return tokens * channels * (1 if kind == "raw" else self.itemsize)
 
     @property
     def raw_bytes(self) -> int:
         return sum(self.part_bytes(p) for p in self.parts)
+
+
+def _full(part: Part) -> Part:
+    if len(part) == 3:
+        return (*part, TC)
+    kind, tokens, channels, order = part
+    return (kind, tokens, channels, Order(*order))
+
+
+def _order_fits(kind: str, tokens: int, channels: int, order: Order) -> bool:
+    if kind == "raw":
+        return order == TC
+    return (order.ti >= 1 and order.ci >= 1 and tokens % order.ti == 0
+            and channels % order.ci == 0 and order.ti < 1 << 16 and order.ci < 1 << 16)
 
 
 def group_for(group: int, n: int) -> int:
@@ -75,10 +113,10 @@ def _gcd(a: int, b: int) -> int:
 
 
 def pack(layout: KVLayout, group: int) -> bytes:
-    runs: list[tuple[str, int, int, int]] = []
+    runs: list[tuple[str, int, int, Order, int]] = []
     for part in layout.parts:
-        if runs and runs[-1][:3] == part:
-            runs[-1] = (*part, runs[-1][3] + 1)
+        if runs and runs[-1][:4] == part:
+            runs[-1] = (*part, runs[-1][4] + 1)
         else:
             runs.append((*part, 1))
     repeat = 1
@@ -86,8 +124,8 @@ def pack(layout: KVLayout, group: int) -> bytes:
         if len(runs) % period == 0 and runs == runs[:period] * (len(runs) // period):
             repeat, runs = len(runs) // period, runs[:period]
             break
-    out = [_HEAD.pack(DTYPES[layout.dtype], group, repeat, len(runs))]
-    out += [_RUN.pack(KINDS[k], t, c, n) for k, t, c, n in runs]
+    out = [_HEAD.pack(FORMAT | DTYPES[layout.dtype], group, repeat, len(runs))]
+    out += [_RUN.pack(KINDS[k], t, c, n, o.c_major, o.ti, o.ci) for k, t, c, o, n in runs]
     return b"".join(out)
 
 
@@ -96,7 +134,10 @@ def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
     and describe exactly `raw_len` bytes. Sizes are checked before anything is expanded."""
     if len(params) < _HEAD.size:
         raise BlockCorrupt("codec parameters truncated")
-    dtype_id, group, repeat, nruns = _HEAD.unpack_from(params)
+    first, group, repeat, nruns = _HEAD.unpack_from(params)
+    if not first & FORMAT:
+        raise BlockCorrupt("quantized block of the first format (no longer read)")
+    dtype_id = first & ~FORMAT
     if dtype_id not in _DTYPE_NAMES or group < 1 or repeat < 1 or nruns < 1:
         raise BlockCorrupt("codec parameters out of range")
     if len(params) != _HEAD.size + nruns * _RUN.size:
@@ -104,16 +145,19 @@ def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
     dtype = _DTYPE_NAMES[dtype_id]
     runs, nparts, total = [], 0, 0
     for i in range(nruns):
-        kind_id, tokens, channels, count = _RUN.unpack_from(params, _HEAD.size + i * _RUN.size)
+        kind_id, tokens, channels, count, c_major, ti, ci = _RUN.unpack_from(
+            params, _HEAD.size + i * _RUN.size)
         if kind_id not in _KIND_NAMES or tokens < 1 or channels < 1 or count < 1:
             raise BlockCorrupt("codec parameters out of range")
-        kind = _KIND_NAMES[kind_id]
-        runs.append((kind, tokens, channels, count))
+        kind, order = _KIND_NAMES[kind_id], Order(bool(c_major), ti, ci)
+        if c_major > 1 or not _order_fits(kind, tokens, channels, order):
+            raise BlockCorrupt("codec parameters name an element order that does not fit")
+        runs.append((kind, tokens, channels, order, count))
         nparts += count
         total += count * tokens * channels * (1 if kind == "raw" else ITEMSIZE[dtype])
     if nparts * repeat > MAX_PARTS or total * repeat != raw_len:
         raise BlockCorrupt("codec parameters do not describe the block's raw size")
-    parts = tuple((k, t, c) for k, t, c, n in runs for _ in range(n)) * repeat
+    parts = tuple((k, t, c, o) for k, t, c, o, n in runs for _ in range(n)) * repeat
     return KVLayout(dtype, parts), group
 
 

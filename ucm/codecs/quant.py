@@ -1,12 +1,20 @@
-"""KIVI group quantization of KV blocks (numpy on the CPU): keys per channel (groups along the
-token axis), values per token (groups along the channel axis), int8 or packed int4 codes.
+"""KIVI group quantization of KV blocks (numpy on the CPU, the reference of native/kvcodec*.c):
+keys per channel (groups along the token axis), values per token (groups along the channel
+axis), int8 or packed int4 codes.
 
-Per part the payload is the group minimums (float16), the group steps (float16), then the
-codes (one byte each for int8; two per byte, the even index in the low nibble, for int4).
-Minimums are rounded down and steps up when kept in float16, so codes never clip and every
-element decodes to within half a step (before the cast to the cache's dtype). A block that
-does not fit (non-finite values, parameters beyond float16) raises `Unquantizable`, and the
-caller stores it losslessly.
+A part is quantized as its [tokens, channels] matrix, whatever order its elements are stored in
+(ucm.codecs.layout.Order): codes are kept in that logical order and decoding writes each element
+back where the layout puts it. Scales are two-level, two bytes a group: per part a grid of 255
+steps over its range (minimum M rounded down and step S rounded up, float16), and per group
+the grid lines below its minimum (lo) and above its maximum (hi), so the group's minimum is
+M + lo*S and its step (hi - lo)*S/levels, all in float32. Codes never clip (within float32
+rounding): every element decodes to within about half its group's step before the cast to the
+cache's dtype.
+
+Per part the payload is M and S (float16), lo and hi per group (u8, all lo then all hi), then
+the codes (one byte each for int8; two per byte, the even index in the low nibble, for int4).
+A block that does not fit (non-finite values, a range beyond float16) raises `Unquantizable`,
+and the caller stores it losslessly.
 """
 
 from __future__ import annotations
@@ -15,16 +23,18 @@ import functools
 
 import numpy as np
 
-from ucm.codecs.layout import DTYPES, KVLayout, Part, group_for
+from ucm.codecs.layout import DTYPES, KVLayout, Order, Part, group_for
 from ucm.errors import BlockCorrupt
 
-try:  # native/kvcodec.c: the decoding loop outside the GIL (setup.py builds it)
-    from ucm._kvcodec import dequantize as _dequantize
+try:  # native/kvcodec.c: the coding loops outside the GIL (setup.py builds it)
     from ucm._kvcodec import dequantize_block as _dequantize_block
+    from ucm._kvcodec import quantize_block as _quantize_block
 except ImportError:  # pragma: no cover - a host without a C compiler
-    _dequantize = _dequantize_block = None
+    _dequantize_block = _quantize_block = None
 
 _KIND_IDS = {"raw": 0, "k": 1, "v": 2}
+GRID = 255  # steps of a part's grid (lo and hi are bytes)
+_F32 = np.float32
 
 
 class Unquantizable(Exception):
@@ -33,7 +43,7 @@ class Unquantizable(Exception):
 
 def part_geometry(part: Part, group: int) -> tuple[int, int]:
     """(group along the quantized axis, number of groups) of a k or v part."""
-    kind, tokens, channels = part
+    kind, tokens, channels = part[:3]
     if kind == "k":
         g = group_for(group, tokens)
         return g, (tokens // g) * channels
@@ -41,18 +51,17 @@ def part_geometry(part: Part, group: int) -> tuple[int, int]:
     return g, tokens * (channels // g)
 
 
+def part_payload(part: Part, group: int, bits: int) -> int:
+    kind, tokens, channels = part[:3]
+    if kind == "raw":
+        return tokens
+    n = tokens * channels
+    return 4 + 2 * part_geometry(part, group)[1] + (n if bits == 8 else (n + 1) // 2)
+
+
 def payload_bytes(layout: KVLayout, group: int, bits: int) -> int:
     """The exact payload length of a block of `layout` quantized with `bits`."""
-    total = 0
-    for part in layout.parts:
-        kind, tokens, channels = part
-        if kind == "raw":
-            total += tokens
-            continue
-        _, ngroups = part_geometry(part, group)
-        n = tokens * channels
-        total += 4 * ngroups + (n if bits == 8 else (n + 1) // 2)
-    return total
+    return sum(part_payload(part, group, bits) for part in layout.parts)
 
 
 # -- dtype conversions (bf16 has no numpy dtype: it is the top half of a float32) ---------------
@@ -77,72 +86,145 @@ def from_f32(x: np.ndarray, dtype: str, out: np.ndarray) -> None:
         out.view(np.uint16)[...] = rounded
 
 
-def _f16_toward(values: np.ndarray, direction: float) -> np.ndarray:
-    cast = values.astype(np.float16)
-    if not np.isfinite(cast).all():
-        raise Unquantizable("quantization parameters overflow float16")
-    wrong = cast.astype(np.float32) > values if direction < 0 else cast.astype(np.float32) < values
-    return np.where(wrong, np.nextafter(cast, np.float16(direction)), cast)
+# -- element orders ------------------------------------------------------------------------------
+
+def to_logical(x: np.ndarray, tokens: int, channels: int, order: Order) -> np.ndarray:
+    """A part's elements in stored order -> its [tokens, channels] matrix (a copy unless TC)."""
+    c_major, ti, ci = order
+    if c_major:  # [C/ci, T/ti, ci, ti] -> [T/ti, ti, C/ci, ci]
+        return x.reshape(channels // ci, tokens // ti, ci, ti).transpose(1, 3, 0, 2).reshape(
+            tokens, channels)
+    if ti == 1 and ci == 1:
+        return x.reshape(tokens, channels)
+    return x.reshape(tokens // ti, channels // ci, ti, ci).transpose(0, 2, 1, 3).reshape(
+        tokens, channels)
 
 
-def _grouped(x: np.ndarray, part: Part, g: int) -> np.ndarray:
-    kind, tokens, channels = part
+def to_stored(x: np.ndarray, order: Order) -> np.ndarray:
+    """The inverse of `to_logical`: a [tokens, channels] matrix in stored order, flat."""
+    c_major, ti, ci = order
+    tokens, channels = x.shape
+    t4 = x.reshape(tokens // ti, ti, channels // ci, ci)
+    return (t4.transpose(2, 0, 3, 1) if c_major else t4.transpose(0, 2, 1, 3)).reshape(-1)
+
+
+# -- scales ---------------------------------------------------------------------------------------
+
+def _f16_toward(value: np.ndarray, direction: float) -> np.ndarray:
+    cast = np.asarray(value, _F32).astype(np.float16)
+    wide = cast.astype(_F32)
+    wrong = wide > value if direction < 0 else wide < value
+    found = np.where(wrong, np.nextafter(cast, np.float16(direction)), cast)
+    if not np.isfinite(found).all():
+        raise Unquantizable("the range of the values overflows float16")
+    return found
+
+
+def grid(lo_value: np.float32, hi_value: np.float32) -> tuple[np.float16, np.float16]:
+    """(M, S): M <= every value, M + 255*S >= every value in float32."""
+    m = _f16_toward(lo_value, -np.inf)[()]
+    span = (hi_value - _F32(m)) / _F32(GRID)
+    s = _f16_toward(span if span > 0 else _F32(1), np.inf)[()]
+    while _F32(m) + _F32(GRID) * _F32(s) < hi_value:  # float32 rounding of the top line
+        s = np.nextafter(s, np.float16(np.inf))
+        if not np.isfinite(s):
+            raise Unquantizable("the range of the values overflows float16")
+    return m, s
+
+
+def group_params(m: np.float16, s: np.float16, lo: np.ndarray, hi: np.ndarray, levels: int,
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(minimum, step) of each group in float32, exactly as the decoders compute them."""
+    mf, sf = _F32(m), _F32(s)
+    return (mf + lo.astype(_F32) * sf,
+            ((hi.astype(np.int32) - lo).astype(_F32) * sf) / _F32(levels))
+
+
+def _lines(gmin: np.ndarray, gmax: np.ndarray, m: np.float16, s: np.float16, levels: int,
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The grid lines (lo, hi) around each group: lo*S below its minimum, hi above, lo < hi."""
+    mf, sf = _F32(m), _F32(s)
+    lo = np.clip(np.floor((gmin - mf) / sf), 0, GRID - 1).astype(np.int32)
+    lo -= (mf + lo.astype(_F32) * sf > gmin) & (lo > 0)  # float32 rounding of the line
+    hi = np.clip(np.ceil((gmax - mf) / sf), 1, GRID).astype(np.int32)
+    hi = np.maximum(hi, lo + 1)
+    mn, step = group_params(m, s, lo, hi, levels)
+    hi += (mn + _F32(levels) * step < gmax) & (hi < GRID)
+    return lo.astype(np.uint8), hi.astype(np.uint8)
+
+
+def _grouped(x: np.ndarray, kind: str, g: int) -> np.ndarray:
+    tokens, channels = x.shape
     if kind == "k":  # [T/g, g, C]: reduce over axis 1
         return x.reshape(tokens // g, g, channels)
     return x.reshape(tokens, channels // g, g)  # reduce over axis 2
 
 
-def encode(layout: KVLayout, group: int, bits: int, raw: memoryview) -> bytes:
-    data = np.frombuffer(raw, np.uint8)
+def encode_part(x: np.ndarray, kind: str, group: int, bits: int) -> bytes:
+    """One part's payload from its [tokens, channels] float32 matrix (the numpy reference)."""
     levels = (1 << bits) - 1
+    if not np.isfinite(x).all():
+        raise Unquantizable("non-finite values")
+    g, _ = part_geometry((kind, *x.shape), group)
+    xs = _grouped(x, kind, g)
+    axis = 1 if kind == "k" else 2
+    gmin, gmax = xs.min(axis), xs.max(axis)
+    m, s = grid(gmin.min(), gmax.max())
+    lo, hi = _lines(gmin, gmax, m, s, levels)
+    mn, step = group_params(m, s, lo, hi, levels)
+    e = np.expand_dims
+    codes = np.rint((xs - e(mn, axis)) * e(_F32(1) / step, axis))
+    codes = np.clip(codes, 0, levels).astype(np.uint8).reshape(-1)
+    if bits == 4:
+        if codes.size % 2:
+            codes = np.append(codes, np.uint8(0))
+        codes = codes[0::2] | (codes[1::2] << 4)
+    return b"".join([np.array([m, s], np.float16).tobytes(), lo.tobytes(), hi.tobytes(),
+                     codes.tobytes()])
+
+
+def encode(layout: KVLayout, group: int, bits: int, raw: memoryview) -> bytes:
+    steps = plan(layout, group, bits) if _quantize_block is not None else None
+    if steps is not None:
+        out = bytearray(payload_bytes(layout, group, bits))
+        status = _quantize_block(out, raw, steps, bits, DTYPES[layout.dtype])
+        if status:
+            raise Unquantizable("non-finite values" if status == 1 else
+                                "the range of the values overflows float16")
+        return bytes(out)
+    return encode_reference(layout, group, bits, raw)
+
+
+def encode_reference(layout: KVLayout, group: int, bits: int, raw: memoryview) -> bytes:
+    data = np.frombuffer(raw, np.uint8)
     out, pos = [], 0
     for part in layout.parts:
+        kind, tokens, channels, order = part
         n = layout.part_bytes(part)
         chunk = data[pos:pos + n]
         pos += n
-        kind = part[0]
         if kind == "raw":
             out.append(chunk.tobytes())
             continue
-        x = to_f32(chunk, layout.dtype)
-        if not np.isfinite(x).all():
-            raise Unquantizable("non-finite values")
-        g, _ = part_geometry(part, group)
-        xs = _grouped(x, part, g)
-        axis = 1 if kind == "k" else 2
-        mn = _f16_toward(xs.min(axis), -np.inf)
-        mn32 = mn.astype(np.float32)
-        step = (xs.max(axis) - mn32) / np.float32(levels)
-        scale = _f16_toward(np.where(step > 0, step, np.float32(1)), np.inf)
-        inv = np.float32(1) / scale.astype(np.float32)
-        e = np.expand_dims
-        codes = np.rint((xs - e(mn32, axis)) * e(inv, axis))
-        codes = np.clip(codes, 0, levels).astype(np.uint8).reshape(-1)
-        if bits == 4:
-            if codes.size % 2:
-                codes = np.append(codes, np.uint8(0))
-            codes = codes[0::2] | (codes[1::2] << 4)
-        out += [mn.tobytes(), scale.tobytes(), codes.tobytes()]
+        x = to_logical(to_f32(chunk, layout.dtype), tokens, channels, order)
+        out.append(encode_part(x, kind, group, bits))
     return b"".join(out)
 
 
 @functools.lru_cache(maxsize=64)
 def plan(layout: KVLayout, group: int, bits: int) -> bytes | None:
-    """The native loop's plan of a block (per part: kind, tokens, channels, group, offset in
-    the raw block, offset in the payload), or None when a part has an odd number of channels
-    for int4 (the numpy loop decodes those)."""
+    """The native loops' plan of a block (per part: kind, tokens, channels, group, offset in
+    the raw block, offset in the payload, c-major, ti, ci), or None when a part has an odd
+    number of channels for int4 (numpy codes those)."""
     rows, opos, pos = [], 0, 0
     for part in layout.parts:
-        kind, tokens, channels = part
-        if kind == "raw":
-            rows.append((0, tokens, 1, 1, opos, pos))
-            pos += tokens
-        else:
-            if bits == 4 and channels % 2:
-                return None
-            g, ngroups = part_geometry(part, group)
-            rows.append((_KIND_IDS[kind], tokens, channels, g, opos, pos))
-            pos += 4 * ngroups + (tokens * channels if bits == 8 else tokens * channels // 2)
+        kind, tokens, channels, order = part
+        if kind != "raw" and bits == 4 and channels % 2:
+            return None
+        g = part_geometry(part, group)[0] if kind != "raw" else 1
+        rows.append((_KIND_IDS[kind], tokens, channels if kind != "raw" else 1, g, opos, pos,
+                     int(order.c_major), order.ti, order.ci))
+        pos += part_payload(part, group, bits)
         opos += layout.part_bytes(part)
     return np.array(rows, np.int64).tobytes()
 
@@ -155,10 +237,16 @@ def decode_into(layout: KVLayout, group: int, bits: int, stored: memoryview,
     if steps is not None:
         _dequantize_block(out, stored, steps, bits, DTYPES[layout.dtype])
         return
+    decode_reference(layout, group, bits, stored, out)
+
+
+def decode_reference(layout: KVLayout, group: int, bits: int, stored: memoryview,
+                     out: np.ndarray) -> None:
     data = np.frombuffer(stored, np.uint8)
+    levels = (1 << bits) - 1
     pos = opos = 0
     for part in layout.parts:
-        kind, tokens, channels = part
+        kind, tokens, channels, order = part
         n = layout.part_bytes(part)
         dst = out[opos:opos + n]
         opos += n
@@ -168,16 +256,10 @@ def decode_into(layout: KVLayout, group: int, bits: int, stored: memoryview,
             continue
         g, ngroups = part_geometry(part, group)
         count = tokens * channels
-        if _dequantize is not None and (bits == 8 or channels % 2 == 0):
-            end = pos + 4 * ngroups + (count if bits == 8 else count // 2)
-            _dequantize(dst, data[pos + 4 * ngroups:end], data[pos:pos + 2 * ngroups],
-                        data[pos + 2 * ngroups:pos + 4 * ngroups], kind == "k", bits,
-                        DTYPES[layout.dtype], tokens, channels, g)
-            pos = end
-            continue
-        mn = data[pos:pos + 2 * ngroups].view(np.float16).astype(np.float32)
-        scale = data[pos + 2 * ngroups:pos + 4 * ngroups].view(np.float16).astype(np.float32)
-        pos += 4 * ngroups
+        m, s = data[pos:pos + 4].view(np.float16)
+        lo = data[pos + 4:pos + 4 + ngroups]
+        hi = data[pos + 4 + ngroups:pos + 4 + 2 * ngroups]
+        pos += 4 + 2 * ngroups
         if bits == 8:
             codes = data[pos:pos + count]
             pos += count
@@ -188,9 +270,10 @@ def decode_into(layout: KVLayout, group: int, bits: int, stored: memoryview,
             codes[0::2] = packed & 15
             codes[1::2] = packed >> 4
             codes = codes[:count]
+        mn, step = group_params(m, s, lo, hi, levels)
         shape_p = (tokens // g, 1, channels) if kind == "k" else (tokens, channels // g, 1)
-        xs = _grouped(codes.astype(np.float32), part, g)
-        x = xs * scale.reshape(shape_p) + mn.reshape(shape_p)
-        from_f32(x, layout.dtype, dst)
+        xs = _grouped(codes.astype(_F32).reshape(tokens, channels), kind, g)
+        x = xs * step.reshape(shape_p) + mn.reshape(shape_p)
+        from_f32(to_stored(x.reshape(tokens, channels), order), layout.dtype, dst)
     if pos != data.size:
         raise BlockCorrupt("quantized payload has the wrong length")

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ucm.codecs.vllm import attention_isa
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
 from ucm.vllm_hook.sparse import SparseAttention
@@ -114,7 +115,8 @@ class UCMConnector(KVConnectorBase_V1):
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches, self._num_blocks)
+        self.worker.register_kv_caches(kv_caches, self._num_blocks,
+                                       cpu_isa=attention_isa(self._vllm_config, list(kv_caches)))
         if self.settings.layerwise and self._layers not in (None, len(kv_caches)):
             # The scheduler looks up this many layers per block; stores write len(kv_caches).
             log.warning("ucm: vLLM's KV cache config names %d layers but %d caches were "

@@ -55,6 +55,7 @@ class WorkerSide:
         self._sinks = sinks  # tracer sinks of the kernel (the connector's stats)
         self.stats: Counter[str] = Counter()
         self.layout: BlockLayout | None = None
+        self.kv_layouts: list[Any] = []  # what ucm.codecs registered for this cache
         self._kernel: Any = None
         self._shared: SharedKernel | None = None  # the kernel, as a scheduler side finds it
         self._load_staging: torch.Tensor | None = None
@@ -82,11 +83,14 @@ class WorkerSide:
 
     # -- set-up ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
-                           num_blocks: int | None = None) -> None:
+                           num_blocks: int | None = None, *, cpu_isa: str | None = None,
+                           ) -> None:
         self.layout = BlockLayout(kv_caches, num_blocks)
-        # where keys and values sit, for tiers that quantize (ucm.codecs)
-        register_kv_caches(kv_caches, self.layout.num_blocks, self.layout.block_bytes,
-                           interpretable=self.layout.device.type == "cuda")
+        # where keys and values sit, for tiers that quantize (ucm.codecs); on CPU the order
+        # inside a block is the attention ISA's (`cpu_isa`, the layers' isa)
+        self.kv_layouts = register_kv_caches(
+            kv_caches, self.layout.num_blocks, self.layout.block_bytes,
+            interpretable=self.layout.device.type == "cuda", cpu_isa=cpu_isa)
         self._shared = kernels.acquire(self.settings.ucm_config, self, self._sinks)
         self._kernel = self._shared.kernel
         if self.layout.scatters and self.settings.hugepages:
