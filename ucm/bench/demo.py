@@ -1,15 +1,22 @@
 """`ucm demo`: the KV cache of a chat service, stored by one vLLM engine and reused by the next.
 
-It builds a small random Llama model and tokenizer locally, then replays a realistic workload
-(chat sessions that each discuss one of a few shared long documents, several turns each, every
-turn's prompt carrying the conversation so far) through vLLM with the ucm connector on the
-embedded default config (a memory tier over ~/.cache/ucm):
+It replays a chat workload through vLLM on the CPU with the ucm connector on the embedded
+default config (a memory tier over ~/.cache/ucm): sessions that each discuss one of a few shared
+real English documents (license texts and READMEs of installed packages), several turns each,
+every turn's prompt carrying the conversation so far, built with the model's chat template.
+The model is SmolLM2-135M-Instruct (`ucm.bench.smollm2`, built once and cached), or a small
+random Llama with `--model random` (faster; its answers are noise).
 
-    round 1  cold: a fresh engine process, empty store; turns compute and store their KV
-    round 2  warm: another fresh engine process replays the sessions; their KV loads from ucm
+    round 1  cold: a fresh engine process, empty store; the model answers each turn, the
+             turns compute and store their KV
+    round 2  warm: another fresh engine process replays the same conversation (the cold
+             round's answers are part of the later turns' prompts); its KV loads from ucm
 
 Per turn it prints prefill tokens computed vs loaded, the hit rate, TTFT p50/p90 and bytes
-moved. vLLM's own prefix cache stays on (as in production); its hits are shown apart.
+moved; where a warm turn's time to first token goes (queueing behind the batch's other
+requests, waiting for ucm's loads, computing the unhit tail); the same turn served by vLLM's own
+prefix cache in the warm engine (the floor a connector can reach); and one answer from each
+engine. vLLM's own prefix cache stays on (as in production); its hits are shown apart.
 """
 
 from __future__ import annotations
@@ -21,35 +28,128 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from ucm.bench.models import ModelSpec, build_model, sample_text
+from ucm.bench.models import ModelSpec, build_model
 
-SPEC = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, vocab=2048, max_positions=8192,
-                 dtype="float32")
+RANDOM_SPEC = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, vocab=2048,
+                        max_positions=8192, dtype="float32")
 BLOCK = 32
+SYSTEM = ("You are a helpful assistant. Answer the user's questions about the document below "
+          "in one or two sentences.\n\nDocument:\n")
+# Sessions on one document ask different questions at each turn (columns: turns).
+QUESTIONS = (
+    "What is this document about?",
+    "Who is this document written for?",
+    "What does it allow a reader to do?",
+    "Which conditions or limits does it state?",
+    "Name one thing the document asks the reader to keep or include.",
+    "Summarize the document for a newcomer in one sentence.",
+    "What would you ask its authors?",
+    "Is anything in it surprising?",
+)
 
 
 def _say(msg: str) -> None:
     print(f"[ucm demo] {msg}", flush=True)
 
 
-def build_workload(tokenizer: Any, *, sessions: int, turns: int, doc_words: int,
-                   ) -> list[list[list[int]]]:
-    """turns x sessions prompts (token ids): turn t of a session extends turn t-1 with an
-    answer and a new question. Sessions share a system prompt and one of 3 documents."""
-    system = "You are a helpful assistant. Answer from the document. " + sample_text(60, 7)
-    docs = [sample_text(doc_words, 100 + d) for d in range(3)]
-    history = [f"{system}\n\nDocument:\n{docs[s % 3]}\n" for s in range(sessions)]
+# -- the workload ----------------------------------------------------------------------------------
+@dataclass
+class Conversation:
+    """One chat session: its document, its questions, and the answers so far."""
+
+    doc: int
+    system: str
+    questions: list[str]
+    answers: list[str] = field(default_factory=list)
+
+    def messages(self, turn: int) -> list[dict[str, str]]:
+        """The chat up to turn `turn`'s question (0-based), answers of the earlier turns."""
+        out = [{"role": "system", "content": self.system}]
+        for t in range(turn + 1):
+            out.append({"role": "user", "content": self.questions[t]})
+            if t < turn:
+                out.append({"role": "assistant", "content": self.answers[t]})
+        return out
+
+
+def pick_documents(tokenizer: Any, n: int, tokens: int) -> list[tuple[str, str]]:
+    """`n` distinct real documents (licenses first: plain prose), each cut at a line end to
+    about `tokens` tokens of `tokenizer`."""
+    from ucm.bench.texts import documents
+
+    found = documents(min_chars=4 * tokens)
+    # The same license ships with many packages; one copy each (by its opening words).
+    ordered = sorted(found, key=lambda d: "LICEN" not in d[0].upper())
+    out: list[tuple[str, str]] = []
+    openings: set[str] = set()
+    for label, text in ordered:
+        opening = " ".join(text.split()[:6]).lower()
+        if opening in openings:
+            continue
+        openings.add(opening)
+        # (a token is rarely over 8 characters: no need to tokenize the whole text)
+        ids = tokenizer(text[:8 * tokens], add_special_tokens=False)["input_ids"][:tokens]
+        cut = tokenizer.decode(ids)
+        cut = cut[:cut.rfind("\n")].rstrip() if "\n" in cut else cut
+        out.append((label, cut))
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"found {len(out)} documents of {4 * tokens}+ characters among the "
+                       f"installed packages; the demo needs {n} (fewer --docs or --doc-tokens)")
+
+
+def conversations(docs: list[tuple[str, str]], *, sessions: int, turns: int,
+                  ) -> list[Conversation]:
+    """`sessions` chats over `docs` (session s discusses document s mod len(docs))."""
+    if turns > len(QUESTIONS):
+        raise ValueError(f"at most {len(QUESTIONS)} turns (one question each)")
     out = []
-    for t in range(turns):
-        batch = []
-        for s in range(sessions):
-            if t:
-                history[s] += f"\nAssistant: {sample_text(24, 1000 * s + t)}"
-            history[s] += f"\nUser: question {t + 1}: {sample_text(20, 50 * s + t)}?"
-            batch.append(tokenizer(history[s])["input_ids"])
-        out.append(batch)
+    per_doc = -(-sessions // len(docs))
+    for s in range(sessions):
+        d, k = s % len(docs), s // len(docs)
+        questions = [QUESTIONS[(k + t * per_doc) % len(QUESTIONS)] for t in range(turns)]
+        out.append(Conversation(d, SYSTEM + docs[d][1], questions))
+    return out
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat up to the assistant's turn, in the model's own chat template (a
+    plain 'Role: text' layout for a tokenizer without one, as the random model's)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    else:
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+        text += "Assistant:"
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# -- what a turn's steps say about its time to first token -----------------------------------------
+def ttft_parts(phase: dict[str, Any]) -> list[dict[str, float]]:
+    """Per request of a stepwise phase, its TTFT split over the engine steps up to its first
+    token: `queued` (steps that did not schedule it: the batch's other prefills), `load`
+    (the ucm load wait of the steps that did) and `compute` (the rest of those steps), plus
+    `steps`. The three add up to the TTFT up to the time spent submitting."""
+    out = []
+    steps = phase["steps"]
+    for i, ttft in enumerate(phase["ttft_s"]):
+        parts = {"ttft": ttft, "queued": 0.0, "load": 0.0, "compute": 0.0, "steps": 0,
+                 "start": steps[0]["t0"] if steps else 0.0}
+        for step in steps:
+            if step["t1"] > ttft + 1e-6:
+                break
+            wall = step["t1"] - step["t0"]
+            parts["steps"] += 1
+            if str(i) in step["tokens"]:
+                load = min(wall, step["load_wait_ns"] / 1e9)
+                parts["load"] += load
+                parts["compute"] += wall - load
+            else:
+                parts["queued"] += wall
+        out.append(parts)
     return out
 
 
@@ -60,97 +160,244 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def _report(round_name: str, result: dict[str, Any], bytes_per_token: int) -> dict[str, float]:
-    totals = {"prompt": 0, "loaded": 0, "local": 0, "computed": 0}
-    header = (f"{'turn':>5} {'reqs':>5} {'prompt tok':>11} {'computed':>9} {'ucm loaded':>11} "
-              f"{'vLLM local':>11} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-              f"{'bytes moved':>12}")
-    print(f"\n{round_name}\n{header}")
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
+
+
+def turn_rows(result: dict[str, Any], bytes_per_token: int) -> list[dict[str, Any]]:
+    """Per stepwise phase of an engine: token counts, TTFTs, bytes and the TTFT parts."""
+    rows = []
     for phase in result["phases"]:
-        if phase["name"] == "warmup":
+        if not phase["steps"]:
             continue
         delta = phase["worker_delta"]
         prompt = sum(phase["prompt_tokens"])
         loaded = delta.get("loaded_blocks", 0) * BLOCK
         cached = sum(phase["num_cached_tokens"])
-        local = max(0, cached - loaded)
-        computed = prompt - cached
-        moved = delta.get("loaded_bytes", 0) + delta.get("save_blocks", 0) * BLOCK * bytes_per_token
-        ttft = phase["ttft_s"]
-        print(f"{phase['name']:>5} {len(phase['prompt_tokens']):>5} {prompt:>11,} {computed:>9,} "
-              f"{loaded:>11,} {local:>11,} {cached / prompt:>8.0%} "
-              f"{_pct(ttft, .5) * 1e3:>7.0f}ms {_pct(ttft, .9) * 1e3:>7.0f}ms "
-              f"{moved / 2**20:>9.1f} MiB")
-        totals["prompt"] += prompt
-        totals["loaded"] += loaded
-        totals["local"] += local
-        totals["computed"] += computed
-    totals["ttft_p50"] = statistics.median(t for p in result["phases"] for t in p["ttft_s"])
-    totals["ttft_first"] = statistics.median(result["phases"][1]["ttft_s"])
-    return totals
+        rows.append({
+            "name": phase["name"], "requests": len(phase["prompt_tokens"]), "prompt": prompt,
+            "lengths": phase["prompt_tokens"],
+            "computed": prompt - cached, "loaded": loaded, "local": max(0, cached - loaded),
+            "hit": cached / prompt if prompt else 0.0, "ttft": phase["ttft_s"],
+            "moved": (delta.get("loaded_bytes", 0)
+                      + delta.get("save_blocks", 0) * BLOCK * bytes_per_token),
+            "load_s": delta.get("load_ns", 0) / 1e9,
+            "load_wait_s": delta.get("load_wait_ns", 0) / 1e9,
+            "parts": ttft_parts(phase), "tokens": phase["tokens"],
+            "steps": len(phase["steps"]),
+        })
+    return rows
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    header = (f"{'turn':>5} {'reqs':>5} {'prompt tok':>11} {'computed':>9} {'ucm loaded':>11} "
+              f"{'vLLM local':>11} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+              f"{'bytes moved':>12}")
+    print(f"\n{title}\n{header}")
+    for r in rows:
+        print(f"{r['name']:>5} {r['requests']:>5} {r['prompt']:>11,} {r['computed']:>9,} "
+              f"{r['loaded']:>11,} {r['local']:>11,} {r['hit']:>8.0%} "
+              f"{_pct(r['ttft'], .5) * 1e3:>7.0f}ms {_pct(r['ttft'], .9) * 1e3:>7.0f}ms "
+              f"{r['moved'] / 2**20:>9.1f} MiB")
+
+
+def print_breakdown(cold: list[dict[str, Any]], warm: list[dict[str, Any]],
+                    floor: list[dict[str, Any]]) -> None:
+    """Where each warm turn's TTFT goes, next to the cold turn and vLLM's own hit."""
+    print("\nwhere a warm turn's time to first token goes (medians over the turn's requests; "
+          "the turn's requests are submitted together, as the cold ones)")
+    print(f"{'turn':>5} {'cold TTFT':>10} {'warm TTFT':>10} {'ratio':>6} {'queued':>8} "
+          f"{'ucm load':>9} {'compute':>8} {'computed tok':>13} {'vLLM hit':>9} "
+          f"{'ucm over it':>12}")
+    for c, w, f in zip(cold, warm, floor, strict=True):
+        c50, w50, f50 = (statistics.median(r["ttft"]) for r in (c, w, f))
+        parts = w["parts"]
+        med = {k: statistics.median(p[k] for p in parts) for k in ("queued", "load", "compute")}
+        print(f"{w['name']:>5} {c50 * 1e3:>8.0f}ms {w50 * 1e3:>8.0f}ms {c50 / w50:>5.1f}x "
+              f"{med['queued'] * 1e3:>6.0f}ms {med['load'] * 1e3:>7.0f}ms "
+              f"{med['compute'] * 1e3:>6.0f}ms {w['computed']:>13,} {f50 * 1e3:>7.0f}ms "
+              f"{(w50 - f50) * 1e3:>+10.0f}ms")
+    print("  queued: engine steps that ran before the request was scheduled (other requests' "
+          "prefill, or decode steps of the batch: vLLM's scheduling, not ucm's)\n"
+          "  ucm load: the scheduled step's wait for its blocks (ucm; the load itself starts "
+          "when the scheduler plans the step)\n"
+          "  compute: the rest of the request's steps: the forward pass over every request "
+          "scheduled with it (vLLM's)\n"
+          "  vLLM hit: the same turn again in the warm engine, served by vLLM's own prefix "
+          "cache (same tokens computed, nothing loaded): the floor a connector can reach")
+
+
+def print_samples(tokenizer: Any, convs: list[Conversation], cold: list[dict[str, Any]],
+                  warm: list[dict[str, Any]], floor: list[dict[str, Any]], turn: int) -> None:
+    """One session's answer at one turn from each engine, and whether they agree."""
+    conv = convs[0]
+    say = {name: tokenizer.decode(rows[turn]["tokens"][0], skip_special_tokens=True).strip()
+           for name, rows in (("cold", cold), ("warm", warm), ("vllm", floor))}
+    print(f"\nsession 1, turn {turn + 1}: \"{conv.questions[turn]}\"")
+    print(f"  cold engine (computed):                {say['cold']!r}")
+    print(f"  warm engine (prefix loaded from ucm):  {say['warm']!r}")
+    print(f"  warm engine (vLLM's own prefix cache): {say['vllm']!r}")
+    if say["cold"] == say["warm"]:
+        print("  cold and warm answers are identical.")
+        return
+    same_as_vllm = "and so does" if say["warm"] == say["vllm"] else "as can"
+    print(f"  the warm answer differs from the cold one, {same_as_vllm} vLLM's own prefix "
+          "cache: with a cached prefix the new tokens attend over stored bf16 keys and values "
+          "in a separate pass, a different order of floating-point sums than one prefill of "
+          "the whole prompt, and greedy decoding follows the first token whose logits come "
+          "out the other way. The stored bytes are the ones the cold engine computed.")
+
+
+# -- the run -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ucm demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 (SmolLM2-135M-Instruct, bf16), random (a random 8-layer "
+                    "Llama, faster), or a checkpoint directory")
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--docs", type=int, default=2, help="shared documents")
+    ap.add_argument("--doc-tokens", type=int, default=1500, help="tokens per document")
+    ap.add_argument("--answer-tokens", type=int, default=40,
+                    help="longest answer (a real model stops at its end of turn)")
+    ap.add_argument("--config", default=None,
+                    help="a ucm config file (YAML or JSON) instead of the embedded default")
+    ap.add_argument("--workdir", default=None, help="where a random model is built (tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the stored blocks afterwards")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ucm demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--sessions", type=int, default=12)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--doc-words", type=int, default=1200, help="words per shared document")
-    ap.add_argument("--workdir", default=None, help="where the model is built (default: tmp)")
-    ap.add_argument("--keep", action="store_true", help="keep the stored blocks afterwards")
-    args = ap.parse_args(argv)
-
-    from ucm.bench.engines import EngineSpec, Phase, run_in_subprocess
-    from ucm.config import default_cache_dir
-
-    work = args.workdir or tempfile.mkdtemp(prefix="ucm-demo-")
+    args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
-    _say(f"building a random {SPEC.layers}-layer Llama (hidden {SPEC.hidden}) and a tokenizer "
-         f"in {work}")
-    model = build_model(os.path.join(work, "model"), SPEC)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    turns = build_workload(tokenizer, sessions=args.sessions, turns=args.turns,
-                           doc_words=args.doc_words)
-    warmup = Phase([tokenizer(sample_text(300, 9))["input_ids"]], max_tokens=2, name="warmup")
-    phases = [warmup] + [Phase(batch, max_tokens=16, name=str(t + 1), stepwise=True)
-                         for t, batch in enumerate(turns)]
-    n_tokens = sum(len(p) for batch in turns for p in batch)
-    _say(f"workload: {args.sessions} chat sessions x {args.turns} turns over 3 shared "
-         f"documents, {n_tokens:,} prompt tokens")
-    # The run's own model id keeps an earlier demo's blocks from making round 1 warm.
-    run_id = f"demo{os.getpid()}x{int(time.time())}"
-    spec = EngineSpec(model=str(model), dtype=SPEC.dtype, block_size=BLOCK,
-                      max_model_len=8192, kv_cache_bytes=512 * 2**20, connector="ucm",
-                      extra={"model_id": run_id}, prefix_caching=True,
-                      chunked_prefill_tokens=4096)
-    log = os.path.join(work, "engines.log")
-    # Both engines record the kernel's event trace (UCM_TRACE), one file set per process.
-    trace_dir = os.environ.get("UCM_TRACE") or str(default_cache_dir() / "traces" / run_id)
-    bpt = SPEC.kv_bytes_per_token()
-    results = {}
-    for name, label in (("cold", "round 1: cold engine (fresh process, empty store)"),
-                        ("warm", "round 2: warm engine (fresh process, same store)")):
-        _say(f"{label}: starting")
-        results[name] = run_in_subprocess(spec, phases, log_path=log,
-                                          env={"UCM_TRACE": trace_dir},
-                                          progress=lambda m, n=name: _say(f"  {n}: {m}"))
-    summary = {name: _report(f"== {name} round ==", r, bpt) for name, r in results.items()}
-    cold, warm = summary["cold"], summary["warm"]
-    print(f"\nprefill tokens computed: cold {cold['computed']:,} -> warm {warm['computed']:,} "
-          f"({warm['loaded']:,} loaded from ucm; vLLM's own cache served the repeats inside "
-          f"each engine); turn-1 TTFT p50 {cold['ttft_first'] * 1e3:.0f} ms -> "
-          f"{warm['ttft_first'] * 1e3:.0f} ms")
-    ns = results["warm"]["stats"].get("worker", {}).get("namespace")
-    store = default_cache_dir() / "blocks"
-    print(f"store: {store} (embedded default config; namespace {ns})")
-    print(f"event trace: {trace_dir} (read it with: ucm-trace summary {trace_dir})")
-    print(f"engine logs: {log}; total {time.perf_counter() - t0:.0f} s")
-    if not args.keep and ns:
+    out = run(args)
+    cold_rows, warm_rows, floor_rows = out["cold"], out["warm"], out["floor"]
+    print_table("== cold round ==", cold_rows)
+    print_table("== warm round ==", warm_rows)
+    print_breakdown(cold_rows, warm_rows, floor_rows)
+    print_samples(out["tokenizer"], out["conversations"], cold_rows, warm_rows, floor_rows, 0)
+    computed = {n: sum(r["computed"] for r in rows)
+                for n, rows in (("cold", cold_rows), ("warm", warm_rows))}
+    c1, w1 = (statistics.median(rows[0]["ttft"]) for rows in (cold_rows, warm_rows))
+    print(f"\nprefill tokens computed: cold {computed['cold']:,} -> warm {computed['warm']:,} "
+          f"({sum(r['loaded'] for r in warm_rows):,} loaded from ucm; vLLM's own cache served "
+          f"the repeats inside each engine); turn-1 TTFT p50 {_ms(c1)} -> {_ms(w1)} "
+          f"({c1 / w1:.1f}x)")
+    ns = out["namespace"]
+    store = out["store"]
+    print(f"store: {store} (namespace {ns})")
+    print(f"event trace: {out['trace']} (read it with: ucm-trace summary {out['trace']})")
+    print(f"engine logs: {out['log']}; total {time.perf_counter() - t0:.0f} s")
+    if not args.keep and ns and not args.config:
         from ucm.drivers.kit import safe_dir_name
 
         shutil.rmtree(store / safe_dir_name(ns), ignore_errors=True)
     return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both rounds; per-turn rows (`turn_rows`) of the cold and warm rounds and of vLLM's own
+    hits in the warm engine, the conversations, the tokenizer, and where things are."""
+    from transformers import AutoTokenizer
+
+    from ucm.bench.engines import EngineProcess, EngineSpec, Phase
+    from ucm.config import default_cache_dir
+
+    work = args.workdir or tempfile.mkdtemp(prefix="ucm-demo-")
+    if args.model == "random":
+        _say(f"building a random {RANDOM_SPEC.layers}-layer Llama and a tokenizer in {work}")
+        model, dtype = str(build_model(os.path.join(work, "model"), RANDOM_SPEC)), "float32"
+        bpt, real = RANDOM_SPEC.kv_bytes_per_token(), False
+    else:
+        if args.model == "smollm2":
+            from ucm.bench.smollm2 import build_smollm2
+
+            _say("SmolLM2-135M-Instruct (bf16), built once into ~/.cache/ucm-models")
+            model = str(build_smollm2())
+        else:
+            model = args.model
+        dtype, real = "bfloat16", True
+        bpt = _kv_bytes_per_token(model, 2)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    docs = pick_documents(tokenizer, args.docs + 1, args.doc_tokens)
+    warm_doc, docs = docs[-1], docs[:-1]
+    convs = conversations(docs, sessions=args.sessions, turns=args.turns)
+    _say("documents: " + "; ".join(f"{label} ({len(tokenizer(t)['input_ids']):,} tokens)"
+                                   for label, t in docs))
+    # Both engines first serve the same batch shape over another document, twice (the second
+    # time from vLLM's own cache): a fresh engine's first batch of a shape pays one-off costs
+    # (kernel set-up) that would otherwise land on turn 1 (docs/performance.md, ucm demo).
+    short = Conversation(0, SYSTEM + warm_doc[1][:1200], [QUESTIONS[0]])
+    warmup_prompts = [chat_prompt(tokenizer, short.messages(0)) for _ in convs]
+    warmups = [Phase(warmup_prompts, max_tokens=2, name=f"warmup{i}") for i in (1, 2)]
+
+    def turn_phase(t: int, prompts: list[list[int]], max_tokens: int, name: str) -> Any:
+        return Phase(prompts, max_tokens=max_tokens, name=name, stepwise=True,
+                     ignore_eos=not real)
+
+    config_file = {}
+    if args.config:  # checked here, so a bad file fails before any engine starts
+        from ucm.config import load_config
+
+        load_config(args.config)
+        config_file = {"ucm_config_file": os.path.abspath(args.config)}
+    run_id = f"demo{os.getpid()}x{int(time.time())}"  # an earlier demo's blocks stay apart
+    spec = EngineSpec(model=model, dtype=dtype, block_size=BLOCK, max_model_len=8192,
+                      kv_cache_bytes=512 * 2**20, connector="ucm",
+                      extra={"model_id": run_id, **config_file}, prefix_caching=True,
+                      chunked_prefill_tokens=4096, max_num_seqs=max(16, args.sessions))
+    log = os.path.join(work, "engines.log")
+    # Both engines record the kernel's event trace (UCM_TRACE), one file set per process.
+    trace_dir = os.environ.get("UCM_TRACE") or str(default_cache_dir() / "traces" / run_id)
+    env = {"UCM_TRACE": trace_dir}
+
+    _say("round 1: cold engine (fresh process, empty store): starting")
+    prompts: list[list[list[int]]] = []
+    cold: dict[str, Any] = {"phases": []}
+    with EngineProcess(spec, log_path=log, env=env,
+                       progress=lambda m: _say(f"  cold: {m}")) as engine:
+        for p in warmups:
+            engine.run(p)
+        for t in range(args.turns):
+            batch = [chat_prompt(tokenizer, c.messages(t)) for c in convs]
+            _say(f"  cold: turn {t + 1}: {len(batch)} requests, "
+                 f"{sum(map(len, batch)):,} prompt tokens")
+            result = engine.run(turn_phase(t, batch, args.answer_tokens, str(t + 1)))
+            cold["phases"].append(result)
+            prompts.append(batch)
+            for c, ids in zip(convs, result["tokens"], strict=True):
+                c.answers.append(tokenizer.decode(ids, skip_special_tokens=True).strip())
+        cold.update(engine.finish())
+
+    _say("round 2: warm engine (fresh process, same store) replays the conversation: starting")
+    warm: dict[str, Any] = {"phases": []}
+    with EngineProcess(spec, log_path=log, env=env,
+                       progress=lambda m: _say(f"  warm: {m}")) as engine:
+        for p in warmups:
+            engine.run(p)
+        for t, batch in enumerate(prompts):
+            warm["phases"].append(engine.run(turn_phase(t, batch, args.answer_tokens,
+                                                        str(t + 1))))
+        # The same turns again: vLLM's own prefix cache now holds them (the floor).
+        floor_phases = [engine.run(turn_phase(t, batch, args.answer_tokens, str(t + 1)))
+                        for t, batch in enumerate(prompts)]
+        warm.update(engine.finish())
+
+    return {"cold": turn_rows(cold, bpt), "warm": turn_rows(warm, bpt),
+            "floor": turn_rows({"phases": floor_phases}, bpt), "conversations": convs,
+            "tokenizer": tokenizer, "warm_stats": warm["stats"],
+            "namespace": warm["stats"].get("worker", {}).get("namespace"),
+            "store": default_cache_dir() / "blocks", "trace": trace_dir, "log": log}
+
+
+def _kv_bytes_per_token(model: str, elem: int) -> int:
+    import json
+
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * kv * head * elem
 
 
 if __name__ == "__main__":

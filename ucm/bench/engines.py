@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 # The engine environment is the product's (`ucm serve` uses it too); re-exported here.
 from ucm.vllm_hook.environment import (  # noqa: F401
@@ -63,6 +63,7 @@ class Phase:
     # (a held-out continuation's perplexity after a loaded prefix). Only tokens the engine
     # computes have them: vLLM leaves the rows of cached and loaded tokens uninitialised.
     logprob_tail: int = 0
+    ignore_eos: bool = True  # False: a request ends at its end-of-sequence token (real models)
 
 
 def kv_transfer_config(spec: EngineSpec) -> Any:
@@ -119,10 +120,11 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     if phase.logprob_tail:  # vLLM skips every cache for such requests unless told not to,
         # and detokenizes every row, the uninitialised ones of loaded tokens included.
         extra = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False}
-    params = SamplingParams(temperature=0.0, max_tokens=phase.max_tokens, ignore_eos=True,
-                            **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=phase.max_tokens,
+                            ignore_eos=phase.ignore_eos, **extra)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in phase.prompts]
     walls, ttft = [], []
+    steps: list[dict[str, Any]] = []
     outs: list[Any] = []
     if phase.reset_prefix_cache and not llm.reset_prefix_cache():
         raise RuntimeError(f"phase {phase.name}: vLLM did not reset its prefix cache")
@@ -130,7 +132,7 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     for _ in range(phase.repeat):
         t0 = time.perf_counter()
         if phase.stepwise:
-            outs, ttft = _stepwise(llm, prompts, params)
+            outs, ttft, steps = _stepwise(llm, prompts, params)
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - t0)
@@ -138,6 +140,7 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
         "name": phase.name,
         "wall_s": walls,
         "ttft_s": ttft,
+        "steps": steps,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "num_cached_tokens": [int(o.num_cached_tokens or 0) for o in outs],
         "prompt_tokens": [len(p) for p in phase.prompts],
@@ -176,24 +179,86 @@ def _worker_counters() -> dict[str, int]:
     return {}
 
 
-def _stepwise(llm: Any, prompts: list[Any], params: Any) -> tuple[list[Any], list[float]]:
-    """Submits every prompt at once and records when each one's first token appears."""
+def _stepwise(llm: Any, prompts: list[Any], params: Any,
+              ) -> tuple[list[Any], list[float], list[dict[str, Any]]]:
+    """Submits every prompt at once and records when each one's first token appears, and
+    what each engine step did (`_StepLog`): where a request's time to first token went."""
     engine = llm.llm_engine
+    steps = _StepLog(llm)
     t0 = time.perf_counter()
     ids = []
     for i, prompt in enumerate(prompts):
         rid = f"r{time.monotonic_ns()}-{i}"
-        engine.add_request(rid, prompt, params)
+        steps.name(engine.add_request(rid, prompt, params), i)
         ids.append(rid)
     first: dict[str, float] = {}
     done: dict[str, Any] = {}
-    while len(done) < len(ids):
-        for out in engine.step():
-            if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
-                first[out.request_id] = time.perf_counter() - t0
-            if out.finished:
-                done[out.request_id] = out
-    return [done[r] for r in ids], [first.get(r, 0.0) for r in ids]
+    try:
+        while len(done) < len(ids):
+            steps.begin(time.perf_counter() - t0)
+            outs = engine.step()
+            steps.end(time.perf_counter() - t0)
+            for out in outs:
+                if out.request_id not in first and out.outputs and out.outputs[0].token_ids:
+                    first[out.request_id] = time.perf_counter() - t0
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        steps.close()
+    return [done[r] for r in ids], [first.get(r, 0.0) for r in ids], steps.records
+
+
+class _StepLog:
+    """Per engine step: when it began and ended (s from the phase's submission), the prompt
+    tokens it scheduled per request (by index in the phase), the tokens each newly scheduled
+    request already had (vLLM's own cache plus a connector's hit), and the ucm worker's load
+    counters over the step. Reads vLLM's scheduler output where the scheduler runs in this
+    process (the engine runner's default); records times only otherwise."""
+
+    _LOADS = ("load_wait_ns", "load_ns", "loaded_blocks")
+
+    def __init__(self, llm: Any) -> None:
+        self.records: list[dict[str, Any]] = []
+        self._index: dict[str, int] = {}
+        self._planned: list[Any] = []
+        self._before: dict[str, int] = {}
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        self._scheduler = getattr(core, "scheduler", None)
+        if self._scheduler is not None:
+            inner = self._scheduler.schedule
+
+            def schedule(*args: Any, **kwargs: Any) -> Any:
+                out = inner(*args, **kwargs)
+                self._planned.append(out)
+                return out
+
+            self._scheduler.schedule = schedule
+
+    def name(self, internal_id: str, index: int) -> None:
+        self._index[internal_id] = index
+
+    def begin(self, t: float) -> None:
+        self._planned.clear()
+        self._t = t
+        counters = _worker_counters()
+        self._before = {k: counters.get(k, 0) for k in self._LOADS}
+
+    def end(self, t: float) -> None:
+        counters = _worker_counters()
+        rec: dict[str, Any] = {"t0": self._t, "t1": t, "tokens": {}, "had": {}}
+        rec.update({k: counters.get(k, 0) - self._before[k] for k in self._LOADS})
+        for out in self._planned:
+            for rid, n in out.num_scheduled_tokens.items():
+                if rid in self._index:
+                    rec["tokens"][self._index[rid]] = int(n)
+            for new in out.scheduled_new_reqs:
+                if new.req_id in self._index:
+                    rec["had"][self._index[new.req_id]] = int(new.num_computed_tokens)
+        self.records.append(rec)
+
+    def close(self) -> None:
+        if self._scheduler is not None:
+            del self._scheduler.schedule  # back to the class's method
 
 
 def connector_stats(wait: float = 120.0) -> dict[str, Any]:
@@ -213,21 +278,35 @@ def connector_stats(wait: float = 120.0) -> dict[str, Any]:
 
 
 def run(spec: EngineSpec, phases: list[Phase]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    _progress("starting the engine")
-    llm = make_engine(spec)
-    start_s = time.perf_counter() - t0
-    _progress(f"engine started in {start_s:.1f} s")
-    results = []
-    for p in phases:
-        results.append(run_phase(llm, p))
-        _progress(f"{p.name or 'phase'}: {len(p.prompts)} requests in "
-                  f"{results[-1]['wall_s'][-1]:.2f} s")
-    out = {"engine_start_s": start_s, "phases": results, "stats": connector_stats(),
-           "preemptions": _preemptions(llm), "allocator": engine_allocator()}
-    if spec.multiprocess:  # connectors live in the worker processes: their shutdown waits
-        llm.llm_engine.engine_core.shutdown()  # for the stores in flight
-    return out
+    """Runs the phases on a new engine in this process."""
+    engine = _Engine(spec)
+    results = [engine.run(p) for p in phases]
+    return {**engine.finish(), "phases": results}
+
+
+class _Engine:
+    """An engine in this process that runs phases as they come, then reports its counters."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        t0 = time.perf_counter()
+        _progress("starting the engine")
+        self.llm = make_engine(spec)
+        self.start_s = time.perf_counter() - t0
+        _progress(f"engine started in {self.start_s:.1f} s")
+
+    def run(self, phase: Phase) -> dict[str, Any]:
+        result = run_phase(self.llm, phase)
+        _progress(f"{phase.name or 'phase'}: {len(phase.prompts)} requests in "
+                  f"{result['wall_s'][-1]:.2f} s")
+        return result
+
+    def finish(self) -> dict[str, Any]:
+        out = {"engine_start_s": self.start_s, "stats": connector_stats(),
+               "preemptions": _preemptions(self.llm), "allocator": engine_allocator()}
+        if self.spec.multiprocess:  # connectors live in the worker processes: their shutdown
+            self.llm.llm_engine.engine_core.shutdown()  # waits for the stores in flight
+        return out
 
 
 def _preemptions(llm: Any) -> int | None:
@@ -252,42 +331,101 @@ def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float =
                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Runs `run(spec, phases)` in a fresh Python process and returns its result. `progress`
     gets the child's progress lines as they come."""
-    payload = json.dumps({"spec": asdict(spec), "phases": [asdict(p) for p in phases]})
-    full_env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), **(env or {})}
-    log = open(log_path, "a") if log_path else open(os.devnull, "w")  # noqa: SIM115
-    # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
-    # keep our pipe open, so once the result is in, the whole group is killed.
-    with log, subprocess.Popen([sys.executable, "-m", "ucm.bench.engines"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=log, text=True,
-                               env=full_env, start_new_session=True) as proc:
-        timer = threading.Timer(timeout, _kill_group, (proc,))
-        timer.start()
-        result = None
+    with EngineProcess(spec, timeout=timeout, env=env, log_path=log_path,
+                       progress=progress) as engine:
+        results = [engine.run(p) for p in phases]
+        return {**engine.finish(), "phases": results}
+
+
+class EngineProcess:
+    """An engine in a fresh Python process that takes phases one at a time, so what a phase
+    asks can depend on what the last one answered (a chat's next turn carries the answers):
+
+        with EngineProcess(spec, log_path=log) as engine:
+            first = engine.run(Phase(prompts))     # run_phase's result
+            ...
+            stats = engine.finish()                # engine_start_s, stats, preemptions, ...
+
+    `timeout` bounds the process's whole life; `progress` gets its progress lines."""
+
+    def __init__(self, spec: EngineSpec, *, timeout: float = 900,
+                 env: dict[str, str] | None = None, log_path: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        self._timeout = timeout
+        self._env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), **(env or {})}
+        self._log_path = log_path
+        self._progress = progress
+        self._proc: subprocess.Popen | None = None
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> EngineProcess:
+        self._log = open(self._log_path, "a") if self._log_path else open(os.devnull, "w")
+        # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
+        # keep our pipe open, so once the result is in, the whole group is killed.
+        self._proc = subprocess.Popen([sys.executable, "-m", "ucm.bench.engines"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log, text=True, env=self._env,
+                                      start_new_session=True)
+        self._timer = threading.Timer(self._timeout, _kill_group, (self._proc,))
+        self._timer.start()
+        self._send({"spec": asdict(self.spec)})
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._proc is not None and self._timer is not None
+        self._timer.cancel()
+        _kill_group(self._proc)
+        with self._log:
+            self._proc.__exit__(*exc)
+
+    def run(self, phase: Phase) -> dict[str, Any]:
+        self._send({"phase": asdict(phase)})
+        return self._answer("UCM_PHASE ")
+
+    def finish(self) -> dict[str, Any]:
+        """Ends the engine (its stores waited for) and returns its counters."""
+        self._send({"finish": True})
+        out = self._answer("UCM_RESULT ")
+        assert self._proc is not None
         try:
-            proc.stdin.write(payload)
-            proc.stdin.close()
-            for line in proc.stdout:
-                if line.startswith("UCM_RESULT "):
-                    result = json.loads(line[len("UCM_RESULT "):])
-                    break
-                if line.startswith("UCM_PROGRESS ") and progress is not None:
-                    progress(line[len("UCM_PROGRESS "):].rstrip())
-                else:
-                    log.write(line)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-        finally:
-            timer.cancel()
-            _kill_group(proc)
-    if result is None:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        return out
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(json.dumps(message) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            self._failed()
+
+    def _answer(self, tag: str) -> dict[str, Any]:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(tag):
+                return dict(json.loads(line[len(tag):]))
+            if line.startswith("UCM_PROGRESS "):
+                if self._progress is not None:
+                    self._progress(line[len("UCM_PROGRESS "):].rstrip())
+            else:
+                self._log.write(line)
+        self._failed()
+
+    def _failed(self) -> NoReturn:
+        assert self._proc is not None
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.flush()
         tail = ""
-        if log_path:
-            with open(log_path) as f:
+        if self._log_path:
+            with open(self._log_path) as f:
                 tail = f.read()[-4000:]
-        raise RuntimeError(f"engine process failed (rc={proc.returncode}):\n{tail}")
-    return result
+        raise RuntimeError(f"engine process failed (rc={self._proc.returncode}):\n{tail}")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -303,13 +441,21 @@ def _progress(message: str) -> None:
     sys.stdout.flush()
 
 
-def _main() -> None:
-    data = json.loads(sys.stdin.read())
-    spec = EngineSpec(**data["spec"])
-    phases = [Phase(**p) for p in data["phases"]]
-    result = run(spec, phases)
-    sys.stdout.write("UCM_RESULT " + json.dumps(result, default=str) + "\n")
+def _reply(tag: str, body: dict[str, Any]) -> None:
+    sys.stdout.write(f"{tag} " + json.dumps(body, default=str) + "\n")
     sys.stdout.flush()
+
+
+def _main() -> None:
+    """The engine process: a spec line, then phase lines, each answered, then a finish line."""
+    engine = _Engine(EngineSpec(**json.loads(sys.stdin.readline())["spec"]))
+    for line in sys.stdin:
+        message = json.loads(line)
+        if "phase" in message:
+            _reply("UCM_PHASE", engine.run(Phase(**message["phase"])))
+        elif message.get("finish"):
+            _reply("UCM_RESULT", engine.finish())
+            break
     os._exit(0)  # skip interpreter teardown of vLLM's threads; stores were waited for
 
 
