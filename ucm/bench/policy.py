@@ -123,6 +123,83 @@ def trace_rows(path: str, capacities: list[int], *, block_size: int = 16,
     return rows
 
 
+def analysis_rows(path: str, capacities: list[int], *, block_size: int = 16,
+                  limit: int | None = None) -> dict[str, Any]:
+    """The reuse statistics of a trace and, per capacity, Belady, LRU and the two bounds
+    (`ucm.autotune._analysis`): what docs/autotune.md cites for why 0.80x Belady at 4,000
+    blocks is out of reach on the conversation trace."""
+    from dataclasses import asdict
+
+    from ucm.autotune import belady, load_requests, next_uses, simulate
+    from ucm.autotune._analysis import best_semi_oracle, oracle_lru, reuse_stats
+    from ucm.autotune._simulate import SimTier
+
+    requests = load_requests(path, block_size=block_size, limit=limit)
+    uses = next_uses(requests)
+    stats = reuse_stats(requests, uses)
+    bounds = []
+    for capacity in capacities:
+        semi, share = best_semi_oracle(requests, capacity, uses)
+        bounds.append({"capacity_blocks": capacity,
+                       "belady": belady(requests, capacity, uses).hit_ratio,
+                       "lru": simulate(requests, [SimTier("lru", capacity)]).hit_ratio,
+                       "oracle_lru": oracle_lru(requests, capacity, uses),
+                       "semi_oracle": semi, "semi_oracle_fifo_share": share})
+    reuse = asdict(stats)
+    del reuse["distances"], reuse["new_between"]
+    reuse["median_distance"] = stats.median_distance
+    reuse["median_new_between"] = stats.median_new_between
+    return {"requests": len(requests), "reuse": reuse, "bounds": bounds}
+
+
+def print_analysis(out: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    reuse = out["reuse"]
+    first = reuse["first_time"]
+    console.print(f"[bold]{title}[/bold]: {out['requests']} requests, {reuse['accesses']} block "
+                  f"accesses, {first['blocks']} distinct blocks")
+    console.print(f"first-time blocks used again: {first['reused'] / first['blocks']:.3f} "
+                  f"({first['reused']} of {first['blocks']}); median reuse distance "
+                  f"{reuse['median_distance']} block accesses, "
+                  f"{reuse['median_new_between']} first-time blocks in between")
+    table = Table(title="share of first-time blocks used again, by signal at the store "
+                  "(a request's last block apart)")
+    for col in ("signal", "value", "blocks", "used again"):
+        table.add_column(col, justify="right")
+    for signal, key in (("index in the request's new segment", "by_new_index"),
+                        ("request length (blocks)", "by_request_blocks"),
+                        ("conversation", "by_return")):
+        for i, (value, share) in enumerate(reuse[key].items()):
+            table.add_row(signal if i == 0 else "", value, str(share["blocks"]),
+                          f"{share['reused'] / share['blocks']:.3f}")
+    last = reuse["last_block"]
+    if last["blocks"]:
+        table.add_row("the request's last block", "-", str(last["blocks"]),
+                      f"{last['reused'] / last['blocks']:.3f}")
+    for i, (value, share) in enumerate(reuse["by_seen"].items()):
+        table.add_row("seen before: earlier accesses" if i == 0 else "", value,
+                      str(share["blocks"]), f"{share['reused'] / share['blocks']:.3f}")
+    console.print(table)
+    table = Table(title="bounds, block hit ratio (prefix semantics; x: of Belady). oracle-LRU: "
+                  "LRU admitting only blocks used again, dropping them after their last use; "
+                  "semi-oracle: Belady over blocks seen before, fresh blocks in a FIFO (the "
+                  "best share of the capacity)")
+    for col in ("capacity", "belady", "lru", "oracle-LRU", "semi-oracle", "its FIFO share",
+                "lru x", "oracle-LRU x", "semi-oracle x"):
+        table.add_column(col, justify="right")
+    for r in out["bounds"]:
+        b = r["belady"]
+        table.add_row(str(r["capacity_blocks"]), f"{b:.3f}", f"{r['lru']:.3f}",
+                      f"{r['oracle_lru']:.3f}", f"{r['semi_oracle']:.3f}",
+                      f"{r['semi_oracle_fifo_share']:.1f}",
+                      *(f"{r[k] / b:.2f}" if b else "-"
+                        for k in ("lru", "oracle_lru", "semi_oracle")))
+    console.print(table)
+
+
 def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> None:
     import matplotlib
 
@@ -161,11 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--plot", metavar="PNG", help="plot hit ratio against capacity")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--analysis", action="store_true",
+                        help="with --trace: the trace's reuse statistics and the bounds of "
+                        "policies that know the future (instead of the policy table)")
     args = parser.parse_args(argv)
     if not args.trace:
-        if args.plot:
-            parser.error("--plot needs --trace")
+        if args.plot or args.analysis:
+            parser.error("--plot and --analysis need --trace")
         return run_policy_bench(args.json)
+    if args.analysis:
+        out = analysis_rows(args.trace, [int(c) for c in args.capacities.split(",")],
+                            block_size=args.block_size, limit=args.limit)
+        print_analysis(out, args.trace)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return 0
     from rich.console import Console
     from rich.table import Table
 
