@@ -152,6 +152,60 @@ def analysis_rows(path: str, capacities: list[int], *, block_size: int = 16,
     return {"requests": len(requests), "reuse": reuse, "bounds": bounds}
 
 
+PREFETCHERS = {"oracle timing (bound)": None, "last gap": (1.0,),
+               "last gap x0.5, 1, 2": (0.5, 1.0, 2.0)}
+
+
+def prefetch_rows(path: str, capacities: list[int], *, fast_policy: str = "shadow",
+                  block_size: int = 16, limit: int | None = None) -> list[dict[str, Any]]:
+    """Fast-tier hits of a fast tier of each capacity over an unbounded slow one, without
+    prefetch and with each next-turn prefetcher (`ucm.autotune._prefetch`), and the blocks
+    each moved that no request used before the fast tier dropped them."""
+    from ucm.autotune import load_requests, simulate
+    from ucm.autotune._prefetch import NextTurnPrefetch, OracleNextTurn
+    from ucm.autotune._simulate import SimTier
+
+    requests = load_requests(path, block_size=block_size, limit=limit)
+    rows = []
+    for capacity in capacities:
+        tiers = [SimTier(fast_policy, capacity), SimTier("lru", None)]
+        base = simulate(requests, tiers)
+        row: dict[str, Any] = {"capacity_blocks": capacity, "accesses": base.accesses,
+                               "fast_hits": base.hits_by_tier[0],
+                               "slow_hits": base.hits_by_tier[1], "prefetch": {}}
+        for name, scales in PREFETCHERS.items():
+            prefetcher = (OracleNextTurn(requests) if scales is None
+                          else NextTurnPrefetch(scales=scales))
+            r = simulate(requests, tiers, prefetch=prefetcher)
+            row["prefetch"][name] = {
+                "fast_hits": r.hits_by_tier[0],
+                "extra_fast_hits": r.hits_by_tier[0] - base.hits_by_tier[0],
+                "prefetched": r.prefetched, "prefetch_hits": r.prefetch_hits,
+                "evicted_unused": r.prefetch_evicted,
+                "unused": r.prefetched - r.prefetch_hits}
+        rows.append(row)
+    return rows
+
+
+def print_prefetch(rows: list[dict[str, Any]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("capacity", "prefetcher", "fast hits", "extra fast hits", "of slow hits",
+                "blocks moved", "moved, never used"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["capacity_blocks"]), "none", str(r["fast_hits"]), "-", "-", "0",
+                      "0")
+        for name, p in r["prefetch"].items():
+            table.add_row("", name, str(p["fast_hits"]), f"{p['extra_fast_hits']:+d}",
+                          f"{p['extra_fast_hits'] / r['slow_hits']:+.3f}"
+                          if r["slow_hits"] else "-",
+                          str(p["prefetched"]), str(p["unused"]))
+    Console(width=120).print(table)
+
+
 def print_analysis(out: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -241,10 +295,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--analysis", action="store_true",
                         help="with --trace: the trace's reuse statistics and the bounds of "
                         "policies that know the future (instead of the policy table)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="with --trace: fast-tier hits with and without next-turn "
+                        "prefetch, a fast tier of each capacity over an unbounded slow one")
+    parser.add_argument("--fast-policy", default="shadow", choices=POLICIES,
+                        help="the fast tier's policy for --prefetch")
     args = parser.parse_args(argv)
     if not args.trace:
-        if args.plot or args.analysis:
-            parser.error("--plot and --analysis need --trace")
+        if args.plot or args.analysis or args.prefetch:
+            parser.error("--plot, --analysis and --prefetch need --trace")
+    elif args.prefetch:
+        rows = prefetch_rows(args.trace, [int(c) for c in args.capacities.split(",")],
+                             fast_policy=args.fast_policy, block_size=args.block_size,
+                             limit=args.limit)
+        print_prefetch(rows, f"next-turn prefetch on {args.trace}: fast tier "
+                       f"({args.fast_policy}) over an unbounded slow tier (lru)")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return 0
+    if not args.trace:
         return run_policy_bench(args.json)
     if args.analysis:
         out = analysis_rows(args.trace, [int(c) for c in args.capacities.split(",")],
