@@ -206,6 +206,73 @@ def print_prefetch(rows: list[dict[str, Any]], title: str) -> None:
     Console(width=120).print(table)
 
 
+def grid_candidates(memory_bytes: int, disk_bytes: int, block_bytes: int) -> list[Any]:
+    """A hand-picked grid: a half, three quarters, 90 % and all of the memory limit, with no
+    disk tier or half the disk limit, under LRU, S3-FIFO and shadow (24 configs)."""
+    from ucm.autotune._tuner import Candidate
+
+    def blocks(n: float) -> int:
+        return max(block_bytes, int(n) // block_bytes * block_bytes)
+
+    disks = [0] + ([blocks(disk_bytes / 2)] if disk_bytes else [])
+    return [Candidate(blocks(memory_bytes * f), d, e) for f in (0.5, 0.75, 0.9, 1.0)
+            for d in disks for e in ("lru", "s3fifo", "shadow")]
+
+
+def tune_vs_grid(path: str, bench_json: str, constraints: dict[str, Any], *,
+                 model: str = "llama-3-8b", progress: bool = True) -> dict[str, Any]:
+    """The AutoTuner's choice under `constraints` and the best fitting config of the hand-picked
+    grid, both replayed on the same requests with the same measured costs."""
+    from dataclasses import asdict
+
+    from ucm.autotune import AutoTuner
+    from ucm.autotune._tuner import GB, best_of
+
+    if "max_memory_gb" not in constraints:
+        raise ValueError("--tune-vs-grid needs a memory constraint (--max-memory-gb)")
+    tuner = AutoTuner(constraints=dict(constraints), bench_json=bench_json, progress=progress)
+    tuner.tune(model, path)
+    grid = grid_candidates(int(constraints["max_memory_gb"] * GB),
+                           int(constraints.get("max_disk_gb", 0) * GB), tuner.block_bytes)
+    bandwidths = tuner._bandwidths()
+    graded = [tuner.evaluate(tuner.requests, c, tuner.block_bytes, bandwidths) for c in grid]
+    fitting = [p for p in graded if p.fits(tuner.constraints)]
+    assert tuner.best is not None
+    return {"tuner": asdict(tuner.best), "tuner_candidates": len(tuner.predictions),
+            "grid": [asdict(p) | {"fits": p.fits(tuner.constraints)} for p in graded],
+            "grid_best": asdict(best_of(fitting)) if fitting else None}
+
+
+def print_tune_vs_grid(out: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("config", "memory GiB", "disk GiB", "eviction", "fits", "hit ratio",
+                "load ms/request"):
+        table.add_column(col, justify="right")
+
+    def row(label: str, p: dict[str, Any], fits: bool = True) -> None:
+        c = p["candidate"]
+        table.add_row(label, f"{c['memory_bytes'] / (1 << 30):.1f}",
+                      f"{c['disk_bytes'] / (1 << 30):.1f}", c["eviction"], "yes" if fits
+                      else "no", f"{p['hit_ratio']:.4f}", f"{p['load_ms_per_request']:.1f}")
+
+    for i, p in enumerate(out["grid"]):
+        row(f"grid {i + 1}", p, p["fits"])
+    if out["grid_best"]:
+        row("grid's best", out["grid_best"])
+    row(f"tuner (of {out['tuner_candidates']})", out["tuner"])
+    console = Console(width=120)
+    console.print(table)
+    best = out["grid_best"]
+    if best:
+        t, g = out["tuner"]["hit_ratio"], best["hit_ratio"]
+        console.print(f"tuner {t:.4f} against the grid's best {g:.4f}: "
+                      f"{'no worse' if t >= g - 1e-12 else 'WORSE'} (ratio {t / g:.3f})"
+                      if g else "the grid's best hits nothing")
+
+
 def print_analysis(out: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -300,10 +367,31 @@ def main(argv: list[str] | None = None) -> int:
                         "prefetch, a fast tier of each capacity over an unbounded slow one")
     parser.add_argument("--fast-policy", default="shadow", choices=POLICIES,
                         help="the fast tier's policy for --prefetch")
+    parser.add_argument("--tune-vs-grid", action="store_true",
+                        help="with --trace: the AutoTuner's config against a hand-picked grid "
+                        "of 24 under --max-memory-gb (needs --bench)")
+    parser.add_argument("--bench", metavar="JSON", help="`ucm bench --json FILE` records")
+    parser.add_argument("--model", default="llama-3-8b", help="for --tune-vs-grid")
+    parser.add_argument("--max-memory-gb", type=float)
+    parser.add_argument("--max-disk-gb", type=float)
+    parser.add_argument("--max-latency-ms", type=float)
     args = parser.parse_args(argv)
     if not args.trace:
-        if args.plot or args.analysis or args.prefetch:
-            parser.error("--plot, --analysis and --prefetch need --trace")
+        if args.plot or args.analysis or args.prefetch or args.tune_vs_grid:
+            parser.error("--plot, --analysis, --prefetch and --tune-vs-grid need --trace")
+    elif args.tune_vs_grid:
+        if not args.bench or args.max_memory_gb is None:
+            parser.error("--tune-vs-grid needs --bench and --max-memory-gb")
+        constraints = {name: getattr(args, name) for name in
+                       ("max_memory_gb", "max_disk_gb", "max_latency_ms")
+                       if getattr(args, name) is not None}
+        out = tune_vs_grid(args.trace, args.bench, constraints, model=args.model)
+        print_tune_vs_grid(out, f"AutoTuner against a hand-picked grid on {args.trace} "
+                           f"({args.model}, {constraints})")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return 0
     elif args.prefetch:
         rows = prefetch_rows(args.trace, [int(c) for c in args.capacities.split(",")],
                              fast_policy=args.fast_policy, block_size=args.block_size,
