@@ -99,3 +99,30 @@ def test_a_latency_budget_is_kept_and_a_disk_tier_is_weighed(tmp_path):
     assert tuner.best is not None
     assert tuner.best.hit_ratio >= max(p.hit_ratio for p in tuner.predictions
                                        if p.candidate.disk_bytes == 0)
+
+
+def test_bench_tune_vs_grid_prints_the_tuner_no_worse_than_24_configs(tmp_path):
+    from ucm.bench.policy import main as policy_main
+
+    trace = tmp_path / "chat.json"
+    trace.write_text(json.dumps(chat_tokens(120)))
+    out = tmp_path / "tvg.json"
+    assert policy_main(["--trace", str(trace), "--tune-vs-grid", "--bench",
+                        str(bench_file(tmp_path)), "--model", "llama-2-7b",
+                        "--max-memory-gb", "2", "--max-disk-gb", "4", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert len(data["grid"]) == 24
+    assert len({json.dumps(p["candidate"], sort_keys=True) for p in data["grid"]}) == 24
+    assert data["grid_best"] is not None
+    assert data["tuner"]["hit_ratio"] >= data["grid_best"]["hit_ratio"]
+    assert data["tuner"]["memory_gb"] <= 2
+
+
+def test_bench_tune_vs_grid_needs_a_memory_constraint(tmp_path):
+    from ucm.bench.policy import main as policy_main
+
+    trace = tmp_path / "chat.json"
+    trace.write_text(json.dumps(chat_tokens(10)))
+    with pytest.raises(SystemExit):
+        policy_main(["--trace", str(trace), "--tune-vs-grid", "--bench",
+                     str(bench_file(tmp_path))])

@@ -16,7 +16,7 @@ separately (`belady`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ucm.autotune._traces import Request
@@ -43,6 +43,9 @@ class SimResult:
     requests_with_hit: int = 0
     prefetched: int = 0  # blocks the prefetcher copied into the first tier
     prefetch_hits: int = 0  # first-tier hits on blocks that the prefetcher brought there
+    # prefetched blocks evicted from the first tier before any hit (moved for nothing);
+    # the rest of `prefetched - prefetch_hits` were still waiting at the end
+    prefetch_evicted: int = 0
     held: list[set[bytes]] = field(default_factory=list)  # each tier's blocks at the end
 
     @property
@@ -68,8 +71,10 @@ def _clock() -> float:
 
 def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
              promote: bool = True, prefetch: object | None = None) -> SimResult:
-    """Replays `requests` through `tiers` (fastest first). `prefetch`, if given, is a
-    `Prefetcher` asked after each request for blocks to copy into the first tier."""
+    """Replays `requests` through `tiers` (fastest first). `prefetch`, if given, is asked
+    before each request, with its arrival time only, for blocks due now (`due(now)`, if it
+    has one) and after each request (`after(request)`) for blocks to copy from a slower tier
+    into the first (`ucm.autotune._prefetch`)."""
     if not tiers:
         raise ValueError("at least one tier")
     policies = [make_policy(t.policy, t.blocks, clock=_clock) for t in tiers]
@@ -79,7 +84,28 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     prefetched: set[bytes] = set()
     hits_by_tier = result.hits_by_tier
     single = len(policies) == 1
+
+    def _evicted(victims: list[bytes], depth: int) -> None:
+        if depth == 0 and prefetched:
+            for victim in victims:
+                if victim in prefetched:
+                    prefetched.discard(victim)
+                    result.prefetch_evicted += 1
+    due = getattr(prefetch, "due", None)
+
+    def promote_ahead(keys: Iterable[bytes]) -> None:
+        for key in keys:
+            if key not in top_index and any(key in ix for ix in indexes[1:]):
+                for victim in _insert(top, key, 0):
+                    if victim in prefetched:
+                        prefetched.discard(victim)
+                        result.prefetch_evicted += 1
+                prefetched.add(key)
+                result.prefetched += 1
+
     for request in requests:
+        if due is not None:
+            promote_ahead(due(request.timestamp))
         blocks = request.blocks
         n = len(blocks)
         result.requests += 1
@@ -114,7 +140,7 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 for i, depth in enumerate(sources):
                     if depth:
                         for above in range(depth):
-                            _insert(policies[above], blocks[i], i)
+                            _evicted(_insert(policies[above], blocks[i], i), above)
         if hit:
             result.hits += hit
             result.requests_with_hit += 1
@@ -124,22 +150,23 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 key = blocks[j]
                 if key in index:
                     policy.touch(key, j - hit)
+                elif policy is top:
+                    _evicted(_insert(policy, key, j - hit), 0)
                 else:
                     _insert(policy, key, j - hit)
         if prefetch is not None:
-            for key in prefetch.after(request):  # type: ignore[attr-defined]
-                if key not in top_index and any(key in ix for ix in indexes[1:]):
-                    _insert(top, key, 0)
-                    prefetched.add(key)
-                    result.prefetched += 1
+            promote_ahead(prefetch.after(request))  # type: ignore[attr-defined]
     result.held = [set(index) for index in indexes]
     return result
 
 
-def _insert(policy: Policy, key: bytes, depth: int) -> None:
-    if policy.make_room(1) is None:
+def _insert(policy: Policy, key: bytes, depth: int) -> list[bytes]:
+    """Inserts one block; returns the blocks evicted for it."""
+    victims = policy.make_room(1)
+    if victims is None:
         raise ValueError("a tier with no room for one block")
     policy.insert(key, 1, depth)
+    return victims
 
 
 def next_uses(requests: Sequence[Request]) -> tuple[list[bytes], list[int]]:

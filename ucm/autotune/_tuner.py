@@ -89,6 +89,11 @@ class Prediction:
                 and self.load_ms_per_request <= constraints.get("max_latency_ms", float("inf")))
 
 
+def best_of(predictions: Sequence[Prediction]) -> Prediction:
+    """The highest hit ratio, then the least memory, then the least disk."""
+    return max(predictions, key=lambda p: (round(p.hit_ratio, 9), -p.memory_gb, -p.disk_gb))
+
+
 class AutoTuner:
     """Searches a ucm config for a model and a workload under constraints."""
 
@@ -108,6 +113,8 @@ class AutoTuner:
         self.progress = progress
         self.predictions: list[Prediction] = []
         self.best: Prediction | None = None
+        self.requests: list[Request] = []  # the last tune()'s sample, and its block size
+        self.block_bytes = 0
 
     def _bandwidths(self) -> dict[str, float]:
         if self.bench_json is None:
@@ -162,6 +169,7 @@ class AutoTuner:
             block_tokens = 512  # hash_ids traces (Mooncake's) key 512-token blocks
         requests = load_requests(sample_requests, block_size=block_tokens)
         block_bytes = kv_bytes_per_token(model, tp=self.tp) * block_tokens
+        self.requests, self.block_bytes = requests, block_bytes
         seen = len({key for r in requests for key in r.blocks})
         candidates = self.candidates(block_bytes, seen)
         self.predictions = []
@@ -177,8 +185,7 @@ class AutoTuner:
         if not fitting:
             raise ValueError("no candidate meets the constraints "
                              f"{self.constraints}; relax them")
-        self.best = max(fitting, key=lambda p: (round(p.hit_ratio, 9), -p.memory_gb,
-                                                 -p.disk_gb))
+        self.best = best_of(fitting)
         return self.config_of(self.best)
 
     def config_of(self, prediction: Prediction) -> dict[str, Any]:
