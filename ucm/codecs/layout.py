@@ -22,6 +22,7 @@ such a block is a miss.
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
+@functools.lru_cache(maxsize=64)  # the few layouts a process registers, packed per block
 def pack(layout: KVLayout, group: int) -> bytes:
     runs: list[tuple[str, int, int, Order, int]] = []
     for part in layout.parts:

@@ -187,10 +187,14 @@ def encode_part(x: np.ndarray, kind: str, group: int, bits: int, order: Order = 
                      codes.tobytes()])
 
 
+# encoding sees only the layouts this process registered: a few, each costly to walk per block
+_registered_payload_bytes = functools.lru_cache(maxsize=64)(payload_bytes)
+
+
 def encode(layout: KVLayout, group: int, bits: int, raw: memoryview) -> bytes:
     steps = plan(layout, group, bits) if _quantize_block is not None else None
     if steps is not None:
-        out = bytearray(payload_bytes(layout, group, bits))
+        out = bytearray(_registered_payload_bytes(layout, group, bits))
         status = _quantize_block(out, raw, steps, bits, DTYPES[layout.dtype])
         if status:
             raise Unquantizable("non-finite values" if status == 1 else
