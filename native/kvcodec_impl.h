@@ -216,21 +216,21 @@ static inline __m256 KV_FN(kv_pattern)(const float *a, size_t s, size_t n, size_
 }
 #endif
 
-/* f[i..i+n) = code * step + min with one (min, step), stored positions i.. */
-static inline void KV_FN(kv_run)(float *f, const uint8_t *codes, size_t i, size_t n, int bits,
+/* dst[0..n) = code * step + min with one (min, step), the codes of stored positions i.. */
+static inline void KV_FN(kv_run)(float *dst, const uint8_t *codes, size_t i, size_t n, int bits,
                                  float mn, float st)
 {
     size_t k = 0;
 #if defined(__AVX2__)
-    if (i % 8 == 0) {
+    if (bits == 8 || i % 2 == 0) {
         __m256 vm = _mm256_set1_ps(mn), vs = _mm256_set1_ps(st);
         for (; k + 8 <= n; k += 8)
-            _mm256_storeu_ps(f + i + k, _mm256_add_ps(_mm256_mul_ps(
-                                           KV_FN(kv_codes8)(codes, i + k, bits), vs), vm));
+            _mm256_storeu_ps(dst + k, _mm256_add_ps(_mm256_mul_ps(
+                                          KV_FN(kv_codes8)(codes, i + k, bits), vs), vm));
     }
 #endif
     for (; k < n; k++)
-        f[i + k] = KV_FN(kv_code)(codes, i + k, bits) * st + mn;
+        dst[k] = KV_FN(kv_code)(codes, i + k, bits) * st + mn;
 }
 
 /* A part whose codes are in its stored order, decoded in that order (writes are sequential).
@@ -246,6 +246,7 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
 {
     size_t T = p->tokens, C = p->channels, g = p->group, ng = kv_groups(p), n = T * C;
     size_t ti = p->ti, ci = p->ci, per_row = p->kind == 1 ? C : C / g;
+    size_t itemsize = dtype == 3 ? 4 : 2;
     float levels = (float)((1 << bits) - 1);
     float *pmin = scratch, *pstep = scratch + ng, *f = scratch + 2 * ng;
     uint16_t mh, sh;
@@ -257,27 +258,28 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
         pmin[i] = m + (float)lo[i] * s;
         pstep[i] = ((float)((int)hi[i] - (int)lo[i]) * s) / levels;
     }
-    if (!p->c_major && ti == 1 && ci == 1) { /* row-major */
-        for (size_t t = 0; t < T; t++) {
+    char *o = out;
+    if (!p->c_major && ti == 1 && ci == 1) { /* row-major: a row at a time (kept in L1) */
+        for (size_t t = 0; t < T; t++, o += C * itemsize) {
             if (p->kind == 2) {
                 for (size_t j = 0; j < per_row; j++)
-                    KV_FN(kv_run)(f, codes, t * C + j * g, g, bits, pmin[t * per_row + j],
-                                  pstep[t * per_row + j]);
-                continue;
-            }
-            const float *mm = pmin + (t / g) * per_row, *ss = pstep + (t / g) * per_row;
-            size_t i = t * C, c = 0;
+                    KV_FN(kv_run)(f + j * g, codes, t * C + j * g, g, bits,
+                                  pmin[t * per_row + j], pstep[t * per_row + j]);
+            } else {
+                const float *mm = pmin + (t / g) * per_row, *ss = pstep + (t / g) * per_row;
+                size_t i = t * C, c = 0;
 #if defined(__AVX2__)
-            if (i % 8 == 0)
-                for (; c + 8 <= C; c += 8)
-                    _mm256_storeu_ps(f + i + c, _mm256_add_ps(_mm256_mul_ps(
-                        KV_FN(kv_codes8)(codes, i + c, bits), _mm256_loadu_ps(ss + c)),
-                        _mm256_loadu_ps(mm + c)));
+                if (bits == 8 || i % 2 == 0)
+                    for (; c + 8 <= C; c += 8)
+                        _mm256_storeu_ps(f + c, _mm256_add_ps(_mm256_mul_ps(
+                            KV_FN(kv_codes8)(codes, i + c, bits), _mm256_loadu_ps(ss + c)),
+                            _mm256_loadu_ps(mm + c)));
 #endif
-            for (; c < C; c++)
-                f[i + c] = KV_FN(kv_code)(codes, i + c, bits) * ss[c] + mm[c];
+                for (; c < C; c++)
+                    f[c] = KV_FN(kv_code)(codes, i + c, bits) * ss[c] + mm[c];
+            }
+            KV_FN(kv_store_row)(f, o, C, dtype);
         }
-        KV_FN(kv_store_row)(f, out, n, dtype);
         return;
     }
     size_t tile = ti * ci;
@@ -288,41 +290,49 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
     size_t d = p->kind == 1 ? 1 : C / g;
     if (along_j && tile % 8 == 0 && (nJ == 1 || nJ == 2 || nJ == 4 || nJ == 8)) {
         size_t i = 0;
-        for (size_t a = 0; a < nA; a++)
-            for (size_t b = 0; b < nB; b++, i += tile) {
+        for (size_t a = 0; a < nA; a++, o += nB * tile * itemsize) { /* nB tiles, in L1 */
+            float *fa = f;
+            for (size_t b = 0; b < nB; b++, i += tile, fa += tile) {
                 size_t t0 = p->c_major ? b * ti : a * ti, c0 = p->c_major ? a * ci : b * ci;
                 size_t s0 = p->kind == 1 ? (t0 / g) * C + c0 : t0 * (C / g) + c0 / g;
 #if defined(__AVX2__)
                 __m256 vm = KV_FN(kv_pattern)(pmin, s0, nJ, d);
                 __m256 vs = KV_FN(kv_pattern)(pstep, s0, nJ, d);
                 for (size_t k = 0; k < tile; k += 8)
-                    _mm256_storeu_ps(f + i + k, _mm256_add_ps(_mm256_mul_ps(
-                                                    KV_FN(kv_codes8)(codes, i + k, bits), vs), vm));
+                    _mm256_storeu_ps(fa + k, _mm256_add_ps(_mm256_mul_ps(
+                                                 KV_FN(kv_codes8)(codes, i + k, bits), vs), vm));
 #else
                 for (size_t k = 0; k < tile; k++) {
                     size_t sj = s0 + (k % nJ) * d;
-                    f[i + k] = KV_FN(kv_code)(codes, i + k, bits) * pstep[sj] + pmin[sj];
+                    fa[k] = KV_FN(kv_code)(codes, i + k, bits) * pstep[sj] + pmin[sj];
                 }
 #endif
             }
-    } else if (p->kind == 1 && p->c_major && ti == 1 && ci == 1) { /* keys [C, T] */
-        for (size_t c = 0; c < C; c++)
+            KV_FN(kv_store_row)(f, o, nB * tile, dtype);
+        }
+        return;
+    }
+    if (p->kind == 1 && p->c_major && ti == 1 && ci == 1) { /* keys [C, T]: a channel a time */
+        for (size_t c = 0; c < C; c++, o += T * itemsize) {
             for (size_t t0 = 0; t0 < T; t0 += g) {
                 size_t sj = (t0 / g) * C + c;
-                KV_FN(kv_run)(f, codes, c * T + t0, g, bits, pmin[sj], pstep[sj]);
+                KV_FN(kv_run)(f + t0, codes, c * T + t0, g, bits, pmin[sj], pstep[sj]);
             }
-    } else { /* any order: each element's (min, step) from the part's group table */
-        float *rmin = f + n, *rstep = f + 2 * n;
-        kv_offsets(p, toff, coff);
-        for (size_t t = 0; t < T; t++)
-            for (size_t c = 0; c < C; c++) {
-                size_t sj = p->kind == 1 ? (t / g) * C + c : t * per_row + c / g;
-                rmin[toff[t] + coff[c]] = pmin[sj];
-                rstep[toff[t] + coff[c]] = pstep[sj];
-            }
-        for (size_t i = 0; i < n; i++)
-            f[i] = KV_FN(kv_code)(codes, i, bits) * rstep[i] + rmin[i];
+            KV_FN(kv_store_row)(f, o, T, dtype);
+        }
+        return;
     }
+    /* any order: each element's (min, step) from the part's group table */
+    float *rmin = f + n, *rstep = f + 2 * n;
+    kv_offsets(p, toff, coff);
+    for (size_t t = 0; t < T; t++)
+        for (size_t c = 0; c < C; c++) {
+            size_t sj = p->kind == 1 ? (t / g) * C + c : t * per_row + c / g;
+            rmin[toff[t] + coff[c]] = pmin[sj];
+            rstep[toff[t] + coff[c]] = pstep[sj];
+        }
+    for (size_t i = 0; i < n; i++)
+        f[i] = KV_FN(kv_code)(codes, i, bits) * rstep[i] + rmin[i];
     KV_FN(kv_store_row)(f, out, n, dtype);
 }
 
