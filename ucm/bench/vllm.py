@@ -7,6 +7,10 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
     ucm-posix   ucm, posix tier only, page cache warm: stored with O_DIRECT (`direct_writes`,
                 as the README advises for vLLM on CPU; `--no-direct-writes` for buffered
                 stores), the hit engine's listing reads the blocks in when it starts
+    ucm-posix-int8, ucm-posix-int4
+                ucm-posix with the tier compressed (`compression: {method: quantize, bits}`):
+                each its own store pass and directory; their overhead is shown over
+                ucm-posix's (a compressed hit decodes what an uncompressed one copies)
     ucm-shm     ucm, memory tier shared through /dev/shm (one arena file that every process
                 maps: loads copied and checked in one pass)
     ucm-pmem    ucm, pmem tier with its pool file in /dev/shm (one mapping and one owner
@@ -226,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ucm_extra: dict[str, Any] = {"layerwise": True} if args.layerwise else {}
     if args.hugepages is not None:
         ucm_extra["hugepages"] = args.hugepages
-    def posix_tier(path: str) -> dict:
+    def posix_tier(path: str, bits: int | None = None) -> dict:
         return {"tiers": [{"driver": "posix", "path": path,
-                           **({"direct_writes": True} if args.direct_writes else {})}]}
+                           **({"direct_writes": True} if args.direct_writes else {}),
+                           **({"compression": {"method": "quantize", "bits": bits}}
+                              if bits else {})}]}
 
     ucm_posix = posix_tier(os.path.join(work, "ucm-store"))
     ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm,
@@ -238,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     connectors = [("example", {"connector": "example", "extra": {
                       "shared_storage_path": os.path.join(work, "example-store")}}),
                   ("ucm-posix", {"connector": "ucm", "ucm": ucm_posix, "extra": ucm_extra}),
+                  *((f"ucm-posix-int{bits}", {"connector": "ucm", "extra": ucm_extra,
+                                              "ucm": posix_tier(os.path.join(
+                                                  work, f"ucm-store-int{bits}"), bits)})
+                    for bits in (8, 4)),
                   ("ucm-shm", {"connector": "ucm", "ucm": ucm_shm, "extra": ucm_extra}),
                   ("ucm-pmem", {"connector": "ucm", "ucm": ucm_pmem, "extra": ucm_extra})]
     rows: dict[str, dict[int, Row]] = {}
@@ -376,20 +386,28 @@ def _print_table(lengths: list[int], miss_ms: dict, rows: dict[str, dict[int, Ro
 
     print("\nTTFT (ms, median): loaded by the connector, vLLM's own prefix hit in the same "
           "engine (the floor), and the overhead (median of the per-pair differences)")
-    print(f"{'setup':<12}" + "".join(f"{f'{label(n)} tok':>12}{'floor':>8}{'overhead':>10}"
+    print(f"{'setup':<15}" + "".join(f"{f'{label(n)} tok':>12}{'floor':>8}{'overhead':>10}"
                                       for n in lengths))
-    print(f"{'recompute':<12}" + "".join(f"{miss_ms['recompute'][n]:>12.1f}{'':>18}"
+    print(f"{'recompute':<15}" + "".join(f"{miss_ms['recompute'][n]:>12.1f}{'':>18}"
                                          for n in lengths))
     for name, per_n in rows.items():
-        print(f"{name:<12}" + "".join(f"{per_n[n].ttft:>12.1f}{per_n[n].floor:>8.1f}"
+        print(f"{name:<15}" + "".join(f"{per_n[n].ttft:>12.1f}{per_n[n].floor:>8.1f}"
                                       f"{per_n[n].overhead:>10.1f}" for n in lengths))
     for n in lengths:
         parts = []
         example = rows.get("example", {}).get(n)
-        for name in ("ucm-posix", "ucm-shm", "ucm-pmem"):
+        plain = rows.get("ucm-posix", {}).get(n)
+        for name in ("ucm-posix", "ucm-posix-int8", "ucm-posix-int4", "ucm-shm", "ucm-pmem"):
             row = rows.get(name, {}).get(n)
             if row is None:
                 continue
+            if name.startswith("ucm-posix-int") and plain is not None:
+                if plain.overhead > 0:
+                    parts.append(f"{name} overhead / ucm-posix overhead = "
+                                 f"{row.overhead / plain.overhead:.2f} (target <= 1.5)")
+                else:  # the floor moved more than the uncompressed load cost: noise
+                    parts.append(f"{name} overhead / ucm-posix overhead n/a (ucm-posix "
+                                 f"overhead <= 0)")
             if example is not None:
                 ratio = (row.overhead / example.overhead if example.overhead > 0
                          else float("nan"))

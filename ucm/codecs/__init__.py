@@ -109,12 +109,31 @@ def check_params(header: BlockHeader) -> None:
         if itemsize not in (1, 2, 4, 8) or header.raw_len % itemsize:
             raise BlockCorrupt("shuffle element size does not fit the block")
         return
-    from ucm.codecs.quant import payload_bytes
-
-    layout, group = unpack(header.params, header.raw_len)
     bits = 8 if header.codec is Codec.INT8 else 4
-    if payload_bytes(layout, group, bits) != header.payload_len:
+    if _unpacked(header.params, header.raw_len, bits)[2] != header.payload_len:
         raise BlockCorrupt("quantized payload length does not match its layout")
+
+
+# (layout, group, payload length) by (parameters, raw size, bits): every block of a store has
+# the same few, and expanding one costs more than decoding a block. Bounded, and only small
+# layouts (a forged header may describe MAX_PARTS parts) are kept.
+_UNPACKED: dict[tuple[bytes, int, int], tuple[KVLayout, int, int]] = {}
+_UNPACKED_MAX, _UNPACKED_PARTS = 64, 8192
+
+
+def _unpacked(params: bytes, raw_len: int, bits: int) -> tuple[KVLayout, int, int]:
+    key = (bytes(params), raw_len, bits)
+    found = _UNPACKED.get(key)
+    if found is None:
+        from ucm.codecs.quant import payload_bytes
+
+        layout, group = unpack(params, raw_len)
+        found = (layout, group, payload_bytes(layout, group, bits))
+        if len(layout.parts) <= _UNPACKED_PARTS:
+            if len(_UNPACKED) >= _UNPACKED_MAX:
+                _UNPACKED.clear()
+            _UNPACKED[key] = found
+    return found
 
 
 def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> None:
@@ -141,5 +160,6 @@ def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> Non
         return
     from ucm.codecs import quant
 
-    layout, group = unpack(header.params, header.raw_len)
-    quant.decode_into(layout, group, 8 if header.codec is Codec.INT8 else 4, stored, out)
+    bits = 8 if header.codec is Codec.INT8 else 4
+    layout, group, _ = _unpacked(header.params, header.raw_len, bits)
+    quant.decode_into(layout, group, bits, stored, out)

@@ -13,14 +13,16 @@ the process, and stores any other block losslessly: bytes it cannot interpret ar
 quantized. The layout travels in every quantized block's header (`pack`), so a load needs
 nothing but the block.
 
-Packed (little-endian): format u8 (FORMAT: 0x80 | dtype) | group u16 | repeat u32 | runs u16 |
+Packed (little-endian): format u8 (FORMAT | dtype) | group u16 | repeat u32 | runs u16 |
 per run: kind u8, tokens u32, channels u32, count u32, c-major u8, ti u16, ci u16. The parts
-are the runs expanded, the whole repeated. Parameters without the format bit (the first
-quantized format, fp16 scales per group) are refused as corrupt: such a block is a miss.
+are the runs expanded, the whole repeated. Parameters of an earlier format (top bits 0: fp16
+scales per group; 0x80: two-level scales, codes in logical order) are refused as corrupt:
+such a block is a miss.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from dataclasses import dataclass
@@ -36,7 +38,9 @@ _KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 _HEAD = struct.Struct("<BHIH")
 _RUN = struct.Struct("<BIIIBHH")
-FORMAT = 0x80  # the format bit of the first byte: two-level scales, runs with an order
+# the format bits of the first byte: two-level scales, runs with an order, codes in stored order
+FORMAT = 0xC0
+_FORMAT_MASK = 0xF0
 MAX_PARTS = 1 << 16  # a decoder expands at most this many parts (a forged header gets no more)
 # Values are grouped per token along up to 64 channels (a head of most models), keys per channel
 # along up to 64 tokens (a vLLM block): two scale bytes a group (figures: docs/compression.md).
@@ -112,6 +116,7 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
+@functools.lru_cache(maxsize=64)  # the few layouts a process registers, packed per block
 def pack(layout: KVLayout, group: int) -> bytes:
     runs: list[tuple[str, int, int, Order, int]] = []
     for part in layout.parts:
@@ -135,9 +140,9 @@ def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
     if len(params) < _HEAD.size:
         raise BlockCorrupt("codec parameters truncated")
     first, group, repeat, nruns = _HEAD.unpack_from(params)
-    if not first & FORMAT:
-        raise BlockCorrupt("quantized block of the first format (no longer read)")
-    dtype_id = first & ~FORMAT
+    if first & _FORMAT_MASK != FORMAT:
+        raise BlockCorrupt("quantized block of an earlier format (no longer read)")
+    dtype_id = first & ~_FORMAT_MASK
     if dtype_id not in _DTYPE_NAMES or group < 1 or repeat < 1 or nruns < 1:
         raise BlockCorrupt("codec parameters out of range")
     if len(params) != _HEAD.size + nruns * _RUN.size:

@@ -3,16 +3,18 @@ keys per channel (groups along the token axis), values per token (groups along t
 axis), int8 or packed int4 codes.
 
 A part is quantized as its [tokens, channels] matrix, whatever order its elements are stored in
-(ucm.codecs.layout.Order): codes are kept in that logical order and decoding writes each element
-back where the layout puts it. Scales are two-level, two bytes a group: per part a grid of 255
-steps over its range (minimum M rounded down and step S rounded up, float16), and per group
+(ucm.codecs.layout.Order); its codes are kept in that stored order, so decoding writes the
+block sequentially and only the scales are looked up by logical position. Scales are
+two-level, two bytes a group: per part a grid of 255 steps over its range (minimum M rounded
+down and step S rounded up, float16), and per group
 the grid lines below its minimum (lo) and above its maximum (hi), so the group's minimum is
 M + lo*S and its step (hi - lo)*S/levels, all in float32. Codes never clip (within float32
 rounding): every element decodes to within about half its group's step before the cast to the
 cache's dtype.
 
 Per part the payload is M and S (float16), lo and hi per group (u8, all lo then all hi), then
-the codes (one byte each for int8; two per byte, the even index in the low nibble, for int4).
+the codes in the part's stored order (one byte each for int8; two per byte, the even position
+in the low nibble, for int4).
 A block that does not fit (non-finite values, a range beyond float16) raises `Unquantizable`,
 and the caller stores it losslessly.
 """
@@ -23,7 +25,7 @@ import functools
 
 import numpy as np
 
-from ucm.codecs.layout import DTYPES, KVLayout, Order, Part, group_for
+from ucm.codecs.layout import DTYPES, TC, KVLayout, Order, Part, group_for
 from ucm.errors import BlockCorrupt
 
 try:  # native/kvcodec.c: the coding loops outside the GIL (setup.py builds it)
@@ -160,8 +162,10 @@ def _grouped(x: np.ndarray, kind: str, g: int) -> np.ndarray:
     return x.reshape(tokens, channels // g, g)  # reduce over axis 2
 
 
-def encode_part(x: np.ndarray, kind: str, group: int, bits: int) -> bytes:
-    """One part's payload from its [tokens, channels] float32 matrix (the numpy reference)."""
+def encode_part(x: np.ndarray, kind: str, group: int, bits: int, order: Order = TC
+                ) -> bytes:
+    """One part's payload from its [tokens, channels] float32 matrix (the numpy reference),
+    its codes in the part's stored `order`."""
     levels = (1 << bits) - 1
     if not np.isfinite(x).all():
         raise Unquantizable("non-finite values")
@@ -174,7 +178,7 @@ def encode_part(x: np.ndarray, kind: str, group: int, bits: int) -> bytes:
     mn, step = group_params(m, s, lo, hi, levels)
     e = np.expand_dims
     codes = np.rint((xs - e(mn, axis)) * e(_F32(1) / step, axis))
-    codes = np.clip(codes, 0, levels).astype(np.uint8).reshape(-1)
+    codes = to_stored(np.clip(codes, 0, levels).astype(np.uint8).reshape(x.shape), order)
     if bits == 4:
         if codes.size % 2:
             codes = np.append(codes, np.uint8(0))
@@ -183,10 +187,14 @@ def encode_part(x: np.ndarray, kind: str, group: int, bits: int) -> bytes:
                      codes.tobytes()])
 
 
+# encoding sees only the layouts this process registered: a few, each costly to walk per block
+_registered_payload_bytes = functools.lru_cache(maxsize=64)(payload_bytes)
+
+
 def encode(layout: KVLayout, group: int, bits: int, raw: memoryview) -> bytes:
     steps = plan(layout, group, bits) if _quantize_block is not None else None
     if steps is not None:
-        out = bytearray(payload_bytes(layout, group, bits))
+        out = bytearray(_registered_payload_bytes(layout, group, bits))
         status = _quantize_block(out, raw, steps, bits, DTYPES[layout.dtype])
         if status:
             raise Unquantizable("non-finite values" if status == 1 else
@@ -207,7 +215,7 @@ def encode_reference(layout: KVLayout, group: int, bits: int, raw: memoryview) -
             out.append(chunk.tobytes())
             continue
         x = to_logical(to_f32(chunk, layout.dtype), tokens, channels, order)
-        out.append(encode_part(x, kind, group, bits))
+        out.append(encode_part(x, kind, group, bits, order))
     return b"".join(out)
 
 
@@ -272,7 +280,8 @@ def decode_reference(layout: KVLayout, group: int, bits: int, stored: memoryview
             codes = codes[:count]
         mn, step = group_params(m, s, lo, hi, levels)
         shape_p = (tokens // g, 1, channels) if kind == "k" else (tokens, channels // g, 1)
-        xs = _grouped(codes.astype(_F32).reshape(tokens, channels), kind, g)
+        logical = to_logical(codes, tokens, channels, order)
+        xs = _grouped(logical.astype(_F32).reshape(tokens, channels), kind, g)
         x = xs * step.reshape(shape_p) + mn.reshape(shape_p)
         from_f32(to_stored(x.reshape(tokens, channels), order), layout.dtype, dst)
     if pos != data.size:
