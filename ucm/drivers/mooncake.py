@@ -391,8 +391,10 @@ def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: st
         for _ in range(10):
             rc = store.put(probe, b"ucm")
             # A client that died lately keeps its segment registered until the master's
-            # client_ttl: puts placed there fail for a while. Not a reason to refuse.
-            if rc != TRANSFER_FAIL:
+            # client_ttl: puts placed there fail for a while. Not a reason to refuse. Nor is a
+            # pool briefly without segments (a holder re-mounting after missed heartbeats):
+            # only a refusal that lasts the ~3 s of tries means no memory.
+            if rc not in (TRANSFER_FAIL, NO_AVAILABLE_HANDLE):
                 break
             time.sleep(0.3)
         if rc == TRANSFER_FAIL:
