@@ -115,3 +115,26 @@ def test_direct_writes_reach_every_posix_tier_and_nothing_else(tmp_path, engine_
     assert len(posix) == 3  # store pass, hits, one more all-miss engine
     assert all(t.get("direct_writes", False) == direct for t in posix)
     assert all("direct_writes" not in t for t in tiers if t["driver"] != "posix")
+
+
+def test_runs_store_afresh_and_report_each_setups_distribution(tmp_path, engine_specs, capsys):
+    """`--runs 3`: three whole runs, each its own store directory, then each setup's overhead
+    in every run with min / median / max and how many runs held 10 ms."""
+    assert main(["--lengths", "256", "--repeat", "1", "--rounds", "1", "--miss-engines", "1",
+                 "--setups", "ucm-posix,ucm-shm", "--workdir", str(tmp_path),
+                 "--runs", "3"]) == 0
+    out = capsys.readouterr().out
+    stores = {t["path"] for spec in engine_specs for t in (spec.ucm or {}).get("tiers", [])
+              if t["driver"] == "posix"}
+    assert stores == {str(tmp_path / f"run{k}" / "ucm-store") for k in (1, 2, 3)}
+    assert out.count("] run ") == 3 and "overhead over vLLM's own hit (ms) in each of 3" in out
+    # The recorder's phases all take 10 ms: every pair differs by 0.
+    assert ("ucm-posix          256 tok:    0.0    0.0    0.0   min 0.0 median 0.0 max 0.0; "
+            "<= 10 ms in 3 of 3 runs") in out
+    assert "ucm-shm" in out.rsplit("in each of 3", 1)[1]
+
+
+def test_runs_must_be_one_or_more(capsys):
+    with pytest.raises(SystemExit):
+        main(["--runs", "0"])
+    assert "--runs must be 1 or more" in capsys.readouterr().err

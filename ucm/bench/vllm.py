@@ -159,21 +159,42 @@ def main(argv: list[str] | None = None) -> int:
                          "its own, loaded while earlier layers compute)")
     ap.add_argument("--setups", default="null,example,ucm-posix,ucm-shm,ucm-pmem",
                     help="connector setups (recompute always runs)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="whole runs, each with fresh store passes and engines (a store pass "
+                         "then its hit engine, started right after it exits); with more than "
+                         "one, the distribution of each setup's overhead over the runs")
     args = ap.parse_args(argv)
-
-    from ucm.bench.engines import EngineSpec, Phase, run_in_subprocess
-
-    lengths = [int(x) for x in args.lengths.split(",")]
     setups = args.setups.split(",")
     if args.tail < 0:
         ap.error("--tail must be 0 or more")
-    if args.repeat < 1 or args.rounds < 1 or args.miss_engines < 1:
-        ap.error("--repeat, --rounds and --miss-engines must be 1 or more")
+    if args.repeat < 1 or args.rounds < 1 or args.miss_engines < 1 or args.runs < 1:
+        ap.error("--repeat, --rounds, --miss-engines and --runs must be 1 or more")
     if args.tail == 1 and "example" in setups:
         ap.error("--tail 1 makes ExampleConnector miss every prompt (it stores a prompt of P "
                  "tokens under its first (P - 1) // block size blocks and looks it up by its "
                  "first (P - 2) // block size): use 0 or 2 and more")
-    work = args.workdir or tempfile.mkdtemp(prefix="ucm-bench-vllm-")
+    per_run: list[dict[str, dict[int, Row]]] = []
+    loads: list[float] = []
+    for k in range(args.runs):
+        if args.runs > 1:
+            loads.append(os.getloadavg()[0])
+            _say(f"run {k + 1} of {args.runs} (load average {loads[-1]:.2f})")
+        workdir = args.workdir and (os.path.join(args.workdir, f"run{k + 1}") if args.runs > 1
+                                    else args.workdir)  # each run stores afresh
+        per_run.append(_run_once(args, setups, workdir))
+    if args.runs > 1:
+        _print_distribution(per_run, loads)
+    return 0
+
+
+def _run_once(args: argparse.Namespace, setups: list[str], workdir: str | None,
+              ) -> dict[str, dict[int, Row]]:
+    """One whole run: every setup's store pass and hit engine; prints its table."""
+    from ucm.bench.engines import EngineSpec, Phase, run_in_subprocess
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    work = workdir or tempfile.mkdtemp(prefix="ucm-bench-vllm-")
+    os.makedirs(work, exist_ok=True)
     shm = tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm")
     log = os.path.join(work, "engines.log")
     _say(f"model: {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.kv_heads} KV heads, "
@@ -330,13 +351,29 @@ def main(argv: list[str] | None = None) -> int:
         raw_bw, raw_bytes = _raw_read_bandwidth(files, kv) if files and kv else (0.0, 0)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-        if not args.workdir:
+        if not workdir:
             _drop_bulk(work)
     _print_table(lengths, miss_ms, rows, loaded_bytes, raw_bw, raw_bytes, tail=args.tail)
     print(f"engine processes' malloc: {', '.join(sorted(allocators))}"
           + ("" if allocators == {"tcmalloc"} else
              " (vLLM on CPU asks for tcmalloc: see ucm.vllm_hook.environment.TCMALLOC_PATHS)"))
-    return 0
+    return rows
+
+
+def _print_distribution(per_run: list[dict[str, dict[int, Row]]], loads: list[float], *,
+                        limit_ms: float = 10.0) -> None:
+    """Each setup's overhead (ms over vLLM's own hit) in every run, with min / median / max,
+    and whether every run held `limit_ms` (the hit-overhead target at 4K)."""
+    print(f"\noverhead over vLLM's own hit (ms) in each of {len(per_run)} runs "
+          f"(load average at each run's start: {', '.join(f'{x:.2f}' for x in loads)})")
+    names = [name for name in per_run[0] if all(name in run for run in per_run)]
+    for name in names:
+        for n in per_run[0][name]:
+            ms = [run[name][n].overhead for run in per_run]
+            held = sum(1 for x in ms if x <= limit_ms)
+            print(f"{name:<15} {n:>6} tok: " + " ".join(f"{x:6.1f}" for x in ms)
+                  + f"   min {min(ms):.1f} median {statistics.median(ms):.1f} "
+                    f"max {max(ms):.1f}; <= {limit_ms:g} ms in {held} of {len(ms)} runs")
 
 
 def _drop_bulk(work: str) -> None:
