@@ -60,3 +60,25 @@ def test_first_divergence_and_perplexity():
     assert quality.first_divergence([], [4]) == 0
     assert quality.perplexity([[math.log(0.5)], [math.log(0.5), math.log(0.5)]]) == \
         pytest.approx(2.0)
+
+
+def test_a_path_without_ucm_is_reported_against_the_uncompressed_load(tmp_path):
+    """A `--paths` row stores nothing: no bytes per token, its agreement and perplexity
+    against the uncompressed ucm load all the same."""
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4, '
+                                          '"num_hidden_layers": 2, "num_key_value_heads": 2}')
+    samples = [quality.Sample("a", [1] * 32, [2] * 4), quality.Sample("b", [3] * 64, [4] * 4)]
+    base = {"tails": [[math.log(0.5)] * 3] * 2, "tokens": [[7, 8, 9], [7, 8, 9]], "loaded": 96}
+    path = {"tails": [[math.log(0.25)] * 3] * 2, "tokens": [[7, 8, 9], [7, 5, 9]], "loaded": 0}
+    report = quality._report(samples, {"none": (3, 3 * 32 * 1024, {"none": 3})},
+                             {"none": base, "recompute": path}, 3, str(tmp_path))
+    row = {r["run"]: r for r in report["rows"]}["recompute"]
+    assert row["blocks"] == 0 and row["bytes_per_token"] == 0.0 and row["loaded_share"] == 0
+    assert row["divergence"] == [3, 1] and row["exact"] == 0.5
+    assert row["perplexity_change"] == pytest.approx(1.0)  # ppl 4 against 2
+
+
+def test_unknown_paths_are_refused_before_any_engine_starts(capsys):
+    with pytest.raises(SystemExit):
+        quality.main(["--paths", "recompute,warp"])
+    assert "unknown path(s) ['warp']" in capsys.readouterr().err

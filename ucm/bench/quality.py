@@ -12,6 +12,11 @@ English documents (`ucm.bench.texts`, 1K to 6K tokens each), it runs:
              model continues the prefix greedily for 64 tokens
     control  a second fresh engine on the uncompressed directory: the same path twice, which
              shows what agreement a lossless load gives
+    paths    (`--paths`) the same prompts without ucm, on other numeric paths: `recompute`, a
+             fresh engine with no connector and no prefix cache (one prefill pass over each
+             prompt), and `vllm-hit`, a fresh engine whose own prefix cache holds each prefix
+             (prefilled just before). Their agreement with the uncompressed ucm load is what a
+             lossless change of path alone gives on this model: the scale to read a codec's by
 
 and reports, per codec against the uncompressed load (a ucm hit compared with a ucm hit: a
 loaded prefix is a different numeric path from one prefill pass, for vLLM's own cache too),
@@ -39,6 +44,9 @@ from ucm.block import Codec, decode_header
 # Prompt lengths in tokens, cycled: most prompts short (as chat traffic is), a few long.
 LENGTHS = (1024, 1024, 1536, 2048, 1024, 1536, 3072, 1024, 4096, 6144)
 BLOCK = 32
+# Lossless paths without ucm, for the scale of path noise (--paths).
+PATHS = {"recompute": "no connector, no prefix cache: one prefill pass",
+         "vllm-hit": "vLLM's own prefix cache holds the prefix"}
 CODECS = {"none": {"codec": "none"},
           "int8": {"compression": {"method": "quantize", "bits": 8}},
           "int4": {"compression": {"method": "quantize", "bits": 4}}}
@@ -130,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt lengths in tokens, cycled (whole blocks of 32)")
     ap.add_argument("--no-control", action="store_true",
                     help="skip the second uncompressed load (the lossless noise floor)")
+    ap.add_argument("--paths", default="",
+                    help="also run these lossless paths without ucm: recompute, vllm-hit "
+                         "(comma-separated)")
     ap.add_argument("--work", help="working directory (kept); default a temporary one")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--plot", help="write a plot of the first-divergence positions here")
@@ -144,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in codecs if c not in CODECS or c == "none"]
     if unknown:
         ap.error(f"unknown codec(s) {unknown}; choose from int8, int4")
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if [p for p in paths if p not in PATHS]:
+        ap.error(f"unknown path(s) {[p for p in paths if p not in PATHS]}; choose from "
+                 f"{', '.join(PATHS)}")
     lengths = tuple(int(x) for x in args.lengths.split(","))
     if any(n <= 0 or n % BLOCK for n in lengths):
         ap.error(f"--lengths must be positive multiples of {BLOCK}")
@@ -204,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                       "loaded": sum(score["num_cached_tokens"]),
                       "loaded_generate": sum(generate["num_cached_tokens"])}
         _say(f"  done in {time.perf_counter() - t1:.0f} s")
+    for name in paths:
+        t1 = time.perf_counter()
+        _say(f"{name}: a fresh engine without ucm ({PATHS[name]})")
+        runs[name] = _path_run(name, samples, args, model, max_len, work)
+        _say(f"  done in {time.perf_counter() - t1:.0f} s")
 
     report = _report(samples, stored, runs, args.generate, model)
     _print(report)
@@ -215,6 +235,39 @@ def main(argv: list[str] | None = None) -> int:
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _path_run(name: str, samples: list[Sample], args: argparse.Namespace, model: str,
+              max_len: int, work: Path) -> dict[str, Any]:
+    """The loaders' two phases on a lossless path without ucm (see PATHS), one request at a
+    time as theirs; for `vllm-hit` each prompt's prefix is prefilled first, so that scoring
+    and generating find it in vLLM's own prefix cache (prompt by prompt: the cache holds a
+    few prefixes, not all)."""
+    from ucm.bench.engines import EngineSpec, Phase, run_in_subprocess
+
+    hit = name == "vllm-hit"
+    spec = EngineSpec(model=model, dtype="bfloat16", block_size=BLOCK, max_model_len=max_len,
+                      kv_cache_bytes=1 << 30, prefix_caching=hit, max_num_seqs=1)
+    tail = args.continuation - 1
+    if hit:
+        phases = [phase for i, s in enumerate(samples) for phase in (
+            Phase([s.prefix], max_tokens=1, name=f"warm{i}"),
+            Phase([s.prefix + s.continuation], max_tokens=1, name=f"score{i}",
+                  logprob_tail=tail),
+            Phase([s.prefix], max_tokens=args.generate, name=f"generate{i}"))]
+    else:
+        phases = [Phase([s.prefix + s.continuation for s in samples], max_tokens=1,
+                        name="score", logprob_tail=tail),
+                  Phase([s.prefix for s in samples], max_tokens=args.generate,
+                        name="generate")]
+    result = run_in_subprocess(spec, phases, timeout=7200, log_path=str(work / f"{name}.log"),
+                               progress=lambda m: _say(f"  {m}"))
+    score = [p for p in result["phases"] if p["name"].startswith("score")]
+    generate = [p for p in result["phases"] if p["name"].startswith("generate")]
+    return {"tails": [t for p in score for t in p["tail_logprobs"]],
+            "tokens": [t for p in generate for t in p["tokens"]],
+            "loaded": sum(n for p in score for n in p["num_cached_tokens"]),
+            "loaded_generate": sum(n for p in generate for n in p["num_cached_tokens"])}
 
 
 def _raw_bytes_per_token(model: str) -> int:
@@ -232,7 +285,7 @@ def _report(samples: list[Sample], stored: dict[str, tuple[int, int, dict[str, i
     rows = []
     for name, run in runs.items():
         codec = name.split()[0]
-        blocks, size, kinds = stored[codec]
+        blocks, size, kinds = stored.get(codec, (0, 0, {}))  # a path without ucm stores none
         divergence = [first_divergence(a, b)
                       for a, b in zip(run["tokens"], base["tokens"], strict=True)]
         ppl = perplexity(run["tails"])
