@@ -32,5 +32,5 @@ def test_predicted_hits_equal_measured_hits(tiny_model, tmp_path):
         # every hit was a load from ucm: vLLM's own prefix cache is off
         assert [t // 32 for t in row["cached_tokens"]] == row["measured_per_request"]
     # on this slice the two policies keep different blocks (so eviction is what is checked):
-    # 34 and 31 hits predicted of 195 lookup blocks
+    # 34 and 31 hits predicted of 222 lookup blocks
     assert rows["lru"]["predicted_hits"] != rows["s3fifo"]["predicted_hits"]
