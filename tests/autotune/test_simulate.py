@@ -217,3 +217,40 @@ async def test_kernel_stores_replay_one_store_a_request_exactly(policy):
             got.append(hit)
         assert got == sim.per_request and sum(got) > 0
         assert set(core.tiers[0].policy.index) == sim.held[0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "shadow"])
+async def test_kernel_stores_replay_memory_over_posix_exactly(policy, tmp_path):
+    """The same over two tiers, promotion off (its copies run in the background): every store
+    goes into both (durability local), a posix block file counts its header, and a hit is
+    touched in the fastest tier holding it."""
+    from ucm.autotune._validate import tier_stack
+
+    rng = random.Random(6)
+    requests = [r._replace(lookup=len(r.blocks) - rng.randrange(2))
+                for r in chat_requests(150, seed=7)]
+    size = 4096
+    tiers, sim_tiers = tier_stack(policy, 12, size, posix_blocks=40,
+                                  posix_path=str(tmp_path / "store"))
+    sim = simulate(requests, sim_tiers, kernel_stores=True, promote=False)
+    cfg = load_config({"tiers": tiers, "eviction": policy, "promote": False})
+    got = []
+    async with KernelCore.open(cfg) as core:
+        for r in requests:
+            keys = list(r.blocks)
+            looked = keys[:r.lookup]
+            hit = 0
+            if looked:
+                found = (await core.run(Lookup(looked, prefix=True))).hits
+                hit = found.index(False) if False in found else len(found)
+            if hit:
+                out = [bytearray(size) for _ in range(hit)]
+                assert (await core.run(Load(keys[:hit], buffers=out))).ok
+            if keys[hit:]:
+                await core.run(Store(keys[hit:], buffers=[bytes(size)] * len(keys[hit:])))
+            got.append(hit)
+        assert got == sim.per_request
+        assert core.stats["load_hits.memory"] == sim.hits_by_tier[0] > 0
+        assert core.stats["load_hits.posix"] == sim.hits_by_tier[1] > 0
+        for tier, held in zip(core.tiers, sim.held, strict=True):
+            assert set(tier.policy.index) == held

@@ -207,10 +207,14 @@ def _simulate_kernel(requests: Sequence[Request], tiers: Sequence[SimTier], *,
         for i, depth in enumerate(sources):
             result.hits_by_tier[depth] += 1
             policies[depth].touch(blocks[i], i)
-        if promote:
+        if promote:  # one copy of a source tier's hits into the tiers above (`promote`)
+            by_source: dict[int, list[bytes]] = {}
             for i, depth in enumerate(sources):
+                if depth:
+                    by_source.setdefault(depth, []).append(blocks[i])
+            for depth, keys in by_source.items():
                 for above in range(depth):
-                    _store_batch(policies[above], tiers[above], [blocks[i]])
+                    _store_batch(policies[above], tiers[above], keys)
         if hit:
             result.hits += hit
             result.requests_with_hit += 1

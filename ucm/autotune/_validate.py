@@ -104,19 +104,38 @@ def predict(requests: Sequence[Request], policy: str, capacity_bytes: int, block
     return simulate(requests, [tier], kernel_stores=True)
 
 
-def measure(model: str, prompts: Sequence[list[int]], policy: str, capacity_bytes: int, *,
+def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
+               posix_blocks: int | None = None, posix_path: str | None = None,
+               ) -> tuple[list[dict[str, Any]], list[SimTier]]:
+    """The ucm tiers (a memory tier of `capacity_blocks`, over a posix tier of `posix_blocks`
+    if given) and the simulator's: the memory driver counts a block's payload, a posix block
+    file its header too; a store reserves header + payload a block in both."""
+    capacity = capacity_blocks * block_bytes
+    config: list[dict[str, Any]] = [{"driver": "memory", "capacity": capacity}]
+    sim = [SimTier(policy, None, "memory", capacity_bytes=capacity, block_bytes=block_bytes,
+                   header_bytes=PAYLOAD_OFFSET)]
+    if posix_blocks is not None:
+        file_bytes = PAYLOAD_OFFSET + block_bytes
+        config.append({"driver": "posix", "path": posix_path,
+                       "capacity": posix_blocks * file_bytes})
+        sim.append(SimTier(policy, None, "posix", capacity_bytes=posix_blocks * file_bytes,
+                           block_bytes=file_bytes))
+    return config, sim
+
+
+def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
             block_size: int = 32, max_model_len: int = 4096, log_path: str | None = None,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Replays the prompts through one vLLM-CPU engine with the ucm connector over one memory
-    tier: vLLM's prefix cache off, one request at a time (its stores waited for), one output
+    """Replays the prompts through one vLLM-CPU engine with the ucm connector and config
+    `ucm`: vLLM's prefix cache off, one request at a time (its stores waited for), one output
     token. Returns the blocks each request loaded and the connector's counters."""
     from ucm.bench.engines import EngineProcess, EngineSpec, Phase
 
-    ucm = {"tiers": [{"driver": "memory", "capacity": capacity_bytes}], "eviction": policy}
     spec = EngineSpec(model=model, block_size=block_size, max_model_len=max_model_len,
                       kv_cache_bytes=64 * 2**20, connector="ucm", ucm=ucm,
                       prefix_caching=False, max_num_seqs=1)
     loaded, cached = [], []
+    label = ucm.get("eviction", "")
 
     def engine_progress(line: str) -> None:  # not a line per request
         if progress is not None and not line.startswith("request:"):
@@ -129,26 +148,36 @@ def measure(model: str, prompts: Sequence[list[int]], policy: str, capacity_byte
             loaded.append(int(out["worker_delta"].get("loaded_blocks", 0)))
             cached.append(int(out["num_cached_tokens"][0]))
             if progress is not None and (i + 1) % 10 == 0:
-                progress(f"{policy}: {i + 1}/{len(prompts)} requests")
+                progress(f"{label}: {i + 1}/{len(prompts)} requests")
         done = engine.finish()
     worker = done["stats"].get("worker", {})
     kernel = worker.get("kernel", {})
-    keys = int(kernel.get("store_keys", 0)) - int(kernel.get("store_failed", 0))
+    names = [t.get("name") or t["driver"] for t in ucm["tiers"]]
+    held = {n: (int(kernel.get(f"tier.{n}.bytes", 0)), int(kernel.get(f"tier.{n}.blocks", 0)))
+            for n in names}
     return {"loaded_blocks": loaded, "cached_tokens": cached,
             "namespace": worker.get("namespace"),
-            "stored_block_bytes": int(kernel.get("bytes_stored", 0)) // keys if keys else None,
+            "loaded_by_tier": [int(kernel.get(f"load_hits.{n}", 0)) for n in names],
+            "held_block_bytes": {n: b // k for n, (b, k) in held.items() if k},
             "worker": {k: v for k, v in worker.items() if k != "kernel"},
             "kernel": kernel}
 
 
 def validate(trace: str, model: str, *, policies: Sequence[str] = ("lru", "s3fifo", "shadow"),
              requests: int = 96, sample: int = 20, max_blocks: int = 32,
-             capacity_blocks: int = 256, block_size: int = 32, vocab: int = 2048,
+             capacity_blocks: int = 256, posix_blocks: int | None = None,
+             promote: bool = False, block_size: int = 32, vocab: int = 2048,
              block_bytes: int, log_path: str | None = None,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Predicted against measured block hits of each policy on a scaled slice of `trace`.
-    `block_bytes`: the KV bytes of one vLLM block of `model` (all layers, K and V); the tier
-    holds `capacity_blocks` of them (less the headers its stores reserve)."""
+    `block_bytes`: the KV bytes of one vLLM block of `model` (all layers, K and V); the memory
+    tier holds `capacity_blocks` of them (less the headers its stores reserve), over a posix
+    tier of `posix_blocks` if given (in a fresh directory per engine). `promote`: the kernel
+    copies hits from the posix tier up, in the background (so the replay is no longer exact
+    in time)."""
+    import shutil
+    import tempfile
+
     slice_ = read_slice(trace, requests=requests, sample=sample, max_blocks=max_blocks)
     prompts = [scale_prompt(r, block_size, vocab) for r in slice_]
     capacity = capacity_blocks * block_bytes
@@ -156,21 +185,35 @@ def validate(trace: str, model: str, *, policies: Sequence[str] = ("lru", "s3fif
                      for r in slice_]
     rows = []
     for policy in policies:
-        got = measure(model, prompts, policy, capacity, block_size=block_size,
-                      max_model_len=max(4096, max(len(p) for p in prompts) + 16),
-                      log_path=log_path, progress=progress)
-        if got["stored_block_bytes"] not in (None, block_bytes):
-            raise RuntimeError(f"the kernel stored {got['stored_block_bytes']} bytes a block, "
-                               f"not {block_bytes}: the prediction would count other bytes")
+        root = tempfile.mkdtemp(prefix="ucm-validate-") if posix_blocks is not None else None
+        try:
+            tiers, sim_tiers = tier_stack(policy, capacity_blocks, block_bytes,
+                                          posix_blocks=posix_blocks, posix_path=root)
+            got = measure(model, prompts, {"tiers": tiers, "eviction": policy,
+                                           "promote": promote},
+                          block_size=block_size,
+                          max_model_len=max(4096, max(len(p) for p in prompts) + 16),
+                          log_path=log_path, progress=progress)
+        finally:
+            if root is not None:
+                shutil.rmtree(root, ignore_errors=True)
+        expected = {t.name: t.block_bytes for t in sim_tiers}
+        for name, size in got["held_block_bytes"].items():
+            if size != expected[name]:
+                raise RuntimeError(f"the {name} tier counts {size} bytes a block, not "
+                                   f"{expected[name]}: the prediction would count other bytes")
         reqs = vllm_requests(prompts, block_size, got["namespace"])
-        pred = predict(reqs, policy, capacity, block_bytes)
+        pred = simulate(reqs, sim_tiers, kernel_stores=True, promote=promote)
         measured = sum(got["loaded_blocks"])
         per_request = pred.per_request
         # What the tuner's replay of the same slice says: hash ids as blocks, capacity in
         # blocks, every block looked up (a partial last one too), no store headers.
-        trace_level = simulate(hash_requests, [SimTier(policy, capacity_blocks)])
+        plain = [SimTier(policy, capacity_blocks)] + (
+            [SimTier(policy, posix_blocks)] if posix_blocks is not None else [])
+        trace_level = simulate(hash_requests, plain, promote=promote)
         rows.append({
             "policy": policy, "accesses": pred.accesses,
+            "predicted_by_tier": pred.hits_by_tier, "measured_by_tier": got["loaded_by_tier"],
             "predicted_hits": pred.hits, "measured_hits": measured,
             "predicted": pred.hit_ratio,
             "measured": measured / pred.accesses if pred.accesses else 0.0,
@@ -183,6 +226,7 @@ def validate(trace: str, model: str, *, policies: Sequence[str] = ("lru", "s3fif
     return {"trace": trace, "requests": len(prompts), "sample": sample,
             "max_blocks": max_blocks, "block_size": block_size, "block_bytes": block_bytes,
             "capacity_blocks": capacity_blocks, "capacity_bytes": capacity,
+            "posix_blocks": posix_blocks, "promote": promote,
             "header_bytes": PAYLOAD_OFFSET, "prompt_tokens": sum(len(p) for p in prompts),
             "distinct_blocks": distinct, "rows": rows}
 

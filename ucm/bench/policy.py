@@ -287,7 +287,8 @@ def run_validation(args: Any) -> dict[str, Any]:
     model = str(build_model(Path(tempfile.gettempdir()) / "ucm-validate-model", spec))
     return validate(args.trace, model, policies=args.policies.split(","),
                     requests=args.requests, sample=args.sample, max_blocks=args.max_blocks,
-                    capacity_blocks=args.capacity_blocks, block_size=block_size,
+                    capacity_blocks=args.capacity_blocks, posix_blocks=args.posix_blocks,
+                    promote=args.promote, block_size=block_size,
                     vocab=spec.vocab, block_bytes=spec.kv_bytes_per_token() * block_size,
                     log_path=args.log, progress=lambda line: print(line, flush=True))
 
@@ -300,16 +301,22 @@ def print_validation(out: dict[str, Any]) -> None:
                   f"{out['requests']} requests of {out['trace'].rsplit('/', 1)[-1]} "
                   f"(one conversation in {out['sample']}, at most {out['max_blocks']} blocks), "
                   f"{out['block_size']}-token blocks of {out['block_bytes']} bytes, memory "
-                  f"tier of {out['capacity_blocks']} blocks, {out['distinct_blocks']} "
-                  f"distinct blocks")
+                  f"tier of {out['capacity_blocks']} blocks"
+                  + (f" over posix of {out['posix_blocks']} (promotion "
+                     f"{'on' if out['promote'] else 'off'})" if out["posix_blocks"] else "")
+                  + f", {out['distinct_blocks']} distinct blocks")
+    tiers = bool(out["posix_blocks"])
     for col in ("policy", "lookup blocks", "predicted hits", "measured hits", "predicted",
-                "measured", "difference (points)", "requests differing", "trace-level sim"):
+                "measured", "difference (points)", "requests differing", "trace-level sim",
+                *(("memory/posix hits predicted", "measured") if tiers else ())):
         table.add_column(col, justify="right")
     for r in out["rows"]:
         table.add_row(r["policy"], str(r["accesses"]), str(r["predicted_hits"]),
                       str(r["measured_hits"]), f"{r['predicted']:.4f}", f"{r['measured']:.4f}",
                       f"{100 * (r['measured'] - r['predicted']):+.2f}",
-                      str(r["requests_differing"]), f"{r['trace_level']:.4f}")
+                      str(r["requests_differing"]), f"{r['trace_level']:.4f}",
+                      *(("/".join(map(str, r["predicted_by_tier"])),
+                         "/".join(map(str, r["measured_by_tier"]))) if tiers else ()))
     Console(width=150).print(table)
     Console(width=150).print("trace-level sim: the tuner's replay of the slice (hash ids, "
                              "capacity in blocks, no headers, every block looked up)")
@@ -429,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="--validate: blocks a request is cut to")
     parser.add_argument("--capacity-blocks", type=int, default=256,
                         help="--validate: the memory tier's capacity, in vLLM blocks")
+    parser.add_argument("--posix-blocks", type=int,
+                        help="--validate: a posix tier of this many blocks under the memory "
+                        "tier (in a fresh temp directory per engine)")
+    parser.add_argument("--promote", action="store_true",
+                        help="--validate: let the kernel copy posix hits up into memory (in "
+                        "the background: not exact in time)")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="--validate: the eviction policies, comma separated")
     parser.add_argument("--log", metavar="FILE", help="--validate: the engines' log")
