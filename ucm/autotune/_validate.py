@@ -9,7 +9,8 @@ blocks chain as its hash ids do; a partial last block in the trace stays a parti
 and the kernel's store accounting (`simulate(..., kernel_stores=True)`), on the connector's
 own keys. Measurement: one engine per policy, vLLM's prefix cache off, requests sent one at a
 time in trace order with their stores waited for, blocks loaded per request from the
-connector's counters. docs/autotune.md, Validation on vLLM.
+connector's counters. One memory tier, or memory over posix; exact with promotion off (the
+kernel promotes in the background). docs/autotune.md, Validation on vLLM.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from ucm.autotune._simulate import SimResult, SimTier, simulate
 from ucm.autotune._traces import Request
 from ucm.block import PAYLOAD_OFFSET
+from ucm.kernel._policy import POLICIES
 
 TRACE_BLOCK = 512  # tokens of one Mooncake hash id
 FIRST_TOKEN = 3  # ids below are the tiny model's special tokens
@@ -163,7 +165,7 @@ def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
             "kernel": kernel}
 
 
-def validate(trace: str, model: str, *, policies: Sequence[str] = ("lru", "s3fifo", "shadow"),
+def validate(trace: str, model: str, *, policies: Sequence[str] = POLICIES,
              requests: int = 96, sample: int = 20, max_blocks: int = 32,
              capacity_blocks: int = 256, posix_blocks: int | None = None,
              promote: bool = False, block_size: int = 32, vocab: int = 2048,
