@@ -181,3 +181,76 @@ def test_shadow_is_not_below_lru_on_a_chat_trace():
         lru = simulate(requests, [SimTier("lru", capacity)]).hits
         shadow = simulate(requests, [SimTier("shadow", capacity)]).hits
         assert shadow >= lru, (capacity, shadow, lru)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "adaptive", "shadow"])
+async def test_kernel_stores_replay_one_store_a_request_exactly(policy):
+    """As the vLLM connector drives the kernel: a prefix Lookup of the blocks a lookup may
+    cover, one Load of the hit, one Store of the rest (held blocks included). With the
+    kernel's byte accounting the simulator predicts every request's hits and the held set,
+    for every policy as it is (the shadow weights too)."""
+    from ucm.block import PAYLOAD_OFFSET
+
+    rng = random.Random(5)
+    requests = [r._replace(lookup=len(r.blocks) - rng.randrange(2))
+                for r in chat_requests(150, seed=4)]
+    size, capacity = 4096, 20 * 4096  # a header as big as a block: batches reserve twice
+    tier = SimTier(policy, None, capacity_bytes=capacity, block_bytes=size,
+                   header_bytes=PAYLOAD_OFFSET)
+    sim = simulate(requests, [tier], kernel_stores=True)
+    cfg = load_config({"tiers": [{"driver": "memory", "capacity": capacity}],
+                       "eviction": policy})
+    got = []
+    async with KernelCore.open(cfg) as core:
+        for r in requests:
+            keys = list(r.blocks)
+            looked = keys[:r.lookup]
+            hit = 0
+            if looked:
+                found = (await core.run(Lookup(looked, prefix=True))).hits
+                hit = found.index(False) if False in found else len(found)
+            if hit:
+                out = [bytearray(size) for _ in range(hit)]
+                assert (await core.run(Load(keys[:hit], buffers=out))).ok
+            if keys[hit:]:
+                await core.run(Store(keys[hit:], buffers=[bytes(size)] * len(keys[hit:])))
+            got.append(hit)
+        assert got == sim.per_request and sum(got) > 0
+        assert set(core.tiers[0].policy.index) == sim.held[0]
+
+
+@pytest.mark.parametrize("policy", ["lru", "shadow"])
+async def test_kernel_stores_replay_memory_over_posix_exactly(policy, tmp_path):
+    """The same over two tiers, promotion off (its copies run in the background): every store
+    goes into both (durability local), a posix block file counts its header, and a hit is
+    touched in the fastest tier holding it."""
+    from ucm.autotune._validate import tier_stack
+
+    rng = random.Random(6)
+    requests = [r._replace(lookup=len(r.blocks) - rng.randrange(2))
+                for r in chat_requests(150, seed=7)]
+    size = 4096
+    tiers, sim_tiers = tier_stack(policy, 12, size, posix_blocks=40,
+                                  posix_path=str(tmp_path / "store"))
+    sim = simulate(requests, sim_tiers, kernel_stores=True, promote=False)
+    cfg = load_config({"tiers": tiers, "eviction": policy, "promote": False})
+    got = []
+    async with KernelCore.open(cfg) as core:
+        for r in requests:
+            keys = list(r.blocks)
+            looked = keys[:r.lookup]
+            hit = 0
+            if looked:
+                found = (await core.run(Lookup(looked, prefix=True))).hits
+                hit = found.index(False) if False in found else len(found)
+            if hit:
+                out = [bytearray(size) for _ in range(hit)]
+                assert (await core.run(Load(keys[:hit], buffers=out))).ok
+            if keys[hit:]:
+                await core.run(Store(keys[hit:], buffers=[bytes(size)] * len(keys[hit:])))
+            got.append(hit)
+        assert got == sim.per_request
+        assert core.stats["load_hits.memory"] == sim.hits_by_tier[0] > 0
+        assert core.stats["load_hits.posix"] == sim.hits_by_tier[1] > 0
+        for tier, held in zip(core.tiers, sim.held, strict=True):
+            assert set(tier.policy.index) == held

@@ -8,6 +8,13 @@ is promoted into the faster ones. The policies are `ucm.kernel._policy`'s, calle
 kernel calls them (a Load touches its hits with their index in the batch, a Store inserts
 with theirs), with a virtual clock.
 
+With `kernel_stores` a tier counts bytes as the kernel does: its capacity is in bytes
+(`SimTier.capacity_bytes`), a block counts `block_bytes` (what the driver reports stored), and
+a request's store reserves `block_bytes + header_bytes` a block (`Tier.estimate`) for the
+whole batch before it inserts any, blocks already held included (the kernel stores them
+again). That is exactly what one kernel tier does with a store at a time
+(docs/autotune.md, Validation on vLLM).
+
 Belady's offline optimum (evict the block whose next use is farthest; a block never used
 again is not admitted) is the reference for one tier; it knows the future, so it is computed
 separately (`belady`).
@@ -25,11 +32,16 @@ from ucm.kernel._policy import Policy, make_policy
 
 @dataclass(frozen=True)
 class SimTier:
-    """One simulated tier: its policy and its capacity in blocks (None: unbounded)."""
+    """One simulated tier: its policy and its capacity in blocks (None: unbounded). With
+    `capacity_bytes` (and `simulate(..., kernel_stores=True)`) the capacity is in bytes and
+    each block counts `block_bytes`, plus `header_bytes` while its store is in flight."""
 
     policy: str
     blocks: int | None
     name: str = ""
+    capacity_bytes: int | None = None
+    block_bytes: int = 1
+    header_bytes: int = 0
 
 
 @dataclass
@@ -47,6 +59,7 @@ class SimResult:
     # the rest of `prefetched - prefetch_hits` were still waiting at the end
     prefetch_evicted: int = 0
     held: list[set[bytes]] = field(default_factory=list)  # each tier's blocks at the end
+    per_request: list[int] = field(default_factory=list)  # hits of each request (kernel_stores)
 
     @property
     def hit_ratio(self) -> float:
@@ -70,13 +83,19 @@ def _clock() -> float:
 
 
 def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
-             promote: bool = True, prefetch: object | None = None) -> SimResult:
+             promote: bool = True, prefetch: object | None = None,
+             kernel_stores: bool = False) -> SimResult:
     """Replays `requests` through `tiers` (fastest first). `prefetch`, if given, is asked
     before each request, with its arrival time only, for blocks due now (`due(now)`, if it
     has one) and after each request (`after(request)`) for blocks to copy from a slower tier
-    into the first (`ucm.autotune._prefetch`)."""
+    into the first (`ucm.autotune._prefetch`). `kernel_stores`: byte accounting and batch
+    reservation as the kernel's store does them (the module's docstring)."""
     if not tiers:
         raise ValueError("at least one tier")
+    if kernel_stores and prefetch is not None:
+        raise ValueError("kernel_stores replays stores only; no prefetch")
+    if kernel_stores:
+        return _simulate_kernel(requests, tiers, promote=promote)
     policies = [make_policy(t.policy, t.blocks, clock=_clock) for t in tiers]
     indexes = [p.index for p in policies]
     result = SimResult(hits_by_tier=[0] * len(tiers))
@@ -108,11 +127,12 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
             promote_ahead(due(request.timestamp))
         blocks = request.blocks
         n = len(blocks)
+        looked = blocks if request.lookup is None else blocks[:request.lookup]
         result.requests += 1
-        result.accesses += n
+        result.accesses += len(looked)
         hit = 0
         if single:
-            for key in blocks:
+            for key in looked:
                 if key not in top_index:
                     break
                 hit += 1
@@ -122,7 +142,7 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                     top.touch(blocks[i], i)
         else:
             sources = []
-            for key in blocks:
+            for key in looked:
                 for depth, index in enumerate(indexes):
                     if key in index:
                         sources.append(depth)
@@ -158,6 +178,67 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
             promote_ahead(prefetch.after(request))  # type: ignore[attr-defined]
     result.held = [set(index) for index in indexes]
     return result
+
+
+def _simulate_kernel(requests: Sequence[Request], tiers: Sequence[SimTier], *,
+                     promote: bool) -> SimResult:
+    """`simulate` with the kernel's store (byte capacities, a batch's room made before any of
+    it is inserted, held blocks stored again) and its load (hits touched in order, in the
+    tier that served them; with `promote`, copied into the faster tiers)."""
+    policies = [make_policy(t.policy, t.capacity_bytes if t.capacity_bytes is not None
+                            else t.blocks, clock=_clock) for t in tiers]
+    indexes = [p.index for p in policies]
+    result = SimResult(hits_by_tier=[0] * len(tiers))
+    for request in requests:
+        blocks = request.blocks
+        looked = blocks if request.lookup is None else blocks[:request.lookup]
+        result.requests += 1
+        result.accesses += len(looked)
+        sources = []
+        for key in looked:
+            for depth, index in enumerate(indexes):
+                if key in index:
+                    sources.append(depth)
+                    break
+            else:
+                break
+        hit = len(sources)
+        result.per_request.append(hit)
+        for i, depth in enumerate(sources):
+            result.hits_by_tier[depth] += 1
+            policies[depth].touch(blocks[i], i)
+        if promote:  # one copy of a source tier's hits into the tiers above (`promote`)
+            by_source: dict[int, list[bytes]] = {}
+            for i, depth in enumerate(sources):
+                if depth:
+                    by_source.setdefault(depth, []).append(blocks[i])
+            for depth, keys in by_source.items():
+                for above in range(depth):
+                    _store_batch(policies[above], tiers[above], keys)
+        if hit:
+            result.hits += hit
+            result.requests_with_hit += 1
+        if hit < len(blocks):
+            for policy, tier in zip(policies, tiers, strict=True):
+                _store_batch(policy, tier, blocks[hit:])
+    result.held = [set(index) for index in indexes]
+    return result
+
+
+def _store_batch(policy: Policy, tier: SimTier, keys: Sequence[bytes]) -> None:
+    """One kernel Store into one tier (`Movement._store_into`): room for every block's
+    estimate first (cumulative, as `Tier.reserve` asks), then each block inserted with its
+    stored size (a held one re-inserted: a hit in the policy)."""
+    need = tier.block_bytes + tier.header_bytes
+    reserved = 0
+    chosen = []
+    for key in keys:
+        if policy.make_room(need + reserved) is None:
+            continue  # no room at all: the kernel counts a failed store
+        reserved += need
+        chosen.append(key)
+    for key in chosen:
+        policy.insert(key, tier.block_bytes)  # `Tier.add` passes no depth
 
 
 def _insert(policy: Policy, key: bytes, depth: int) -> list[bytes]:

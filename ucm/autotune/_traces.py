@@ -18,10 +18,14 @@ from typing import NamedTuple
 
 
 class Request(NamedTuple):
-    """One request: its prefix blocks in order (opaque keys) and its arrival (seconds)."""
+    """One request: its prefix blocks in order (opaque keys) and its arrival (seconds).
+    `lookup`: how many leading blocks a lookup may hit (None: all); vLLM never loads a
+    prompt's last token, so a prompt of a whole number of blocks looks up one block fewer
+    than it stores."""
 
     blocks: tuple[bytes, ...]
     timestamp: float = 0.0
+    lookup: int | None = None
 
 
 def _id_key(block_id: int) -> bytes:

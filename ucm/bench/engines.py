@@ -64,6 +64,9 @@ class Phase:
     # computes have them: vLLM leaves the rows of cached and loaded tokens uninitialised.
     logprob_tail: int = 0
     ignore_eos: bool = True  # False: a request ends at its end-of-sequence token (real models)
+    # Wait for the ucm worker's stores before answering, so that the next phase's lookups
+    # see them (requests replayed one at a time in a simulator's order).
+    wait_stores: bool = False
 
 
 def kv_transfer_config(spec: EngineSpec) -> Any:
@@ -136,6 +139,8 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
         else:
             outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - t0)
+    if phase.wait_stores and not _wait_stores():
+        raise RuntimeError(f"phase {phase.name}: the ucm worker's stores did not finish")
     result = {
         "name": phase.name,
         "wall_s": walls,
@@ -165,6 +170,16 @@ def _tail_logprobs(prompt: list[int], out: Any, tail: int) -> list[float]:
             raise RuntimeError(f"no logprob for prompt token {pos}")
         found.append(float(entry[prompt[pos]].logprob))
     return found
+
+
+def _wait_stores(timeout: float = 120.0) -> bool:
+    """Waits for the stores the ucm worker posted; False if they did not finish in time."""
+    try:
+        from ucm.vllm_hook.connector import live_connectors
+    except ImportError:
+        return True
+    return all(conn.worker.wait_for_stores(timeout) for conn in live_connectors()
+               if conn.worker is not None)
 
 
 def _worker_counters() -> dict[str, int]:

@@ -273,6 +273,55 @@ def print_tune_vs_grid(out: dict[str, Any], title: str) -> None:
                       if g else "the grid's best hits nothing")
 
 
+def run_validation(args: Any) -> dict[str, Any]:
+    """`--validate`: the random small model of the benches (built once into a temp dir), one
+    vLLM engine per policy (`ucm.bench.validate`)."""
+    import tempfile
+    from pathlib import Path
+
+    from ucm.bench.models import ModelSpec, build_model
+    from ucm.bench.validate import validate
+
+    block_size = 32  # vLLM-CPU's attention takes multiples of 32 only
+    spec = ModelSpec(max_positions=max(4096, (args.max_blocks + 1) * block_size))
+    model = str(build_model(Path(tempfile.gettempdir()) / "ucm-validate-model", spec))
+    return validate(args.trace, model, policies=args.policies.split(","),
+                    requests=args.requests, sample=args.sample, max_blocks=args.max_blocks,
+                    capacity_blocks=args.capacity_blocks, posix_blocks=args.posix_blocks,
+                    promote=args.promote, block_size=block_size,
+                    vocab=spec.vocab, block_bytes=spec.kv_bytes_per_token() * block_size,
+                    log_path=args.log, progress=lambda line: print(line, flush=True))
+
+
+def print_validation(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"predicted against measured block hit ratio on vLLM-CPU: "
+                  f"{out['requests']} requests of {out['trace'].rsplit('/', 1)[-1]} "
+                  f"(one conversation in {out['sample']}, at most {out['max_blocks']} blocks), "
+                  f"{out['block_size']}-token blocks of {out['block_bytes']} bytes, memory "
+                  f"tier of {out['capacity_blocks']} blocks"
+                  + (f" over posix of {out['posix_blocks']} (promotion "
+                     f"{'on' if out['promote'] else 'off'})" if out["posix_blocks"] else "")
+                  + f", {out['distinct_blocks']} distinct blocks")
+    tiers = bool(out["posix_blocks"])
+    for col in ("policy", "lookup blocks", "predicted hits", "measured hits", "predicted",
+                "measured", "difference (points)", "requests differing", "trace-level sim",
+                *(("memory/posix hits predicted", "measured") if tiers else ())):
+        table.add_column(col, justify="right")
+    for r in out["rows"]:
+        table.add_row(r["policy"], str(r["accesses"]), str(r["predicted_hits"]),
+                      str(r["measured_hits"]), f"{r['predicted']:.4f}", f"{r['measured']:.4f}",
+                      f"{100 * (r['measured'] - r['predicted']):+.2f}",
+                      str(r["requests_differing"]), f"{r['trace_level']:.4f}",
+                      *(("/".join(map(str, r["predicted_by_tier"])),
+                         "/".join(map(str, r["measured_by_tier"]))) if tiers else ()))
+    Console(width=150).print(table)
+    Console(width=150).print("trace-level sim: the tuner's replay of the slice (hash ids, "
+                             "capacity in blocks, no headers, every block looked up)")
+
+
 def print_analysis(out: dict[str, Any], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -344,7 +393,8 @@ def plot_rows(rows: list[dict[str, Any]], out: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`ucm bench policy [--trace FILE --capacities ... --plot PNG] [--json FILE]`."""
+    """`ucm bench policy [--trace FILE --capacities ... --plot PNG] [--json FILE]`;
+    `--trace FILE --validate`: prediction against real vLLM."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -375,10 +425,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-memory-gb", type=float)
     parser.add_argument("--max-disk-gb", type=float)
     parser.add_argument("--max-latency-ms", type=float)
+    parser.add_argument("--validate", action="store_true",
+                        help="with --trace (hash-id JSONL): predicted against measured hit "
+                        "ratio of each policy on a scaled slice replayed through real vLLM-CPU")
+    parser.add_argument("--requests", type=int, default=96,
+                        help="--validate: requests in the slice")
+    parser.add_argument("--sample", type=int, default=20,
+                        help="--validate: keep one conversation in SAMPLE (1: every request)")
+    parser.add_argument("--max-blocks", type=int, default=32,
+                        help="--validate: blocks a request is cut to")
+    parser.add_argument("--capacity-blocks", type=int, default=256,
+                        help="--validate: the memory tier's capacity, in vLLM blocks")
+    parser.add_argument("--posix-blocks", type=int,
+                        help="--validate: a posix tier of this many blocks under the memory "
+                        "tier (in a fresh temp directory per engine)")
+    parser.add_argument("--promote", action="store_true",
+                        help="--validate: let the kernel copy posix hits up into memory (in "
+                        "the background: not exact in time)")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="--validate: the eviction policies, comma separated")
+    parser.add_argument("--log", metavar="FILE", help="--validate: the engines' log")
     args = parser.parse_args(argv)
     if not args.trace:
-        if args.plot or args.analysis or args.prefetch or args.tune_vs_grid:
-            parser.error("--plot, --analysis, --prefetch and --tune-vs-grid need --trace")
+        if args.plot or args.analysis or args.prefetch or args.tune_vs_grid or args.validate:
+            parser.error("--plot, --analysis, --prefetch, --tune-vs-grid and --validate need "
+                         "--trace")
+    elif args.validate:
+        out = run_validation(args)
+        print_validation(out)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out, fh, indent=1)
+        return 0
     elif args.tune_vs_grid:
         if not args.bench or args.max_memory_gb is None:
             parser.error("--tune-vs-grid needs --bench and --max-memory-gb")

@@ -1,0 +1,123 @@
+"""Validation on vLLM, the simulator's side: a slice of a hash-id trace (Mooncake's JSONL)
+scaled to token-id prompts, and the prediction of what the ucm connector will load for them.
+The engine's side, which replays the prompts through real vLLM-CPU, is `ucm.bench.validate`.
+
+Scaling: each trace block (512 tokens) becomes one vLLM block of `block_size` tokens whose
+ids derive from the hash id alone, so equal hash ids give equal token blocks and a request's
+blocks chain as its hash ids do; a partial last block in the trace stays a partial one
+(scaled). Prediction: the simulator with vLLM's prefix semantics (a lookup covers at most
+(len - 1) // block_size blocks, the last token is never loaded; only full blocks are stored)
+and the kernel's store accounting (`simulate(..., kernel_stores=True)`), on the connector's
+own keys; one memory tier, or memory over posix (`tier_stack`). docs/autotune.md, Validation
+on vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ucm.autotune._simulate import SimResult, SimTier, simulate
+from ucm.autotune._traces import Request
+from ucm.block import PAYLOAD_OFFSET
+
+TRACE_BLOCK = 512  # tokens of one Mooncake hash id
+FIRST_TOKEN = 3  # ids below are the tiny model's special tokens
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    hash_ids: tuple[int, ...]
+    input_length: int  # tokens, in the trace's blocks of TRACE_BLOCK
+
+
+def read_slice(path: str | os.PathLike[str], *, requests: int = 96, sample: int = 20,
+               max_blocks: int = 32) -> list[TraceRequest]:
+    """The first `requests` requests of the trace whose conversation is sampled: its second
+    hash id (the first after a shared system prompt; the first for a one-block request) has
+    CRC-32 divisible by `sample` (1: every request). A contiguous slice of a few dozen requests
+    has almost no reuse (conversations return minutes apart), a sample of conversations keeps
+    their returns. Requests are cut to `max_blocks` blocks (a cut one ends on a full block)."""
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            ids = [int(i) for i in obj["hash_ids"]]
+            if not ids:
+                continue
+            root = ids[1] if len(ids) > 1 else ids[0]
+            if sample > 1 and zlib.crc32(str(root).encode()) % sample:
+                continue
+            length = int(obj.get("input_length", len(ids) * TRACE_BLOCK))
+            if len(ids) > max_blocks:
+                ids, length = ids[:max_blocks], max_blocks * TRACE_BLOCK
+            out.append(TraceRequest(tuple(ids), length))
+            if len(out) >= requests:
+                break
+    return out
+
+
+def block_tokens(hash_id: int, block_size: int, vocab: int) -> list[int]:
+    """The token ids of the block a hash id stands for: a function of the id alone."""
+    rng = random.Random(f"ucm-validate-{hash_id}")
+    return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(block_size)]
+
+
+def scale_prompt(request: TraceRequest, block_size: int, vocab: int) -> list[int]:
+    """A request's prompt: a block of `block_size` tokens a full trace block, and a partial
+    last block scaled from the trace's (at least one token, never a whole block)."""
+    full, rest = divmod(request.input_length, TRACE_BLOCK)
+    ids = request.hash_ids
+    if full + (1 if rest else 0) != len(ids):  # input_length disagrees: trust the ids
+        full, rest = len(ids), 0
+    tokens = [t for h in ids[:full] for t in block_tokens(h, block_size, vocab)]
+    if rest:
+        partial = min(block_size - 1, max(1, round(rest * block_size / TRACE_BLOCK)))
+        tokens += block_tokens(ids[full], block_size, vocab)[:partial]
+    return tokens
+
+
+def vllm_requests(prompts: Sequence[Sequence[int]], block_size: int, namespace: str,
+                  ) -> list[Request]:
+    """Simulator requests keyed as the connector keys the prompts (tensor parallel size 1):
+    every full block is stored, a lookup covers (len - 1) // block_size blocks."""
+    from ucm.engine.keys import chain_digests, chain_seed
+
+    seed = chain_seed(namespace)
+    return [Request(tuple(chain_digests(seed, p, block_size, len(p) // block_size)),
+                    lookup=(len(p) - 1) // block_size) for p in prompts]
+
+
+def predict(requests: Sequence[Request], policy: str, capacity_bytes: int, block_bytes: int,
+            *, header_bytes: int = PAYLOAD_OFFSET) -> SimResult:
+    """The simulator's hits for one memory tier of `capacity_bytes`, as the kernel counts
+    bytes (blocks of `block_bytes`, plus the header a store reserves)."""
+    tier = SimTier(policy, None, "memory", capacity_bytes=capacity_bytes,
+                   block_bytes=block_bytes, header_bytes=header_bytes)
+    return simulate(requests, [tier], kernel_stores=True)
+
+
+def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
+               posix_blocks: int | None = None, posix_path: str | None = None,
+               ) -> tuple[list[dict[str, Any]], list[SimTier]]:
+    """The ucm tiers (a memory tier of `capacity_blocks`, over a posix tier of `posix_blocks`
+    if given) and the simulator's: the memory driver counts a block's payload, a posix block
+    file its header too; a store reserves header + payload a block in both."""
+    capacity = capacity_blocks * block_bytes
+    config: list[dict[str, Any]] = [{"driver": "memory", "capacity": capacity}]
+    sim = [SimTier(policy, None, "memory", capacity_bytes=capacity, block_bytes=block_bytes,
+                   header_bytes=PAYLOAD_OFFSET)]
+    if posix_blocks is not None:
+        file_bytes = PAYLOAD_OFFSET + block_bytes
+        config.append({"driver": "posix", "path": posix_path,
+                       "capacity": posix_blocks * file_bytes})
+        sim.append(SimTier(policy, None, "posix", capacity_bytes=posix_blocks * file_bytes,
+                           block_bytes=file_bytes))
+    return config, sim
