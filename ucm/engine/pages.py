@@ -78,7 +78,7 @@ class PendingPages:
                  "request_id", "started", "timed_out", "value")
 
     def __init__(self, io: PageIO, op: str, pages: int, request_id: str | None,
-                 completion: concurrent.futures.Future | None,
+                 completion: concurrent.futures.Future[Any] | None,
                  error: BaseException | None = None) -> None:
         self._io, self.op, self.pages, self.request_id = io, op, pages, request_id
         self.completion, self.error = completion, error
@@ -284,7 +284,7 @@ def _nothing(io: PageIO, op: str, answer: Any) -> PendingPages:
     return pending
 
 
-def _outcome(completion: concurrent.futures.Future) -> tuple[Any, BaseException | None]:
+def _outcome(completion: concurrent.futures.Future[Any]) -> tuple[Any, BaseException | None]:
     """A finished event's result, or its error."""
     if completion.cancelled():
         return None, concurrent.futures.CancelledError()
