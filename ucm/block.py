@@ -187,13 +187,14 @@ def encode_header(
     ns = namespace.encode()
     if len(ns) > MAX_NAMESPACE_BYTES:
         raise InvalidRequest(f"namespace is {len(ns)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
-    view = memoryview(payload)
+    # a Scatter payload: codec NONE, stored piece after piece (its checksum covers them all)
+    nbytes = payload.nbytes if type(payload) is Scatter else memoryview(payload).nbytes
     params = b""
     if codec > Codec.ZSTD:
-        codec, params = _encoded_as(view.obj)
+        codec, params = _encoded_as(memoryview(payload).obj)
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION_PARAMS if params else FORMAT_VERSION, int(codec), 0, len(key),
-        len(ns), PAYLOAD_OFFSET, view.nbytes, raw_len,
+        len(ns), PAYLOAD_OFFSET, nbytes, raw_len,
         checksum(payload) if digest is None else digest,
     )
     tail = key + ns + (_PARAMS_LEN.pack(len(params)) + params if params else b"")
@@ -301,12 +302,15 @@ def _decompressor():
     return d
 
 
-def encode_payload(codec: Codec, raw: Buffer) -> Buffer:
-    """The bytes to store for `raw`. For codec NONE this is `raw` itself (no copy). The
-    codecs of `ucm.codecs` return an `Encoded` payload, which names the codec and parameters
-    its header gets (`encode_header`, `stored_codec`)."""
+def encode_payload(codec: Codec, raw: Buffer | Scatter) -> Buffer | Scatter:
+    """The bytes to store for `raw`. For codec NONE this is `raw` itself (no copy, a Scatter
+    too). The codecs of `ucm.codecs` return an `Encoded` payload, which names the codec and
+    parameters its header gets (`encode_header`, `stored_codec`); they read the whole block
+    anyway, so a Scatter is joined first."""
     if codec is Codec.NONE:
         return raw
+    if type(raw) is Scatter:
+        raw = raw.gather()
     if codec is Codec.ZSTD:
         return _compressor().compress(raw)
     from ucm.codecs import encode
@@ -335,9 +339,13 @@ def native_copy_available() -> bool:
     return _hash_copy is not None
 
 
-def copy_hashed(dst: memoryview, src: Buffer) -> int:
-    """dst[:] = src for contiguous views of one size; returns the xxh3-64 of src, taken in
-    the same pass over it when ucm._hostcopy is built. Nothing may write `src` meanwhile."""
+def copy_hashed(dst: memoryview, src: Buffer | Scatter) -> int:
+    """dst[:] = src for views of one size (`src` may be a Scatter); returns the xxh3-64 of
+    the bytes, taken in the same pass over a contiguous src when ucm._hostcopy is built.
+    Nothing may write `src` meanwhile."""
+    if type(src) is Scatter:  # pieces copied in order, then hashed where they now lie
+        copy_bytes(dst, src)
+        return checksum(dst)
     if _hash_copy is not None and dst.nbytes >= NATIVE_MIN:
         return _hash_copy(dst, src)
     digest = checksum(src)
@@ -430,18 +438,20 @@ def as_byte_view(buf: Buffer) -> memoryview:
 
 @final  # the kernel tells a Scatter from a buffer by `type(b) is Scatter`
 class Scatter:
-    """One block's load buffer in pieces, filled in order as if it were one buffer.
+    """One block's buffer in pieces, in order, as if it were one buffer.
 
     A caller whose block is not contiguous in its own memory (the vLLM hook: one piece per
-    layer of the KV cache) passes a Scatter instead of a buffer, and a driver that declares
-    `scatter = True` reads straight into the pieces (`preadv` takes them as they are); the
-    kernel gives any other driver a contiguous buffer and copies it into the pieces after a
-    verified load. Loads only: a store's buffer is one contiguous snapshot.
+    layer of the KV cache; SGLang's MHA host pool: K and V in separate pools) passes a Scatter
+    instead of a buffer. A load: a driver with the `ScatterLoads` capability reads straight
+    into the pieces (`preadv` takes them as they are); the kernel gives any other driver a
+    contiguous buffer and copies it into the pieces after a verified load. A store
+    (`writable=False` accepts read-only pieces): a driver with `ScatterStores` writes from
+    the pieces (`pwritev`, or a copy into its slot); the kernel joins them once for any other.
     """
 
     __slots__ = ("nbytes", "parts")
 
-    def __init__(self, parts: Iterable[Buffer]) -> None:
+    def __init__(self, parts: Iterable[Buffer], *, writable: bool = True) -> None:
         views = []
         for part in parts:
             try:
@@ -449,7 +459,7 @@ class Scatter:
             except TypeError:
                 raise InvalidRequest(f"scatter part is a {type(part).__name__}, not a buffer"
                                      ) from None
-            if view.readonly:
+            if view.readonly and writable:
                 raise InvalidRequest("scatter parts must be writable")
             views.append(view)
         if not views:

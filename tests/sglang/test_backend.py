@@ -190,7 +190,8 @@ def test_vllm_and_sglang_pages_of_one_model_never_share_a_namespace():
         assert same == [True, True, True, True, False, True]  # only the layout differs
 
 
-def test_a_page_in_one_span_is_stored_from_where_it_lies_and_pieces_are_gathered():
+def test_a_page_is_stored_from_where_it_lies_in_one_span_or_in_pieces():
+    from ucm.block import Scatter
     from ucm.sglang_hook.backend import _one_span
 
     data = torch.arange(16, dtype=torch.uint8)
@@ -199,6 +200,61 @@ def test_a_page_in_one_span_is_stored_from_where_it_lies_and_pieces_are_gathered
     assert isinstance(view, memoryview) and view.nbytes == 16
     data[0] = 99  # the same memory: no copy was made
     assert view[0] == 99
-    gathered = _one_span([(base + 8, 4), (base, 4)])
-    assert isinstance(gathered, bytearray)
-    assert list(gathered) == [8, 9, 10, 11, 99, 1, 2, 3]
+    pieces = _one_span([(base + 8, 4), (base + 12, 4), (base, 4)])
+    assert isinstance(pieces, Scatter)
+    assert [p.nbytes for p in pieces.parts] == [8, 4]  # pieces end to end: one span
+    data[1] = 77  # still the pool's memory: nothing copied
+    assert list(pieces.gather()) == [8, 9, 10, 11, 12, 13, 14, 15, 99, 77, 2, 3]
+
+
+class PageFirstPool(LayerFirstPool):
+    """SGLang's MHA host pool, page_first: kv_buffer[2, tokens, layers, heads, dim], a page's
+    K of every layer in one piece and its V in another (two separate spans)."""
+
+    layout = "page_first"
+
+    def __init__(self, tokens: int = 64, layers: int = 3, heads: int = 2, dim: int = 4,
+                 seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.kv_buffer = torch.randn((2, tokens, layers, heads, dim), generator=g)
+        self.dtype = self.kv_buffer.dtype
+        self.layers = layers
+
+    def token_bytes(self) -> int:
+        return self.kv_buffer[0, 0].nbytes  # every layer's
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        ptrs, sizes = [], []
+        for first in indices.tolist()[::PAGE]:
+            for kv in (0, 1):
+                ptrs.append(self.kv_buffer[kv, first].data_ptr())
+                sizes.append(PAGE * self.token_bytes())
+        return ptrs, sizes
+
+    def page(self, first: int) -> torch.Tensor:
+        return self.kv_buffer[:, first:first + PAGE].flatten()
+
+
+@pytest.mark.parametrize("tier", ["posix", "memory"])
+def test_mha_page_first_pages_round_trip_with_no_copy(tmp_path, tier):
+    """K and V of a page lie in separate halves of the pool: the store writes from both
+    pieces as they lie (no gather), and the page loads back byte-identical, also through the
+    plain interface in SGLang's flat-page order."""
+    src, dst = PageFirstPool(seed=3), PageFirstPool(seed=4)
+    ucm = ({"tiers": [{"driver": "posix", "path": str(tmp_path)}]} if tier == "posix"
+           else MEMORY)
+    b = backend(ucm, src)
+    assert b.batch_set_v1(KEYS[:3], indices(0, 2, 4)) == [True] * 3
+    # memory is this process's: the same backend loads into other pages of its own pool
+    reader = b if tier == "memory" else backend(ucm, dst)
+    target = dst if tier == "posix" else src
+    assert reader.batch_get_v1(KEYS[:3], indices(9, 11, 13)) == [True] * 3
+    for s, d in ((0, 9), (2, 11), (4, 13)):
+        assert torch.equal(target.page(d * PAGE), src.page(s * PAGE))
+    [flat] = reader.batch_get(KEYS[1:2], [target.get_dummy_flat_data_page()])
+    assert torch.equal(flat, src.page(2 * PAGE))
+    stats = b.statistics()
+    assert stats["stored_pages"] == 3 and stats["kernel"].get("store_gathers", 0) == 0
+    b.close()
+    if reader is not b:
+        reader.close()

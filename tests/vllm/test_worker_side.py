@@ -218,7 +218,7 @@ def test_an_early_load_is_used_by_the_step_it_was_planned_for():
         missing = b"\xee" * 16
         loads = [BlockTransfer("b", [7, 8, 9], [digests[0], digests[2], missing])]
         assert worker.load_early(loads)
-        worker._early[1].exception(10)  # done: its blocks are counted
+        worker._early[1].wait(10)  # done: its blocks are counted
         loads_before = worker.kernel.statistics()["load_keys"]
         worker.start_load_kv(UCMConnectorMetadata(loads=[BlockTransfer(
             "b", [7, 8, 9], [digests[0], digests[2], missing])]))  # equal, not the same

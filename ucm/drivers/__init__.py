@@ -15,6 +15,7 @@ from ucm.drivers._protocol import (
     LoadState,
     MemoryLoad,
     ScatterLoads,
+    ScatterStores,
 )
 from ucm.drivers._registry import (
     available_drivers,
@@ -35,6 +36,7 @@ __all__ = [
     "LoadState",
     "MemoryLoad",
     "ScatterLoads",
+    "ScatterStores",
     "available_drivers",
     "get_driver_class",
     "register_driver",

@@ -40,6 +40,7 @@ from ucm.block import (
     BlockHeader,
     Codec,
     Scatter,
+    copy_bytes,
     decode_header,
     decode_payload_into,
     verify_payload,
@@ -159,9 +160,12 @@ def _advance(parts: list[memoryview], n: int) -> None:
         parts[0] = parts[0][n:]
 
 
+_IOV_MAX = 1024  # iovecs one pwritev takes (Linux's UIO_MAXIOV): more pieces go in turns
+
+
 def _write_all(fd: int, parts: list[memoryview], offset: int) -> None:
     while parts:
-        n = os.pwritev(fd, parts, offset)
+        n = os.pwritev(fd, parts[:_IOV_MAX], offset)
         offset += n
         _advance(parts, n)
 
@@ -368,7 +372,7 @@ class BlockFiles(Backend):
 
     # store
 
-    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+    def store(self, keys: list[bytes], views: list[memoryview | Scatter]) -> list[int]:
         sizes = []
         error: OSError | None = None
         for key, view in zip(keys, views, strict=True):
@@ -381,7 +385,7 @@ class BlockFiles(Backend):
             raise error
         return sizes
 
-    def _store_one(self, key: bytes, view: memoryview) -> int:
+    def _store_one(self, key: bytes, view: memoryview | Scatter) -> int:
         header, payload = frame_block(key, self.namespace, self.codec, view)
         final = self.layout.path_for(key)
         root = self.layout.root_for(key)
@@ -415,9 +419,10 @@ class BlockFiles(Backend):
             _fsync_dir(os.path.dirname(final))
         return PAYLOAD_OFFSET + payload.nbytes
 
-    def _write_block(self, fd: int, header: bytes, payload: memoryview) -> None:
-        if not self.direct_writes:
-            _write_all(fd, [memoryview(header), payload], 0)
+    def _write_block(self, fd: int, header: bytes, payload: memoryview | Scatter) -> None:
+        pieces = list(payload.parts) if type(payload) is Scatter else [payload]
+        if not self.direct_writes:  # a Scatter's pieces straight from where they lie
+            _write_all(fd, [memoryview(header), *pieces], 0)
             return
         # O_DIRECT wants page-aligned addresses and lengths: write the caller's buffer as it
         # is when it qualifies, else through the bounce buffer, then cut the padding off.
@@ -425,10 +430,10 @@ class BlockFiles(Backend):
         head[:] = header
         size = payload.nbytes
         if _aligned(payload):
-            _write_all(fd, [head, payload], 0)
+            _write_all(fd, [head, *pieces], 0)
             return
         stage = _scratch.bounce(_round_up(size))
-        stage[:size] = payload
+        copy_bytes(stage[:size], payload)
         stage[size:] = bytes(stage.nbytes - size)
         _write_all(fd, [head, stage], 0)
         os.ftruncate(fd, PAYLOAD_OFFSET + size)

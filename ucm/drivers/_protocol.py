@@ -23,6 +23,7 @@ once, when a tier is attached:
     Listing        list_blocks(): the kernel rebuilds its index from storage at start
     FreeSpace      free_bytes(): the kernel warns when a tier's capacity exceeds its room
     ScatterLoads   load_scatter(): loads straight into a block's pieces (`ucm.block.Scatter`)
+    ScatterStores  store_scatter(): stores straight from a block's pieces (no joining copy)
     InMemoryLoads  loads of blocks held in memory, run off the kernel's thread
 """
 
@@ -144,6 +145,18 @@ class ScatterLoads(Protocol):
                            buffers: Sequence[memoryview | Scatter]) -> list[LoadState]:
         """As `load`, where a buffer may also be a `Scatter` (filled piece by piece, in
         order). Never writes into a buffer after the call has returned or been cancelled."""
+        ...
+
+
+@runtime_checkable
+class ScatterStores(Protocol):
+    """Capability: stores straight from a block's pieces. The kernel joins a Scatter's pieces
+    into one buffer (a copy, counted as `store_gathers`) for a driver without it."""
+
+    async def store_scatter(self, keys: Sequence[bytes],
+                            buffers: Sequence[memoryview | Scatter]) -> list[int]:
+        """As `store`, where a buffer may also be a `Scatter` (its pieces stored in order as
+        one block; the header's checksum covers them as stored)."""
         ...
 
 

@@ -58,7 +58,8 @@ from ucm.block import (
     MADV_POPULATE_WRITE,
     PAYLOAD_OFFSET,
     Codec,
-    as_byte_view,
+    Scatter,
+    as_buffer_view,
     buffer_address,
     copy_hashed,
     decode_header,
@@ -378,7 +379,7 @@ class ShmArena(Backend):
         # Unchanged entry: its pages were never free during the copy, so they held the block.
         return state if self._table.seq(slot) == seq else LoadState.MISSING
 
-    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+    def store(self, keys: list[bytes], views: list[memoryview | Scatter]) -> list[int]:
         placed: list[tuple[bytes, int, int, int] | None] = []
         try:
             for key, view in zip(keys, views, strict=True):
@@ -407,9 +408,10 @@ class ShmArena(Backend):
                           self.path)
         return sizes
 
-    def _place(self, key: bytes, view: memoryview) -> tuple[bytes, int, int, int] | None:
+    def _place(self, key: bytes, view: memoryview | Scatter,
+               ) -> tuple[bytes, int, int, int] | None:
         """Copies one block into pages of its own, not yet visible; None if none are free."""
-        payload = as_byte_view(encode_payload(self.codec, view))
+        payload = as_buffer_view(encode_payload(self.codec, view))  # NONE: a Scatter as it is
         length = PAYLOAD_OFFSET + payload.nbytes
         npages = _pages(length)
         with self._locked():

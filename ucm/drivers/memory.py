@@ -39,6 +39,7 @@ from pydantic import ByteSize, Field, field_validator, model_validator
 from ucm.block import (
     BlockHeader,
     Codec,
+    Scatter,
     checksum,
     copy_hashed,
     decode_payload_into,
@@ -58,6 +59,7 @@ from ucm.drivers.kit import (
     Backend,
     LoadState,
     ScatterLoading,
+    ScatterStoring,
     ThreadedDriver,
     Workers,
     os_error,
@@ -107,11 +109,11 @@ class LocalBlocks(Backend):
                 states.append(LoadState.OK)
         return states
 
-    def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+    def store(self, keys: list[bytes], views: list[memoryview | Scatter]) -> list[int]:
         sizes = []
         for key, view in zip(keys, views, strict=True):
             codec, params = self.codec, b""
-            if codec is Codec.NONE:  # copied and hashed in one pass
+            if codec is Codec.NONE:  # copied and hashed in one pass (a Scatter: piece by piece)
                 payload = bytearray(view.nbytes)
                 digest = copy_hashed(memoryview(payload), view)
             else:
@@ -139,7 +141,7 @@ class LocalBlocks(Backend):
         self.records.clear()
 
 
-class MemoryDriver(ScatterLoading, ThreadedDriver):
+class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
     """Host DRAM, process-local or shared through /dev/shm."""
 
     persistent = False

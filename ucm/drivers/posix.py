@@ -49,6 +49,7 @@ from ucm.drivers._blockfiles import FILE_MODE, BlockFiles, FileLayout
 from ucm.drivers._protocol import DriverOptions
 from ucm.drivers.kit import (
     ScatterLoading,
+    ScatterStoring,
     ThreadedDriver,
     Workers,
     os_error,
@@ -58,7 +59,7 @@ from ucm.drivers.kit import (
 from ucm.errors import ConfigError
 
 
-class PosixDriver(ScatterLoading, ThreadedDriver):
+class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
     """Blocks as files under one or more directory roots."""
 
     persistent = True

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ucm.block import MAX_KEY_BYTES, Scatter, as_buffer_view, as_byte_view, check_key
+from ucm.block import MAX_KEY_BYTES, Scatter, as_buffer_view, check_key
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest
 
@@ -44,11 +44,10 @@ def _check_buffers(keys: tuple[bytes, ...], buffers: Sequence[Any], *, writable:
                    ) -> tuple[memoryview | Scatter, ...]:
     if len(buffers) != len(keys):
         raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
-    try:
-        views = tuple(as_buffer_view(b) if writable else as_byte_view(b) for b in buffers)
+    try:  # a Scatter for a load (pieces to fill) or a store (pieces to write from)
+        views = tuple(as_buffer_view(b) for b in buffers)
     except TypeError as exc:
-        what = "a buffer or a Scatter" if writable else "a contiguous buffer"
-        raise InvalidRequest(f"each buffer must be {what} ({exc})") from None
+        raise InvalidRequest(f"each buffer must be a buffer or a Scatter ({exc})") from None
     if writable:
         for v in views:
             if v.readonly:
@@ -95,9 +94,11 @@ class Load(_Event):
 @dataclass(frozen=True, slots=True)
 class Store(_Event):
     """Writes each buffer as a block. Completes at `durability` (the config's when None); the
-    buffers must stay unchanged until the event completes."""
+    buffers must stay unchanged until the event completes. A buffer may be a `Scatter` of
+    pieces, stored in order as one block: a driver with `ScatterStores` writes from the
+    pieces, for any other the kernel joins them once (`store_gathers`)."""
 
-    buffers: tuple[memoryview, ...] = field(default=(), kw_only=True)
+    buffers: tuple[memoryview | Scatter, ...] = field(default=(), kw_only=True)
     durability: Durability | None = field(default=None, kw_only=True)
     priority = Priority.STORE
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ucm.block import Scatter
 from ucm.drivers import LoadState
 from ucm.errors import DriverError, NoCapacity
 from ucm.kernel._events import Lookup, Prefetch, PrefetchResult, Priority, Store, StoreResult
@@ -96,9 +97,14 @@ class Movement:
         results: dict[str, list[bool]] = {}
         errors: list[str] = []
         indices = list(range(len(keys)))
+        joined: Sequence[memoryview | Scatter] = buffers
+        if any(t.scatter_storer is None for t in required) and any(
+                type(b) is Scatter for b in buffers):
+            joined = await self._gather(buffers)
 
         async def store_one(tier: Tier) -> None:
-            results[tier.name] = await self._store_into(tier, keys, buffers, indices, errors,
+            mine = buffers if tier.scatter_storer is not None else joined
+            results[tier.name] = await self._store_into(tier, keys, mine, indices, errors,
                                                         Priority.STORE, event_id)
 
         with unwrap_single():
@@ -119,9 +125,23 @@ class Movement:
                             [buffers[i].nbytes for i in done], required[0], rest)
         return StoreResult(stored, tuple(errors))
 
+    async def _gather(self, buffers: Sequence[memoryview | Scatter]) -> list[memoryview]:
+        """A Scatter's pieces joined into one buffer (a copy, off the trio thread), once per
+        store, for the tiers whose driver cannot write from pieces."""
+        out: list[Any] = list(buffers)
+        scatters = [i for i, b in enumerate(buffers) if type(b) is Scatter]
+
+        def join() -> None:
+            for i in scatters:
+                out[i] = memoryview(out[i].gather())
+
+        await trio.to_thread.run_sync(join)
+        self.stats["store_gathers"] += len(scatters)
+        return out
+
     async def _store_into(self, tier: Tier, keys: Sequence[bytes],
-                          buffers: Sequence[memoryview], indices: list[int], errors: list[str],
-                          priority: int, event_id: int) -> list[bool]:
+                          buffers: Sequence[memoryview | Scatter], indices: list[int],
+                          errors: list[str], priority: int, event_id: int) -> list[bool]:
         """Stores keys[indices] into one tier, making room first. Returns stored flags by
         position in `keys` (False outside `indices`)."""
         ok = [False] * len(keys)
@@ -146,13 +166,16 @@ class Movement:
                 return ok
             t0 = time.monotonic_ns()
             batch = keys_of(keys, chosen), [buffers[i] for i in chosen]
+            store = tier.driver.store
+            if tier.scatter_storer is not None and any(type(b) is Scatter for b in batch[1]):
+                store = tier.scatter_storer.store_scatter
             try:
                 try:
-                    sizes = await tier.call(priority, tier.driver.store, *batch)
+                    sizes = await tier.call(priority, store, *batch)
                 except NoCapacity:
                     if not await self._shrink_to_fit(tier):
                         raise
-                    sizes = await tier.call(priority, tier.driver.store, *batch)
+                    sizes = await tier.call(priority, store, *batch)
             except DriverError as exc:
                 self._core.count_error(tier, "store", exc)
                 self._core.emit("op", event_id, tier=tier.name, op="store", keys=len(chosen),

@@ -10,7 +10,7 @@ import trio
 
 from ucm.block import PAYLOAD_OFFSET
 from ucm.config import TierConfig
-from ucm.drivers import Driver, InMemoryLoads, ScatterLoads
+from ucm.drivers import Driver, InMemoryLoads, ScatterLoads, ScatterStores
 from ucm.kernel._limiter import PriorityLimiter
 from ucm.kernel._policy import Policy
 
@@ -26,6 +26,9 @@ class Tier:
         # Loads into a Scatter itself; others get a contiguous stand-in (_core).
         self.scatter_loader: ScatterLoads | None = (
             driver if isinstance(driver, ScatterLoads) else None)
+        # Stores from a Scatter itself; others get its pieces joined once (_movement).
+        self.scatter_storer: ScatterStores | None = (
+            driver if isinstance(driver, ScatterStores) else None)
         # Loads of blocks it holds in memory may run off the trio thread (_fastpath).
         self.in_memory: InMemoryLoads | None = (
             driver if isinstance(driver, InMemoryLoads) else None)

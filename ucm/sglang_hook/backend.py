@@ -9,8 +9,9 @@ prefetch thread hangs the request.
 
 Zero copy (`interface_v1`): `host_pool.get_page_buffer_meta` gives each page's pieces in the
 host pool (2 x layers of them in the layer_first layout); a load reads straight into them
-through a `Scatter`. A store passes a page as it lies when its pieces are one span, and
-otherwise gathers them once, since a kernel store takes one contiguous snapshot per page.
+through a `Scatter`. A store passes a page as it lies: one view when its pieces are one span,
+else a `Scatter` of its spans (MHA page_first: K and V in separate pools), which the posix and
+memory tiers write from as it is (the kernel joins the pieces only for a driver that cannot).
 Either way a page's bytes are in SGLang's flat-page order (`get_data_page`), so the plain
 `batch_get`/`batch_set` interface and the zero-copy one read each other's pages.
 """
@@ -320,22 +321,18 @@ def _view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
-def _one_span(pieces: list[tuple[int, int]]) -> memoryview | bytearray:
-    """A page's bytes for a store: a view when its pieces lie end to end, else one copy."""
-    end = pieces[0][0]
+def _one_span(pieces: list[tuple[int, int]]) -> memoryview | Scatter:
+    """A page's bytes for a store, where they lie: a view when its pieces lie end to end,
+    else a Scatter of its spans (pieces end to end merged: fewer iovecs), never a copy."""
+    spans: list[list[int]] = []
     for address, nbytes in pieces:
-        if address != end:
-            break
-        end += nbytes
-    else:
-        return _view(pieces[0][0], end - pieces[0][0])
-    out = bytearray(sum(nbytes for _, nbytes in pieces))
-    base = ctypes.addressof((ctypes.c_char * len(out)).from_buffer(out))
-    at = 0
-    for address, nbytes in pieces:
-        ctypes.memmove(base + at, address, nbytes)
-        at += nbytes
-    return out
+        if spans and spans[-1][0] + spans[-1][1] == address:
+            spans[-1][1] += nbytes
+        else:
+            spans.append([address, nbytes])
+    if len(spans) == 1:
+        return _view(*spans[0])
+    return Scatter.of_views(tuple(_view(address, nbytes) for address, nbytes in spans))
 
 
 def _tensor_bytes(tensor: Any) -> memoryview:

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ucm.drivers import LoadState
-from ucm.errors import UCMError
-from ucm.kernel import Load
+from ucm.engine.pages import PendingPages
 from ucm.vllm_hook.keys import layer_key
 from ucm.vllm_hook.metadata import BlockTransfer
 
@@ -53,7 +52,7 @@ class LayerwiseLoad:
         self._next = 0
         self._closed = False  # no more submissions (a layer gave up waiting to be submitted)
         self._submitted = [threading.Event() for _ in self.layers]
-        self.completions: list[concurrent.futures.Future | None] = [None] * len(self.layers)
+        self.pendings: list[PendingPages | None] = [None] * len(self.layers)
         self.states: list[tuple[LoadState, ...] | None] = [None] * len(self.layers)
         self._waited: set[int] = set()
         for _ in range(min(self.WINDOW, len(self.layers))):
@@ -66,7 +65,7 @@ class LayerwiseLoad:
                 return
             self._next += 1
         name, layout = self.layers[i], self.worker.layout
-        completion = None
+        pending = None
         try:
             keys = [layer_key(k, i) for k in self.keys]
             if self.staging is None:
@@ -75,16 +74,17 @@ class LayerwiseLoad:
                 off, nbytes = layout.layer_span(name)
                 buffers = [self.staging[r, off:off + nbytes].numpy()
                            for r in range(len(self.keys))]
-            completion = self.worker.kernel.submit(
-                Load(keys, buffers=buffers, request_id=self.transfers[0].req_id))
-        except UCMError as exc:
-            log.warning("ucm: load of layer %s not submitted (%s); recomputing", name, exc)
+            pending = self.worker.pages.start_load(keys, buffers,
+                                                   request_id=self.transfers[0].req_id)
+            if not pending.submitted:
+                log.warning("ucm: load of layer %s not submitted (%s); recomputing", name,
+                            pending.error)
         except Exception:  # it may run on the kernel's thread: never raise there
             log.exception("ucm: load of layer %s not submitted", name)
-        self.completions[i] = completion
+        self.pendings[i] = pending
         self._submitted[i].set()
-        if completion is not None:
-            completion.add_done_callback(self._done)
+        if pending is not None and pending.completion is not None:
+            pending.completion.add_done_callback(self._done)
 
     def _done(self, _: concurrent.futures.Future) -> None:
         try:  # on the kernel's trio thread: must not raise
@@ -102,8 +102,8 @@ class LayerwiseLoad:
         if not self._submitted[i].wait(worker.settings.load_timeout):
             with self._lock:
                 self._closed = True  # what is not submitted by now never will be
-        completion = self.completions[i] if self._submitted[i].is_set() else None
-        states = worker._await_load(completion, direct=self.staging is None,
+        pending = self.pendings[i] if self._submitted[i].is_set() else None
+        states = worker._await_load(pending, direct=self.staging is None,
                                     what=f"load of layer {self.layers[i]}")
         self.states[i] = states
         self._waited.add(i)

@@ -4,22 +4,23 @@ For each waiting request it posts one Lookup (prefix semantics) to the kernel an
 `get_num_new_matched_tokens` without stalling the scheduler step: it waits at most
 `lookup_wait` inline, then answers None ("ask again later") until the lookup finishes or
 `lookup_timeout` passes (a miss). Any kernel error (KernelBusy, a deadline, a failing driver) is
-a miss. The last prompt token is never claimed, so vLLM always computes at least one token.
+a miss. Lookups go through the engine-neutral `ucm.engine.PageIO` (no kernel deadline, as
+before: the scheduler waits on its own terms). The last prompt token is never claimed, so vLLM
+always computes at least one token.
 Each step it tells the workers which blocks to load and which newly computed full blocks to
 save.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from ucm.engine.pages import PageIO, PendingPages
 from ucm.errors import UCMError
-from ucm.kernel import Lookup
 from ucm.vllm_hook.keys import RequestChain, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
@@ -37,8 +38,7 @@ log = logging.getLogger("ucm.vllm_hook")
 class _RequestState:
     request: Any
     chain: RequestChain
-    lookup: concurrent.futures.Future | None = None
-    lookup_started: float = 0.0
+    lookup: PendingPages | None = None
     looked_up_blocks: int = 0  # blocks the finished lookup covered
     hit_blocks: int | None = None  # leading blocks storage holds (None: not known yet)
     local_tokens: int = 0  # tokens vLLM's own prefix cache supplied
@@ -66,6 +66,7 @@ class SchedulerSide:
         self.stats: Counter[str] = Counter()
         self._reqs: dict[str, _RequestState] = {}
         self._kernel: Any = None
+        self._pages: PageIO | None = None
         self._shared: SharedKernel | None = None  # the worker's kernel, in one-process mode
         self._own_kernel = False
         self._kernel_wait_since: float | None = None
@@ -91,7 +92,16 @@ class SchedulerSide:
                 self._kernel = start_kernel(scheduler_config(self.settings.ucm_config),
                                             self._sinks)
                 self._own_kernel = True
+            self._pages = PageIO(self._kernel, timeout=self.settings.lookup_timeout,
+                                 deadline=None)
         return self._kernel
+
+    @property
+    def pages(self) -> PageIO:
+        """Lookups through the engine-neutral page I/O (its counters: `pages.statistics()`)."""
+        self._get_kernel()
+        assert self._pages is not None
+        return self._pages
 
     # -- matching --------------------------------------------------------------------------------
     def _state(self, request: Any) -> _RequestState:
@@ -140,36 +150,42 @@ class SchedulerSide:
             keys = [rank_key(d, r, size) for r in range(size) for d in digests]
             if self.settings.layerwise:  # each block's layers, in order, block after block
                 keys = [layer_key(k, i) for k in keys for i in range(self.layers)]
-            try:
-                st.lookup = kernel.submit(
-                    Lookup(keys, prefix=size == 1, request_id=st.request.request_id))
-            except UCMError as exc:
-                return self._lookup_failed(st, exc)
-            st.lookup_started = time.monotonic()
+            st.lookup = self.pages.start_lookup(keys, prefix=size == 1,
+                                                request_id=st.request.request_id)
+            if not st.lookup.submitted:  # KernelBusy, closed: a miss
+                return self._lookup_failed(st)
             self.stats["lookups"] += 1
-        try:
-            result = st.lookup.result(timeout=self.settings.lookup_wait)
-        except concurrent.futures.TimeoutError:
-            if time.monotonic() - st.lookup_started < self.settings.lookup_timeout:
+        lookup = st.lookup
+        if not lookup.wait(self.settings.lookup_wait):
+            if time.monotonic() - lookup.started < self.settings.lookup_timeout:
                 self.stats["lookup_deferred"] += 1
                 return None
-            st.lookup.cancel()
+            lookup.result(timeout=0, wait_stopped=False)  # cancels it: a lookup writes nothing
+            if lookup.timed_out:
+                self.stats["lookup_timeouts"] += 1
+                st.lookup = None
+                return 0
+        lookup.result()
+        if isinstance(lookup.error, TimeoutError):  # the kernel's deadline (the config's)
             self.stats["lookup_timeouts"] += 1
             st.lookup = None
             return 0
-        except (UCMError, concurrent.futures.CancelledError) as exc:
-            return self._lookup_failed(st, exc)
+        if lookup.error is not None:
+            return self._lookup_failed(st)
         st.lookup = None
         # With TP, a block is a hit only when every rank's shard is stored; layerwise, only
         # when every layer is.
-        hits, n = result.hits, n_full * self.layers
+        hits, n = lookup.hits, n_full * self.layers
         per_rank = [hits[r * n:(r + 1) * n] for r in range(self.settings.tp_size)]
         return min(_leading(h) for h in per_rank) // self.layers
 
-    def _lookup_failed(self, st: _RequestState, exc: BaseException) -> int:
-        st.lookup = None
+    def _lookup_failed(self, st: _RequestState) -> int:
+        lookup, st.lookup = st.lookup, None
+        if lookup is not None:
+            lookup.result()  # counts the failure in the page I/O's statistics
         self.stats["lookup_errors"] += 1
-        log.debug("ucm lookup for %s failed (a miss): %s", st.request.request_id, exc)
+        log.debug("ucm lookup for %s failed (a miss): %s", st.request.request_id,
+                  lookup.error if lookup is not None else None)
         return 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
@@ -262,7 +278,7 @@ class SchedulerSide:
                 self._kernel.close(timeout=10.0)
             except UCMError as exc:
                 log.warning("ucm: kernel close: %s", exc)
-        self._kernel = self._shared = None
+        self._kernel = self._shared = self._pages = None
 
 
 def _leading(hits: Any) -> int:

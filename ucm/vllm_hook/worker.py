@@ -11,7 +11,9 @@ are still loading. A block that does not load (missing, corrupt, I/O error,
 KernelBusy, deadline, `load_timeout`) is reported through `get_block_ids_with_load_errors`, and
 vLLM recomputes it and everything after it: its cache blocks may hold anything until then.
 A direct load that times out is cancelled and waited for until it has stopped, so nothing
-writes into cache blocks that vLLM recomputes or gives to another request.
+writes into cache blocks that vLLM recomputes or gives to another request. Loads and stores go
+through the engine-neutral `ucm.engine.PageIO` (no kernel deadline, as before: the worker waits
+`load_timeout` on its own terms).
 
 Saves: `save_kv_layer` snapshots this step's new full blocks of that layer into a staging
 buffer as soon as the layer has written them; `wait_for_save` posts one Store per step and
@@ -35,8 +37,8 @@ import torch
 
 from ucm.codecs.vllm import register_kv_caches
 from ucm.drivers import LoadState
-from ucm.errors import KernelClosed, UCMError
-from ucm.kernel import Load, Store
+from ucm.engine.pages import PageIO, PendingPages
+from ucm.errors import UCMError
 from ucm.vllm_hook.hugepages import collapse_cache
 from ucm.vllm_hook.keys import layer_key, rank_key
 from ucm.vllm_hook.layerwise import LayerwiseLoad
@@ -60,7 +62,8 @@ class WorkerSide:
         self._shared: SharedKernel | None = None  # the kernel, as a scheduler side finds it
         self._load_staging: torch.Tensor | None = None
         self._layerwise: LayerwiseLoad | None = None
-        self._early: tuple[tuple, concurrent.futures.Future] | None = None  # load_early's
+        self._pages: PageIO | None = None
+        self._early: tuple[tuple, PendingPages] | None = None  # load_early's
         self._load_errors: set[int] = set()
         self._save_staging: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # snapshot buffers whose stores have ended
@@ -69,7 +72,7 @@ class WorkerSide:
         self._save_layers_done: set[str] = set()
         self._lock = threading.Lock()
         self._store_bytes = 0  # snapshots not yet written
-        self._stores: dict[int, tuple[concurrent.futures.Future, torch.Tensor, int]] = {}
+        self._stores: dict[int, tuple[PendingPages, torch.Tensor, int]] = {}
         self._stores_idle = threading.Event()
         self._stores_idle.set()
 
@@ -77,6 +80,12 @@ class WorkerSide:
     def kernel(self) -> Any:
         """This worker's kernel (None before `register_kv_caches`; it may still be starting)."""
         return self._kernel
+
+    @property
+    def pages(self) -> PageIO:
+        """Loads and stores through the engine-neutral page I/O (set with the kernel)."""
+        assert self._pages is not None, "register_kv_caches first"
+        return self._pages
 
     def _key(self, digest: bytes) -> bytes:
         return rank_key(digest, self.settings.tp_rank, self.settings.tp_size)
@@ -93,6 +102,7 @@ class WorkerSide:
             interpretable=self.layout.device.type == "cuda", cpu_isa=cpu_isa)
         self._shared = kernels.acquire(self.settings.ucm_config, self, self._sinks)
         self._kernel = self._shared.kernel
+        self._pages = PageIO(self._kernel, timeout=self.settings.load_timeout, deadline=None)
         if self.layout.scatters and self.settings.hugepages:
             regions = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                        for t in kv_caches.values()}
@@ -168,35 +178,36 @@ class WorkerSide:
         self._drop_early()  # planned for a step that did not run
         keys = [self._key(d) for t in loads for d in t.digests]
         buffers = [layout.scatter(b) for t in loads for b in t.block_ids]
-        try:
-            completion = self._submit_load(Load(keys, buffers=buffers,
-                                                request_id=loads[0].req_id))
-        except UCMError as exc:
-            log.debug("ucm: early load not submitted (%s); start_load_kv will try", exc)
+        pending = self._submit_load(keys, buffers, loads[0].req_id)
+        if not pending.submitted:
+            pending.result()  # counted
+            log.debug("ucm: early load not submitted (%s); start_load_kv will try",
+                      pending.error)
             return False
-        self._early = (_plan(loads), completion)
+        self._early = (_plan(loads), pending)
         self.stats["early_loads"] += 1
         return True
 
-    def _submit_load(self, load: Load) -> concurrent.futures.Future:
-        """Submits a step's Load; `load_ns` counts the time from here until it is done (the
+    def _submit_load(self, keys: list[bytes], buffers: list[Any], req_id: str,
+                     ) -> PendingPages:
+        """Starts a step's Load; `load_ns` counts the time from here until it is done (the
         step's own wait, `load_wait_ns`, is less where the load started early)."""
         t0 = time.perf_counter()
-        completion = self._kernel.submit(load)
+        pending = self.pages.start_load(keys, buffers, request_id=req_id)
 
         def done(_: concurrent.futures.Future) -> None:  # on the thread that resolved it
             self.stats["load_ns"] += int((time.perf_counter() - t0) * 1e9)
 
-        completion.add_done_callback(done)
-        return completion
+        if pending.completion is not None:
+            pending.completion.add_done_callback(done)
+        return pending
 
     def _drop_early(self) -> None:
         """An early load no step asked for: waits until it has stopped writing into the cache
         (it may be cancelled first), since vLLM may give its blocks out again."""
         early, self._early = self._early, None
         if early is not None:
-            early[1].cancel()
-            self._wait_stopped(early[1])
+            early[1].stop(max(1.0, self.settings.load_timeout))
             self.stats["early_loads_unused"] += 1
 
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
@@ -229,48 +240,45 @@ class WorkerSide:
             if staging is None or staging.shape[0] < n:
                 staging = self._load_staging = self.layout.new_staging(n)
             buffers = [staging[i].numpy() for i in range(n)]
-        completion = None
-        try:
-            if not wait_running(self._kernel, self.settings.start_timeout):
-                raise KernelClosed("the kernel has not started")
-            completion = self._submit_load(Load(keys, buffers=buffers,
-                                                request_id=meta.loads[0].req_id))
-        except UCMError as exc:
-            log.warning("ucm: load not submitted (%s); recomputing", exc)
+        pending = None
+        if not wait_running(self._kernel, self.settings.start_timeout):
+            log.warning("ucm: load not submitted (the kernel has not started); recomputing")
+        else:
+            pending = self._submit_load(keys, buffers, meta.loads[0].req_id)
+            if not pending.submitted:
+                log.warning("ucm: load not submitted (%s); recomputing", pending.error)
         self.stats["load_blocks"] += n
         if staging is None:
-            self._finish_direct_load(meta.loads, completion)
+            self._finish_direct_load(meta.loads, pending)
             return
-        states = self._await_load(completion, direct=False)
+        states = self._await_load(pending, direct=False)
         for t, first_row, good in self._account(meta.loads, states):
             if good:
                 self.layout.copy_in(t.block_ids[:good], staging, first_row=first_row)
 
     def _finish_direct_load(self, loads: list[BlockTransfer],
-                            completion: concurrent.futures.Future | None) -> None:
+                            pending: PendingPages | None) -> None:
         """Waits for a load straight into the cache and counts it: its blocks are in place."""
-        self._account(loads, self._await_load(completion, direct=True))
+        self._account(loads, self._await_load(pending, direct=True))
 
-    def _await_load(self, completion: concurrent.futures.Future | None, *, direct: bool,
+    def _await_load(self, pending: PendingPages | None, *, direct: bool,
                     what: str = "load") -> tuple[LoadState, ...] | None:
         """Waits up to `load_timeout` for a Load; its states, or None when it failed. A load
         that times out is cancelled; a direct one is waited for until it has stopped writing
         into the cache, a staged one gives up its staging buffer."""
         t0 = time.perf_counter()
         states = None
-        if completion is not None:
-            try:
-                states = completion.result(timeout=self.settings.load_timeout).states
-            except concurrent.futures.TimeoutError:
-                completion.cancel()
+        if pending is not None:
+            pending.result(timeout=self.settings.load_timeout, wait_stopped=direct)
+            if pending.error is None:
+                states = pending.states
+            elif pending.timed_out or isinstance(pending.error, TimeoutError):  # or a deadline
                 self.stats["load_timeouts"] += 1
-                if direct:
-                    self._wait_stopped(completion)
-                else:
+                if not direct:
                     self._load_staging = None  # a driver may still write into it
-            except (UCMError, concurrent.futures.CancelledError) as exc:
+            elif pending.submitted:
                 self.stats["load_failed_events"] += 1
-                log.warning("ucm: %s failed (%s); recomputing", what, exc)
+                log.warning("ucm: %s failed (%s); recomputing", what, pending.error)
         self.stats["load_wait_ns"] += int((time.perf_counter() - t0) * 1e9)
         return states
 
@@ -299,17 +307,6 @@ class WorkerSide:
             ok_rows.append((t, row, good))
             row += n
         return ok_rows
-
-    def _wait_stopped(self, completion: concurrent.futures.Future) -> None:
-        """Waits until a cancelled direct load has stopped writing into the cache. Drivers
-        that take a Scatter stop at their next block (their threads are never abandoned), so
-        the wait is short unless a disk hangs; then it is the only safe choice."""
-        grace = max(1.0, self.settings.load_timeout)
-        done, _ = concurrent.futures.wait([completion], timeout=grace)
-        if not done:
-            log.error("ucm: a cancelled load into the KV cache has not stopped after %.0f s; "
-                      "waiting for it, since its blocks must not be reused before", grace)
-            concurrent.futures.wait([completion])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layerwise is not None:  # whole-block loads are in before start_load_kv returns
@@ -364,17 +361,19 @@ class WorkerSide:
             per_block = len(spans)
             keys = [layer_key(k, j) for k in keys for j in range(per_block)]
             buffers = [b[off:off + nbytes] for b in buffers for off, nbytes in spans]
-        try:
-            if not self._kernel.running:
-                raise KernelClosed("the kernel has not started")
-            completion = self._kernel.submit(Store(keys, buffers=buffers,
-                                                   request_id=rows[0][0].req_id))
-        except UCMError as exc:
-            log.debug("ucm: store not submitted (%s): a future miss", exc)
+        if not self._kernel.running:
+            log.debug("ucm: store not submitted (the kernel has not started): a future miss")
+            self._release(staging)
+            return
+        pending = self.pages.start_store(keys, buffers, request_id=rows[0][0].req_id)
+        completion = pending.completion
+        if completion is None:
+            pending.result()  # counted
+            log.debug("ucm: store not submitted (%s): a future miss", pending.error)
             self._release(staging)
             return
         with self._lock:
-            self._stores[id(completion)] = (completion, staging, per_block)
+            self._stores[id(completion)] = (pending, staging, per_block)
             self._stores_idle.clear()
         completion.add_done_callback(self._store_done)
         self.stats["save_blocks"] += len(keys) // per_block
@@ -388,12 +387,12 @@ class WorkerSide:
                     self._stores_idle.set()
             if entry is None:
                 return
-            _, staging, per_block = entry
+            pending, staging, per_block = entry
             self._release(staging)
-            if completion.cancelled() or completion.exception() is not None:
+            stored = pending.result()  # done: answers at once
+            if pending.error is not None:
                 self.stats["save_failed_events"] += 1
             else:
-                stored = completion.result().stored
                 whole = [all(stored[i:i + per_block]) for i in range(0, len(stored), per_block)]
                 self.stats["saved_blocks"] += sum(whole)
                 self.stats["save_failed_blocks"] += whole.count(False)

@@ -9,7 +9,8 @@ Framing        frame_block, unframe_into: a block in the self-describing `ucm.bl
 Errors         os_error: an OSError that failed a batch, as the ucm exception tree
 Threaded base  Backend + ThreadedDriver: write a synchronous, batched Backend; ThreadedDriver
                validates each call, runs it on worker threads, counts and translates errors;
-               ScatterLoading adds `load_scatter` for a backend that reads into a Scatter
+               ScatterLoading adds `load_scatter` for a backend that reads into a Scatter,
+               ScatterStoring `store_scatter` for one whose store writes from a Scatter
                RemoteDriver: the same for servers that can stall (calls a deadline abandons)
 Threads        Workers: the copy threads and idle-priority store threads a ThreadedDriver runs
                on; the kernel owns one and passes it to `open(..., workers=)`
@@ -46,6 +47,7 @@ from ucm.drivers.kit._remote import RemoteDriver
 from ucm.drivers.kit._threaded import (
     Backend,
     ScatterLoading,
+    ScatterStoring,
     ThreadedDriver,
     count_loads,
     count_stores,
@@ -62,6 +64,7 @@ __all__ = [
     "RemoteDriver",
     "Scatter",
     "ScatterLoading",
+    "ScatterStoring",
     "ThreadedDriver",
     "Workers",
     "check_batch",

@@ -32,16 +32,17 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
 
 
 def check_batch(
-    keys: Sequence[bytes], buffers: Sequence[Any], *, writable: bool
+    keys: Sequence[bytes], buffers: Sequence[Any], *, writable: bool, scatter: bool = False,
 ) -> tuple[list[bytes], list[memoryview]]:
-    """Validated keys and flat byte views of their buffers (one per key)."""
+    """Validated keys and flat byte views of their buffers (one per key); a load's Scatter
+    as it is, and a store's where the driver writes from one (`scatter`)."""
     keys = check_keys(keys)
     buffers = list(buffers)
     if len(buffers) != len(keys):
         raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
     views = []
     for i, buf in enumerate(buffers):
-        if writable and type(buf) is Scatter:
+        if (writable or scatter) and type(buf) is Scatter:
             views.append(buf)
             continue
         try:

@@ -17,7 +17,8 @@ from typing import Any
 from ucm.block import (
     PAYLOAD_OFFSET,
     Codec,
-    as_byte_view,
+    Scatter,
+    as_buffer_view,
     decode_header,
     decode_payload_into,
     encode_header,
@@ -28,11 +29,12 @@ from ucm.drivers._protocol import LoadState
 from ucm.errors import BlockCorrupt
 
 
-def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview,
-                ) -> tuple[bytes, memoryview]:
+def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview | Scatter,
+                ) -> tuple[bytes, memoryview | Scatter]:
     """A block as stored: its header (PAYLOAD_OFFSET bytes) and its payload (`raw` encoded
-    with `codec`; `raw` itself for Codec.NONE). Store the two back to back."""
-    payload = as_byte_view(encode_payload(codec, raw))
+    with `codec`; `raw` itself for Codec.NONE, a Scatter too: write its pieces in order).
+    Store the two back to back."""
+    payload = as_buffer_view(encode_payload(codec, raw))
     return encode_header(key, namespace, codec, payload, raw.nbytes), payload
 
 

@@ -120,6 +120,15 @@ class ScatterLoading:
         return await self.load(keys, buffers)  # type: ignore[attr-defined]
 
 
+class ScatterStoring:
+    """Mixin of a ThreadedDriver whose backend's `store` writes straight from a Scatter's
+    pieces (the `ScatterStores` capability)."""
+
+    async def store_scatter(self, keys: Sequence[bytes],
+                            buffers: Sequence[memoryview | Scatter]) -> list[int]:
+        return await self._store(keys, buffers, scatter=True)  # type: ignore[attr-defined]
+
+
 class ThreadedDriver:
     """Validation, thread hops, counters and error translation around a Backend."""
 
@@ -288,7 +297,11 @@ class ThreadedDriver:
         return states
 
     async def store(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[int]:
-        keys, views = check_batch(keys, buffers, writable=False)
+        return await self._store(keys, buffers)
+
+    async def _store(self, keys: Sequence[bytes], buffers: Sequence[Any], *,
+                     scatter: bool = False) -> list[int]:
+        keys, views = check_batch(keys, buffers, writable=False, scatter=scatter)
         sizes: list[int] = await self._map(self._backend.store, keys, views, store=True)
         count_stores(self._stats, sizes)
         return sizes
