@@ -24,7 +24,7 @@ static const char *best_name = "portable";
 
 #define MAX_DIM (1 << 24)
 #define MAX_PIECES 4096     /* a Scatter's pieces (ucm.block.HASH_COPY_MAX_PIECES mirrors it) */
-#define STREAM_MIN (1 << 20) /* destinations this large are written with non-temporal stores */
+#define STREAM_MIN (1 << 18) /* blocks this large are written with non-temporal stores */
 
 /* The plan (9 int64 a part: kind 0 raw / 1 k / 2 v, tokens, channels, group, offset in the raw
  * block, offset in the payload, c-major, ti, ci) checked against the buffers; the scratch each
