@@ -14,6 +14,14 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__has_include)
+#if __has_include(<xxhash.h>)
+#define KV_HAVE_XXH 1 /* the payload's xxh3-64 taken while decoding (as ucm.block checks it) */
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#endif
+#endif
+
 #define KV_CAT2(a, b) a##_##b
 #define KV_CAT(a, b) KV_CAT2(a, b)
 #define KV_FN(name) KV_CAT(name, KV_SUFFIX)
@@ -24,7 +32,51 @@
 
 typedef struct {
     size_t kind, tokens, channels, group, out_offset, payload_offset, c_major, ti, ci;
+    size_t payload_len; /* the part's bytes in the payload (checked by the caller) */
 } kv_part_t;
+
+/* The block's destination: one buffer, or the pieces of a ucm.block.Scatter filled in order as
+ * if they were one buffer (vLLM's per-layer pieces). */
+typedef struct {
+    char *buf;
+    size_t len;
+} kv_piece_t;
+
+typedef struct {
+    const kv_piece_t *pieces;
+    size_t count, idx, start; /* the piece last written and its offset in the block */
+    char *tmp;                /* a row that crosses a piece boundary is converted here first */
+    int stream;               /* non-temporal stores (large destinations: no read for ownership) */
+} kv_out_t;
+
+/* Where [off, off + len) of the block lies when one piece holds all of it, else NULL. */
+static inline char *kv_out_span(kv_out_t *o, size_t off, size_t len)
+{
+    if (off < o->start)
+        o->idx = o->start = 0;
+    while (o->idx < o->count && off - o->start >= o->pieces[o->idx].len)
+        o->start += o->pieces[o->idx++].len;
+    if (o->idx == o->count)
+        return NULL;
+    size_t at = off - o->start;
+    return len <= o->pieces[o->idx].len - at ? o->pieces[o->idx].buf + at : NULL;
+}
+
+/* block[off, off + len) = src, across piece boundaries (the caller checked it fits). */
+static void kv_out_copy(kv_out_t *o, size_t off, const char *src, size_t len)
+{
+    while (len) {
+        kv_out_span(o, off, 0); /* moves to the piece holding off */
+        if (o->idx == o->count)
+            return;
+        size_t at = off - o->start, n = o->pieces[o->idx].len - at;
+        n = n < len ? n : len;
+        memcpy(o->pieces[o->idx].buf + at, src, n);
+        off += n;
+        src += n;
+        len -= n;
+    }
+}
 
 static inline float kv_bits_float(uint32_t bits)
 {
@@ -128,20 +180,40 @@ static inline uint16_t KV_FN(kv_float_to_half)(float f)
 #endif
 }
 
-/* row (float, n values) -> out in `dtype` (1 fp16, 2 bf16, 3 fp32), contiguous */
-static inline void KV_FN(kv_store_row)(const float *row, char *out, size_t n, int dtype)
+/* row (float, n values) -> out in `dtype` (1 fp16, 2 bf16, 3 fp32), contiguous. `stream`:
+ * non-temporal stores where out is 16-byte aligned (AVX2 loops only). */
+static inline void KV_FN(kv_store_row)(const float *row, char *out, size_t n, int dtype,
+                                       int stream)
 {
     size_t i = 0;
+#if defined(__AVX2__)
+    size_t itemsize = dtype == 3 ? 4 : 2;
+    if (stream && ((uintptr_t)out & (itemsize - 1)))
+        stream = 0; /* elements never reach a 16-byte boundary */
+#define KV_PUT(p, v) (stream ? _mm_stream_si128((__m128i *)(p), (v)) \
+                             : _mm_storeu_si128((__m128i *)(p), (v)))
+#else
+    (void)stream;
+#endif
     if (dtype == 3) {
-        memcpy(out, row, n * 4);
+#if defined(__AVX2__)
+        if (stream) {
+            for (; i < n && ((uintptr_t)(out + 4 * i) & 15); i++)
+                memcpy(out + 4 * i, row + i, 4);
+            for (; i + 4 <= n; i += 4)
+                _mm_stream_si128((__m128i *)(out + 4 * i), _mm_castps_si128(_mm_loadu_ps(row + i)));
+        }
+#endif
+        memcpy(out + 4 * i, row + i, (n - i) * 4);
         return;
     }
     uint16_t *o = (uint16_t *)out;
     if (dtype == 1) {
 #if defined(__AVX2__) && defined(__F16C__)
+        for (; stream && i < n && ((uintptr_t)(o + i) & 15); i++)
+            o[i] = KV_FN(kv_float_to_half)(row[i]);
         for (; i + 8 <= n; i += 8)
-            _mm_storeu_si128((__m128i *)(o + i),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(row + i), _MM_FROUND_TO_NEAREST_INT));
+            KV_PUT(o + i, _mm256_cvtps_ph(_mm256_loadu_ps(row + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
         for (; i < n; i++)
             o[i] = KV_FN(kv_float_to_half)(row[i]);
@@ -149,17 +221,34 @@ static inline void KV_FN(kv_store_row)(const float *row, char *out, size_t n, in
     }
     const uint32_t *u = (const uint32_t *)row;
 #if defined(__AVX2__)
+    for (; stream && i < n && ((uintptr_t)(o + i) & 15); i++)
+        o[i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     for (; i + 8 <= n; i += 8) {
         __m256i x = _mm256_loadu_si256((const __m256i *)(u + i));
         __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), one);
         __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, half), lsb), 16);
-        _mm_storeu_si128((__m128i *)(o + i), _mm_packus_epi32(_mm256_castsi256_si128(r),
-                                                             _mm256_extracti128_si256(r, 1)));
+        KV_PUT(o + i, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
     }
+#undef KV_PUT
 #endif
     for (; i < n; i++) /* bf16: round to nearest even (the values are finite) */
         o[i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
+}
+
+/* block[off, off + n elements) = row in `dtype`: straight into the piece that holds it, else
+ * converted into o->tmp and copied across the pieces. */
+static inline void KV_FN(kv_emit)(kv_out_t *o, size_t off, const float *row, size_t n,
+                                  int dtype)
+{
+    size_t len = n * (dtype == 3 ? 4 : 2);
+    char *dst = kv_out_span(o, off, len);
+    if (dst != NULL) {
+        KV_FN(kv_store_row)(row, dst, n, dtype, o->stream);
+        return;
+    }
+    KV_FN(kv_store_row)(row, o->tmp, n, dtype, 0);
+    kv_out_copy(o, off, o->tmp, len);
 }
 
 /* One element of `dtype` at element index i of in, as float. */
@@ -240,9 +329,11 @@ static inline void KV_FN(kv_run)(float *dst, const uint8_t *codes, size_t i, siz
  * only along J (keys t-major, values c-major, the group a multiple of the tile along the other
  * axis: vLLM's AMX tiles) in runs of 1, 2, 4 or 8; channel-major keys ([C, T]) in runs of
  * whole groups. Anything else takes each element's group from a table built for the part.
- * scratch: floats 3 * count + channels + 2 * groups + 16; size_t tokens + channels. */
-static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *in, int bits,
-                                  int dtype, float *scratch, size_t *toff, size_t *coff)
+ * scratch: floats 3 * count + channels + 2 * groups + 16; size_t tokens + channels. Writes
+ * block bytes [out_offset, out_offset + count * itemsize) through `out`. */
+static void KV_FN(kv_decode_part)(const kv_part_t *p, kv_out_t *out, const uint8_t *in,
+                                  int bits, int dtype, float *scratch, size_t *toff,
+                                  size_t *coff)
 {
     size_t T = p->tokens, C = p->channels, g = p->group, ng = kv_groups(p), n = T * C;
     size_t ti = p->ti, ci = p->ci, per_row = p->kind == 1 ? C : C / g;
@@ -258,7 +349,7 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
         pmin[i] = m + (float)lo[i] * s;
         pstep[i] = ((float)((int)hi[i] - (int)lo[i]) * s) / levels;
     }
-    char *o = out;
+    size_t o = p->out_offset; /* the block offset written next */
     if (!p->c_major && ti == 1 && ci == 1) { /* row-major: a row at a time (kept in L1) */
         for (size_t t = 0; t < T; t++, o += C * itemsize) {
             if (p->kind == 2) {
@@ -278,7 +369,7 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
                 for (; c < C; c++)
                     f[c] = KV_FN(kv_code)(codes, i + c, bits) * ss[c] + mm[c];
             }
-            KV_FN(kv_store_row)(f, o, C, dtype);
+            KV_FN(kv_emit)(out, o, f, C, dtype);
         }
         return;
     }
@@ -308,7 +399,7 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
                 }
 #endif
             }
-            KV_FN(kv_store_row)(f, o, nB * tile, dtype);
+            KV_FN(kv_emit)(out, o, f, nB * tile, dtype);
         }
         return;
     }
@@ -318,7 +409,7 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
                 size_t sj = (t0 / g) * C + c;
                 KV_FN(kv_run)(f + t0, codes, c * T + t0, g, bits, pmin[sj], pstep[sj]);
             }
-            KV_FN(kv_store_row)(f, o, T, dtype);
+            KV_FN(kv_emit)(out, o, f, T, dtype);
         }
         return;
     }
@@ -333,7 +424,7 @@ static void KV_FN(kv_decode_part)(const kv_part_t *p, char *out, const uint8_t *
         }
     for (size_t i = 0; i < n; i++)
         f[i] = KV_FN(kv_code)(codes, i, bits) * rstep[i] + rmin[i];
-    KV_FN(kv_store_row)(f, out, n, dtype);
+    KV_FN(kv_emit)(out, o, f, n, dtype);
 }
 
 /* Returns 0, 1 (a non-finite value) or 2 (the range overflows float16). The codes are written
@@ -480,19 +571,42 @@ static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *ds
     return 0;
 }
 
-/* A whole block, parts already checked against the buffers. */
-void KV_FN(kv_decode_block)(const kv_part_t *parts, size_t nparts, char *out, const uint8_t *in,
-                            int bits, int dtype, float *fscratch, size_t *zscratch)
+/* A whole block, parts already checked against the buffers. With `hash` (a reset XXH3 state,
+ * when built with xxhash.h) the payload is hashed in the same pass, in order, each part's
+ * bytes just before they are decoded (then read from the cache), and all `payload_len` of them:
+ * the digest covers exactly what is stored. */
+void KV_FN(kv_decode_block)(const kv_part_t *parts, size_t nparts, kv_out_t *out,
+                            const uint8_t *in, size_t payload_len, int bits, int dtype,
+                            float *fscratch, size_t *zscratch, void *hash)
 {
+    size_t hashed = 0;
     for (size_t i = 0; i < nparts; i++) {
         const kv_part_t *p = parts + i;
+#if defined(KV_HAVE_XXH)
+        size_t end = p->payload_offset + p->payload_len;
+        if (hash != NULL && end > hashed) {
+            XXH3_64bits_update((XXH3_state_t *)hash, in + hashed, end - hashed);
+            hashed = end;
+        }
+#endif
         if (p->kind == 0) {
-            memcpy(out + p->out_offset, in + p->payload_offset, p->tokens);
+            kv_out_copy(out, p->out_offset, (const char *)in + p->payload_offset, p->tokens);
             continue;
         }
-        KV_FN(kv_decode_part)(p, out + p->out_offset, in + p->payload_offset, bits, dtype,
-                              fscratch, zscratch, zscratch + p->tokens);
+        KV_FN(kv_decode_part)(p, out, in + p->payload_offset, bits, dtype, fscratch, zscratch,
+                              zscratch + p->tokens);
     }
+#if defined(KV_HAVE_XXH)
+    if (hash != NULL && payload_len > hashed)
+        XXH3_64bits_update((XXH3_state_t *)hash, in + hashed, payload_len - hashed);
+#else
+    (void)hash;
+    (void)hashed;
+#endif
+#if defined(__AVX2__)
+    if (out->stream)
+        _mm_sfence(); /* the streamed stores are visible before the caller reads the block */
+#endif
 }
 
 int KV_FN(kv_encode_block)(const kv_part_t *parts, size_t nparts, uint8_t *out, const char *in,

