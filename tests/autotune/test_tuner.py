@@ -126,3 +126,17 @@ def test_bench_tune_vs_grid_needs_a_memory_constraint(tmp_path):
     with pytest.raises(SystemExit):
         policy_main(["--trace", str(trace), "--tune-vs-grid", "--bench",
                      str(bench_file(tmp_path))])
+
+
+def test_equal_hit_ratios_go_to_the_faster_load_then_to_less_memory():
+    from ucm.autotune._tuner import Prediction, best_of
+
+    def pred(hit: float, load_ms: float, memory: float) -> Prediction:
+        return Prediction(candidate=Candidate(memory * GB, 1024 * GB, "shadow"), hit_ratio=hit,
+                          bytes_loaded_per_request=0.0, load_ms_per_request=load_ms,
+                          memory_gb=memory, disk_gb=1024.0)
+
+    small_slow, big_fast, bigger_fast = pred(0.28, 157.0, 32), pred(0.28, 40.0, 256), \
+        pred(0.28, 40.0, 512)
+    assert best_of([small_slow, big_fast, bigger_fast]) is big_fast
+    assert best_of([small_slow, pred(0.27, 1.0, 8)]) is small_slow  # hit ratio first
