@@ -140,3 +140,29 @@ def test_equal_hit_ratios_go_to_the_faster_load_then_to_less_memory():
         pred(0.28, 40.0, 512)
     assert best_of([small_slow, big_fast, bigger_fast]) is big_fast
     assert best_of([small_slow, pred(0.27, 1.0, 8)]) is small_slow  # hit ratio first
+
+
+def test_a_latency_bound_between_two_disk_sizes_is_bisected(tmp_path):
+    """With the bound between the load times of the half and the whole disk, the tuner
+    replays disk sizes in between and keeps the largest that fits: it hits at least as often
+    as every candidate of the first pass that fits."""
+    sample = chat_tokens(200)
+    base = {"max_memory_gb": 0.05, "max_disk_gb": 4.0}
+    free = AutoTuner(constraints=dict(base), bench_json=bench_file(tmp_path), progress=False)
+    free.tune("llama-2-7b", sample)
+    best = free.best
+    assert best is not None and best.candidate.disk_bytes == 4 * GB
+    half = next(p for p in free.predictions
+                if p.candidate == Candidate(best.candidate.memory_bytes, 2 * GB,
+                                            best.candidate.eviction))
+    assert half.load_ms_per_request < best.load_ms_per_request  # else the test shows nothing
+    bound = (half.load_ms_per_request + best.load_ms_per_request) / 2
+    tuner = AutoTuner(constraints={**base, "max_latency_ms": bound},
+                      bench_json=bench_file(tmp_path), progress=False)
+    tuner.tune("llama-2-7b", sample)
+    assert tuner.best is not None and tuner.best.load_ms_per_request <= bound
+    first_pass = tuner.predictions[:len(free.predictions)]
+    assert tuner.best.hit_ratio >= max(p.hit_ratio for p in first_pass
+                                       if p.fits(tuner.constraints))
+    between = {p.candidate.disk_bytes for p in tuner.predictions[len(free.predictions):]}
+    assert between and all(2 * GB < d < 4 * GB for d in between)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -137,14 +137,14 @@ class AutoTuner:
         limit = self.constraints.get("max_memory_gb")
         top = int(limit * GB) if limit is not None else blocks_seen * block_bytes
         sizes = sorted({max(block_bytes, int(top * f) // block_bytes * block_bytes)
-                        for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1)})
+                        for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 0.9, 1)})
         disks = [0]
         if "posix" in self.tiers:
             disk_limit = self.constraints.get("max_disk_gb")
             disk_top = int(disk_limit * GB) if disk_limit is not None else (
                 blocks_seen * block_bytes)
             disks += [max(block_bytes, int(disk_top * f) // block_bytes * block_bytes)
-                      for f in (1 / 4, 1)]
+                      for f in (1 / 4, 1 / 2, 1)]
         return [Candidate(m, d, e) for m in sizes for d in sorted(set(disks))
                 for e in POLICIES if "memory" in self.tiers]
 
@@ -189,8 +189,42 @@ class AutoTuner:
         if not fitting:
             raise ValueError("no candidate meets the constraints "
                              f"{self.constraints}; relax them")
-        self.best = best_of(fitting)
+        self.best = self._refine(best_of(fitting), requests, block_bytes, bandwidths)
         return self.config_of(self.best)
+
+    def _refine(self, best: Prediction, requests: Sequence[Request], block_bytes: int,
+                bandwidths: dict[str, float], steps: int = 3) -> Prediction:
+        """Bisects each size of `best` toward the next larger candidate size that did not fit
+        (a latency bound falls between grid points: the larger tier hits more but loads more
+        from disk), keeping what fits and is better; a few replays more."""
+        tried = {p.candidate: p for p in self.predictions}
+        for field in ("disk_bytes", "memory_bytes"):
+            c = best.candidate
+            size = getattr(c, field)
+            if field == "disk_bytes" and not size:
+                continue
+            larger = sorted(getattr(p.candidate, field) for p in self.predictions
+                            if getattr(p.candidate, field) > size
+                            and replace(p.candidate, **{field: size}) == c
+                            and not p.fits(self.constraints))
+            if not larger:
+                continue
+            lo, hi = size, larger[0]
+            for _ in range(steps):
+                mid = (lo + hi) // 2 // block_bytes * block_bytes
+                if mid <= lo or mid >= hi:
+                    break
+                candidate = replace(best.candidate, **{field: mid})
+                if candidate not in tried:
+                    tried[candidate] = self.evaluate(requests, candidate, block_bytes,
+                                                     bandwidths)
+                    self.predictions.append(tried[candidate])
+                if tried[candidate].fits(self.constraints):
+                    lo = mid
+                    best = best_of([best, tried[candidate]])
+                else:
+                    hi = mid
+        return best
 
     def config_of(self, prediction: Prediction) -> dict[str, Any]:
         c = prediction.candidate
