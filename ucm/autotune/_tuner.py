@@ -5,7 +5,8 @@ size, and the eviction policy. Each candidate is replayed with prefix semantics;
 latency comes from the machine's own driver bandwidths (`ucm bench --json FILE` records),
 never from constants. A candidate fits when its memory is within `max_memory_gb`, its disk
 within `max_disk_gb` and its mean per-request load time within `max_latency_ms`; the best
-fitting one has the highest hit ratio (then the least memory).
+fitting one has the highest hit ratio (then the least load time, then the least memory), and
+its sizes are then bisected toward the next larger ones that did not fit.
 """
 
 from __future__ import annotations
