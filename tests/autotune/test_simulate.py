@@ -200,21 +200,8 @@ async def test_kernel_stores_replay_one_store_a_request_exactly(policy):
     sim = simulate(requests, [tier], kernel_stores=True)
     cfg = load_config({"tiers": [{"driver": "memory", "capacity": capacity}],
                        "eviction": policy})
-    got = []
     async with KernelCore.open(cfg) as core:
-        for r in requests:
-            keys = list(r.blocks)
-            looked = keys[:r.lookup]
-            hit = 0
-            if looked:
-                found = (await core.run(Lookup(looked, prefix=True))).hits
-                hit = found.index(False) if False in found else len(found)
-            if hit:
-                out = [bytearray(size) for _ in range(hit)]
-                assert (await core.run(Load(keys[:hit], buffers=out))).ok
-            if keys[hit:]:
-                await core.run(Store(keys[hit:], buffers=[bytes(size)] * len(keys[hit:])))
-            got.append(hit)
+        got = [await _as_the_connector(core, r, size) for r in requests]
         assert got == sim.per_request and sum(got) > 0
         assert set(core.tiers[0].policy.index) == sim.held[0]
 
@@ -234,23 +221,27 @@ async def test_kernel_stores_replay_memory_over_posix_exactly(policy, tmp_path):
                                   posix_path=str(tmp_path / "store"))
     sim = simulate(requests, sim_tiers, kernel_stores=True, promote=False)
     cfg = load_config({"tiers": tiers, "eviction": policy, "promote": False})
-    got = []
     async with KernelCore.open(cfg) as core:
-        for r in requests:
-            keys = list(r.blocks)
-            looked = keys[:r.lookup]
-            hit = 0
-            if looked:
-                found = (await core.run(Lookup(looked, prefix=True))).hits
-                hit = found.index(False) if False in found else len(found)
-            if hit:
-                out = [bytearray(size) for _ in range(hit)]
-                assert (await core.run(Load(keys[:hit], buffers=out))).ok
-            if keys[hit:]:
-                await core.run(Store(keys[hit:], buffers=[bytes(size)] * len(keys[hit:])))
-            got.append(hit)
+        got = [await _as_the_connector(core, r, size) for r in requests]
         assert got == sim.per_request
         assert core.stats["load_hits.memory"] == sim.hits_by_tier[0] > 0
         assert core.stats["load_hits.posix"] == sim.hits_by_tier[1] > 0
         for tier, held in zip(core.tiers, sim.held, strict=True):
             assert set(tier.policy.index) == held
+
+
+async def _as_the_connector(core, request, size: int) -> int:
+    """One request as the vLLM connector runs it: a prefix lookup of what vLLM may load, a
+    Load of the hit, a Store of the rest; returns the hit."""
+    keys = list(request.blocks)
+    looked = keys[:request.lookup]
+    hit = 0
+    if looked:
+        found = (await core.run(Lookup(looked, prefix=True))).hits
+        hit = found.index(False) if False in found else len(found)
+    if hit:
+        out = [bytearray(size) for _ in range(hit)]
+        assert (await core.run(Load(keys[:hit], buffers=out))).ok
+    if keys[hit:]:
+        await core.run(Store(keys[hit:], buffers=[bytes(size)] * len(keys[hit:])))
+    return hit

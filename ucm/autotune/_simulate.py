@@ -23,7 +23,7 @@ separately (`belady`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ucm.autotune._traces import Request
@@ -141,14 +141,7 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 for i in range(hit):
                     top.touch(blocks[i], i)
         else:
-            sources = []
-            for key in looked:
-                for depth, index in enumerate(indexes):
-                    if key in index:
-                        sources.append(depth)
-                        break
-                else:
-                    break
+            sources = _sources(looked, indexes)
             hit = len(sources)
             for i, depth in enumerate(sources):
                 hits_by_tier[depth] += 1
@@ -180,6 +173,17 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     return result
 
 
+def _sources(looked: Sequence[bytes], indexes: Sequence[Container[bytes]]) -> list[int]:
+    """The tier (depth) that holds each block of the leading run of `looked` found in any."""
+    sources = []
+    for key in looked:
+        depth = next((d for d, index in enumerate(indexes) if key in index), None)
+        if depth is None:
+            break
+        sources.append(depth)
+    return sources
+
+
 def _simulate_kernel(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                      promote: bool) -> SimResult:
     """`simulate` with the kernel's store (byte capacities, a batch's room made before any of
@@ -194,14 +198,7 @@ def _simulate_kernel(requests: Sequence[Request], tiers: Sequence[SimTier], *,
         looked = blocks if request.lookup is None else blocks[:request.lookup]
         result.requests += 1
         result.accesses += len(looked)
-        sources = []
-        for key in looked:
-            for depth, index in enumerate(indexes):
-                if key in index:
-                    sources.append(depth)
-                    break
-            else:
-                break
+        sources = _sources(looked, indexes)
         hit = len(sources)
         result.per_request.append(hit)
         for i, depth in enumerate(sources):
