@@ -396,9 +396,11 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
         return
     if out.nbytes != header.raw_len:
         raise wrong_size(out, header)
-    if (header.codec is Codec.INT8 or header.codec is Codec.INT4) and _decoded_hashed(
-            header, stored, out):
-        return  # decoded and checked in one pass
+    if header.codec is Codec.INT8 or header.codec is Codec.INT4:
+        from ucm.codecs import decode_verified
+
+        if decode_verified(header, as_byte_view(stored), out):
+            return  # decoded and checked in one pass
     verify_payload(header, stored)
     if header.codec is not Codec.ZSTD:
         _decode_codec(header, stored, out)
@@ -417,30 +419,6 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
     if len(raw) != header.raw_len:
         raise BlockCorrupt("decoded payload has the wrong length")
     copy_bytes(out, raw)
-
-
-def _decoded_hashed(header: BlockHeader, stored: Buffer, out: memoryview | Scatter) -> bool:
-    """A quantized payload decoded straight into `out` (or each piece of a Scatter) in one pass
-    that also takes its checksum; BlockCorrupt when that differs from the header's, and then
-    `out` holds the bad bytes and the caller must treat it as unloaded (as copy_verified).
-    False, with nothing written, where the native pass is not available."""
-    from ucm.codecs import decode_hashed
-
-    view = as_byte_view(stored)
-    if view.nbytes != header.payload_len:
-        raise BlockCorrupt(f"payload is {view.nbytes} bytes, header says {header.payload_len}")
-    if type(out) is Scatter:
-        target: memoryview | tuple[memoryview, ...] = out.parts
-    elif out.readonly:
-        return False
-    else:
-        target = out
-    digest = decode_hashed(header, view, target)
-    if digest is None:
-        return False
-    if digest != header.checksum:
-        raise BlockCorrupt("payload checksum mismatch")
-    return True
 
 
 def _decode_codec(header: BlockHeader, stored: Buffer, out: memoryview | Scatter) -> None:

@@ -31,9 +31,9 @@ from ucm.codecs.layout import (
 from ucm.errors import BlockCorrupt
 
 if TYPE_CHECKING:
-    from ucm.block import BlockHeader, Codec
+    from ucm.block import BlockHeader, Codec, Scatter
 
-__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_hashed", "decode_into", "encode",
+__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_into", "decode_verified", "encode",
            "layout_for", "register_layout", "stats", "unregister_layout"]
 
 log = logging.getLogger("ucm.codecs")
@@ -136,17 +136,31 @@ def _unpacked(params: bytes, raw_len: int, bits: int) -> tuple[KVLayout, int, in
     return found
 
 
-def decode_hashed(header: BlockHeader, stored: memoryview,
-                  out: memoryview | tuple[memoryview, ...]) -> int | None:
-    """An int8/int4 payload of the header's length decoded straight into `out` (a buffer, or a
-    Scatter's pieces) in one pass that also takes its xxh3-64, which it returns; None, with
-    nothing written, where that pass is not available (see quant.decode_hashed)."""
-    from ucm.block import Codec
+def decode_verified(header: BlockHeader, stored: memoryview, out: memoryview | Scatter) -> bool:
+    """An int8/int4 payload decoded straight into `out` (or each piece of a Scatter) in one
+    pass that also takes its xxh3-64: True once it matches the header's checksum; BlockCorrupt
+    when it does not (`out` then holds bad bytes: the caller treats it as unloaded, as with
+    copy_verified). False, with nothing written, where that pass is not available (see
+    quant.decode_hashed)."""
+    from ucm.block import Codec, Scatter
     from ucm.codecs import quant
 
+    if stored.nbytes != header.payload_len:
+        raise BlockCorrupt(f"payload is {stored.nbytes} bytes, header says {header.payload_len}")
+    if type(out) is Scatter:
+        target: memoryview | tuple[memoryview, ...] = out.parts
+    elif out.readonly:
+        return False
+    else:
+        target = out
     bits = 8 if header.codec is Codec.INT8 else 4
     layout, group, _ = _unpacked(header.params, header.raw_len, bits)
-    return quant.decode_hashed(layout, group, bits, stored, out)
+    digest = quant.decode_hashed(layout, group, bits, stored, target)
+    if digest is None:
+        return False
+    if digest != header.checksum:
+        raise BlockCorrupt("payload checksum mismatch")
+    return True
 
 
 def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> None:
