@@ -155,6 +155,7 @@ def test_a_latency_bound_between_two_disk_sizes_is_bisected(tmp_path):
     half = next(p for p in free.predictions
                 if p.candidate == Candidate(best.candidate.memory_bytes, 2 * GB,
                                             best.candidate.eviction))
+    # load_ms_per_request is predicted (hits x block bytes / bench_file's bandwidths): no clock
     assert half.load_ms_per_request < best.load_ms_per_request  # else the test shows nothing
     bound = (half.load_ms_per_request + best.load_ms_per_request) / 2
     tuner = AutoTuner(constraints={**base, "max_latency_ms": bound},
