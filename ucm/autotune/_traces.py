@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Request(NamedTuple):
@@ -32,9 +32,9 @@ def _id_key(block_id: int) -> bytes:
     return block_id.to_bytes(8, "little", signed=True)
 
 
-def read_jsonl(path: str | os.PathLike[str], *, limit: int | None = None) -> list[Request]:
-    """Requests of a JSONL trace whose lines hold `hash_ids` (Mooncake's format)."""
-    out: list[Request] = []
+def jsonl_records(path: str | os.PathLike[str]) -> Iterator[tuple[list[int], dict[str, Any]]]:
+    """Each line of a JSONL trace (Mooncake's format): its `hash_ids` as ints and the whole
+    object; ValueError naming the file for a line without a hash_ids list."""
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             line = line.strip()
@@ -44,10 +44,17 @@ def read_jsonl(path: str | os.PathLike[str], *, limit: int | None = None) -> lis
             ids = obj.get("hash_ids")
             if not isinstance(ids, list):
                 raise ValueError(f"{path}: a line without a hash_ids list")
-            out.append(Request(tuple(_id_key(int(i)) for i in ids),
-                               float(obj.get("timestamp", 0)) / 1000.0))
-            if limit is not None and len(out) >= limit:
-                break
+            yield [int(i) for i in ids], obj
+
+
+def read_jsonl(path: str | os.PathLike[str], *, limit: int | None = None) -> list[Request]:
+    """Requests of a JSONL trace whose lines hold `hash_ids` (Mooncake's format)."""
+    out: list[Request] = []
+    for ids, obj in jsonl_records(path):
+        out.append(Request(tuple(_id_key(i) for i in ids),
+                           float(obj.get("timestamp", 0)) / 1000.0))
+        if limit is not None and len(out) >= limit:
+            break
     return out
 
 

@@ -14,7 +14,6 @@ on vLLM.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import zlib
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucm.autotune._simulate import SimResult, SimTier, simulate
-from ucm.autotune._traces import Request
+from ucm.autotune._traces import Request, jsonl_records
 from ucm.block import PAYLOAD_OFFSET
 
 TRACE_BLOCK = 512  # tokens of one Mooncake hash id
@@ -44,23 +43,18 @@ def read_slice(path: str | os.PathLike[str], *, requests: int = 96, sample: int 
     has almost no reuse (conversations return minutes apart), a sample of conversations keeps
     their returns. Requests are cut to `max_blocks` blocks (a cut one ends on a full block)."""
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            ids = [int(i) for i in obj["hash_ids"]]
-            if not ids:
-                continue
-            root = ids[1] if len(ids) > 1 else ids[0]
-            if sample > 1 and zlib.crc32(str(root).encode()) % sample:
-                continue
-            length = int(obj.get("input_length", len(ids) * TRACE_BLOCK))
-            if len(ids) > max_blocks:
-                ids, length = ids[:max_blocks], max_blocks * TRACE_BLOCK
-            out.append(TraceRequest(tuple(ids), length))
-            if len(out) >= requests:
-                break
+    for ids, obj in jsonl_records(path):
+        if not ids:
+            continue
+        root = ids[1] if len(ids) > 1 else ids[0]
+        if sample > 1 and zlib.crc32(str(root).encode()) % sample:
+            continue
+        length = int(obj.get("input_length", len(ids) * TRACE_BLOCK))
+        if len(ids) > max_blocks:
+            ids, length = ids[:max_blocks], max_blocks * TRACE_BLOCK
+        out.append(TraceRequest(tuple(ids), length))
+        if len(out) >= requests:
+            break
     return out
 
 
