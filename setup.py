@@ -1,11 +1,22 @@
-"""The native extensions (everything else is in pyproject.toml): `ucm._hostcopy`, a copy that
-takes the block's xxh3 on the way (native/hostcopy*.c), and `ucm._kvcodec`, the int8/int4 KV
-decoding loop (native/kvcodec*.c). Optional: without a C compiler or xxhash.h (Debian
-libxxhash-dev) ucm installs and runs, verifying with xxh3 then memmove, decoding with numpy."""
+"""The package list and the native extensions (everything else is in pyproject.toml).
 
-from setuptools import Extension, setup
+Packages are found, not listed: every directory under ucm/ with an __init__.py, plus the two
+that live outside it (pyproject.toml's package-dir maps them): `ucm.tools` (tools/) and
+`ucm.native` (native/: C and CUDA sources only, shipped as package data). tests/test_packaging.py
+checks the list against the tree.
 
-setup(ext_modules=[Extension("ucm._hostcopy", ["native/hostcopy.c", "native/hostcopy_avx2.c"],
+The extensions: `ucm._hostcopy`, a copy that takes the block's xxh3 on the way
+(native/hostcopy*.c), and `ucm._kvcodec`, the int8/int4 KV decoding loop (native/kvcodec*.c).
+Optional: without a C compiler or xxhash.h (Debian libxxhash-dev) ucm installs and runs,
+verifying with xxh3 then memmove, decoding with numpy."""
+
+from setuptools import Extension, find_packages, setup
+
+# Packages whose directory is not ucm/<name>/ (pyproject.toml [tool.setuptools] package-dir).
+MAPPED = ["ucm.tools", "ucm.native"]
+
+setup(packages=[*find_packages(include=["ucm", "ucm.*"]), *MAPPED],
+      ext_modules=[Extension("ucm._hostcopy", ["native/hostcopy.c", "native/hostcopy_avx2.c"],
                              depends=["native/hostcopy_impl.h"], optional=True,
                              extra_compile_args=["-O3"]),
                    # the int8/int4 KV decoding loop (native/kvcodec*.c); numpy without it

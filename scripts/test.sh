@@ -20,6 +20,8 @@ installed=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version
     .venv/bin/pip install --quiet --no-deps -e examples/sqlite-driver
 .venv/bin/ruff check .
 .venv/bin/mypy
+# The built wheel in a fresh venv: every module imports, the kernel, the commands, the plugin.
+bash scripts/wheel_check.sh
 .venv/bin/python -m pytest -q "$@"
 # Its own tests: the whole contract suite through ucm.testing, and the entry point.
 .venv/bin/python -m pytest -q -p no:cacheprovider examples/sqlite-driver/tests
