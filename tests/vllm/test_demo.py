@@ -84,6 +84,9 @@ def test_a_tiny_demo_run_loads_the_warm_rounds_prompts(tmp_path, monkeypatch):
         ["--model", "random", "--sessions", "2", "--turns", "2", "--docs", "2",
          "--doc-tokens", "300", "--answer-tokens", "4", "--workdir", str(tmp_path)])
     out = demo.run(args)
+    from ucm.bench.engines import native_dtype
+
+    assert out["dtype"] == native_dtype()[0]  # no --dtype: the CPU's own
     cold, warm, floor = out["cold"], out["warm"], out["floor"]
     assert [r["name"] for r in cold] == [r["name"] for r in warm] == ["1", "2"]
     assert [r["prompt"] for r in cold] == [r["prompt"] for r in warm] == \

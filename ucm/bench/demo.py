@@ -5,7 +5,9 @@ default config (a memory tier over ~/.cache/ucm): sessions that each discuss one
 real English documents (license texts and READMEs of installed packages), several turns each,
 every turn's prompt carrying the conversation so far, built with the model's chat template.
 The model is SmolLM2-135M-Instruct (`ucm.bench.smollm2`, built once and cached), or a small
-random Llama with `--model random` (faster; its answers are noise).
+random Llama with `--model random` (faster; its answers are noise). The engines compute in
+the dtype this CPU computes natively (`ucm.bench.engines.native_dtype`: bf16 with avx512_bf16
+or AMX, fp32 otherwise); `--dtype` overrides it.
 
     round 1  cold: a fresh engine process, empty store; the model answers each turn, the
              turns compute and store their KV
@@ -22,6 +24,7 @@ engine. vLLM's own prefix cache stays on (as in production); its hits are shown 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -34,7 +37,8 @@ from typing import Any
 from ucm.bench.models import ModelSpec, build_model
 
 RANDOM_SPEC = ModelSpec(layers=8, hidden=512, heads=8, kv_heads=4, vocab=2048,
-                        max_positions=8192, dtype="float32")
+                        max_positions=8192)
+DTYPES = ("bfloat16", "float16", "float32")
 BLOCK = 32
 SYSTEM = ("You are a helpful assistant. Answer the user's questions about the document below "
           "in one or two sentences.\n\nDocument:\n")
@@ -242,7 +246,7 @@ def print_samples(tokenizer: Any, convs: list[Conversation], cold: list[dict[str
         return
     same_as_vllm = "and so does" if say["warm"] == say["vllm"] else "as can"
     print(f"  the warm answer differs from the cold one, {same_as_vllm} vLLM's own prefix "
-          "cache: with a cached prefix the new tokens attend over stored bf16 keys and values "
+          "cache: with a cached prefix the new tokens attend over stored keys and values "
           "in a separate pass, a different order of floating-point sums than one prefill of "
           "the whole prompt, and greedy decoding follows the first token whose logits come "
           "out the other way. The stored bytes are the ones the cold engine computed.")
@@ -252,8 +256,11 @@ def print_samples(tokenizer: Any, convs: list[Conversation], cold: list[dict[str
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ucm demo", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2",
-                    help="smollm2 (SmolLM2-135M-Instruct, bf16), random (a random 8-layer "
-                    "Llama, faster), or a checkpoint directory")
+                    help="smollm2 (SmolLM2-135M-Instruct), random (a random 8-layer Llama, "
+                    "faster), or a checkpoint directory")
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="the engines' dtype (default: bfloat16 where the CPU has avx512_bf16 "
+                    "or amx_bf16, else float32)")
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--docs", type=int, default=2, help="shared documents")
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     store = out["store"]
     print(f"store: {store} (namespace {ns})")
     print(f"event trace: {out['trace']} (read it with: ucm-trace summary {out['trace']})")
-    print(f"engine logs: {out['log']}; total {time.perf_counter() - t0:.0f} s")
+    print(f"engine logs: {out['log']}; total {time.perf_counter() - t0:.0f} s in {out['dtype']}")
     if not args.keep and ns and not args.config:
         from ucm.drivers.kit import safe_dir_name
 
@@ -300,24 +307,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hits in the warm engine, the conversations, the tokenizer, and where things are."""
     from transformers import AutoTokenizer
 
-    from ucm.bench.engines import EngineProcess, EngineSpec, Phase
+    from ucm.bench.engines import EngineProcess, EngineSpec, Phase, native_dtype
     from ucm.config import default_cache_dir
 
     work = args.workdir or tempfile.mkdtemp(prefix="ucm-demo-")
+    if args.dtype:
+        dtype, why = args.dtype, "chosen with --dtype"
+    else:
+        dtype, why = native_dtype()
+    _say(f"dtype {dtype}: {why}")
     if args.model == "random":
         _say(f"building a random {RANDOM_SPEC.layers}-layer Llama and a tokenizer in {work}")
-        model, dtype = str(build_model(os.path.join(work, "model"), RANDOM_SPEC)), "float32"
-        bpt, real = RANDOM_SPEC.kv_bytes_per_token(), False
+        built = dataclasses.replace(RANDOM_SPEC, dtype=dtype)
+        model = str(build_model(os.path.join(work, "model"), built))
+        bpt, real = built.kv_bytes_per_token(), False
     else:
         if args.model == "smollm2":
             from ucm.bench.smollm2 import build_smollm2
 
-            _say("SmolLM2-135M-Instruct (bf16), built once into ~/.cache/ucm-models")
+            _say("SmolLM2-135M-Instruct (a bf16 checkpoint), built once into ~/.cache/ucm-models")
             model = str(build_smollm2())
         else:
             model = args.model
-        dtype, real = "bfloat16", True
-        bpt = _kv_bytes_per_token(model, 2)
+        real = True
+        bpt = _kv_bytes_per_token(model, 4 if dtype == "float32" else 2)
     tokenizer = AutoTokenizer.from_pretrained(model)
     docs = pick_documents(tokenizer, args.docs + 1, args.doc_tokens)
     warm_doc, docs = docs[-1], docs[:-1]
@@ -385,7 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     return {"cold": turn_rows(cold, bpt), "warm": turn_rows(warm, bpt),
             "floor": turn_rows({"phases": floor_phases}, bpt), "conversations": convs,
-            "tokenizer": tokenizer, "warm_stats": warm["stats"],
+            "tokenizer": tokenizer, "warm_stats": warm["stats"], "dtype": dtype,
             "namespace": warm["stats"].get("worker", {}).get("namespace"),
             "store": default_cache_dir() / "blocks", "trace": trace_dir, "log": log}
 
