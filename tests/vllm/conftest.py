@@ -26,5 +26,6 @@ def tiny_bf16_model(tmp_path_factory):
     pytest.importorskip("vllm")
     from ucm.bench.models import ModelSpec, build_model
 
+    # bf16 whatever the CPU (not native_dtype()): its one user tests bf16 blocks of 128 tokens
     spec = ModelSpec(dtype="bfloat16", max_positions=4096, seed=1)
     return str(build_model(tmp_path_factory.mktemp("tiny-bf16"), spec))
