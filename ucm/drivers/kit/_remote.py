@@ -17,10 +17,10 @@ from typing import Any
 
 import trio
 
+from ucm.drivers._workers import Workers
 from ucm.drivers.kit._checks import os_error
 from ucm.drivers.kit._framing import Gate, call_gated
 from ucm.drivers.kit._threaded import Backend, ThreadedDriver
-from ucm.drivers.kit._workers import Workers
 from ucm.errors import StorageUnavailable
 
 

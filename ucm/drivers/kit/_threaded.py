@@ -19,10 +19,10 @@ from typing import Any
 import trio
 
 from ucm.block import Scatter
-from ucm.drivers._protocol import DriverStatistics, LoadState, new_statistics
 from ucm.drivers._pump import Spread, chunks, wide
+from ucm.drivers._workers import Workers
+from ucm.drivers.contract import DriverStatistics, LoadState, new_statistics
 from ucm.drivers.kit._checks import check_batch, check_keys, os_error
-from ucm.drivers.kit._workers import Workers
 from ucm.errors import StorageUnavailable
 
 # A thread hop per part of at most this many bytes: big enough that the hop costs nothing
