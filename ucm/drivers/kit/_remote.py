@@ -35,7 +35,7 @@ class RemoteDriver(ThreadedDriver):
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
                    views: list[memoryview], *, store: bool = False) -> list[Any]:
         # One thread hop per batch, not parts in parallel: the client libraries spread a call
-        # over their own threads or concurrent RPCs, and two concurrent parts were slower than
+        # over their own threads or concurrent RPCs, and two concurrent parts are slower than
         # one call (docs/performance.md, "Remote drivers"). Calls are abandonable anyway.
         return await self._run(fn, keys, views)
 
