@@ -12,8 +12,8 @@ KernelBusy, deadline, `load_timeout`) is reported through `get_block_ids_with_lo
 vLLM recomputes it and everything after it: its cache blocks may hold anything until then.
 A direct load that times out is cancelled and waited for until it has stopped, so nothing
 writes into cache blocks that vLLM recomputes or gives to another request. Loads and stores go
-through the engine-neutral `ucm.engine.PageIO` (no kernel deadline, as before: the worker waits
-`load_timeout` on its own terms).
+through the engine-neutral `ucm.engine.PageIO` with no kernel deadline: the worker waits
+`load_timeout` on its own terms.
 
 Saves: `save_kv_layer` snapshots this step's new full blocks of that layer into a staging
 buffer as soon as the layer has written them; `wait_for_save` posts one Store per step and
