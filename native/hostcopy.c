@@ -1,6 +1,6 @@
 /* ucm._hostcopy: copy a block and take its xxh3-64 in one pass over the source.
  *
- * A verified load used to read a block twice: xxh3 over the source, then memmove. Here each
+ * Hashing then copying reads a block twice (xxh3 over the source, then memmove). Here each
  * 64 KiB chunk is copied with non-temporal stores and then hashed from the cache
  * (hostcopy_impl.h); on CPUs with AVX2 the loop compiled for it (hostcopy_avx2.c) is used
  * (figures: docs/performance.md, Copy and checksum in one pass).

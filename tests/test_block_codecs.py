@@ -261,7 +261,8 @@ def test_a_huge_declared_size_is_refused_before_decoding(registered):
 
 
 def test_version_1_blocks_still_read():
-    """Codecs none and zstd write version 1 headers, byte for byte as before."""
+    """Codecs none and zstd write version 1 headers (no codec parameters), which every reader
+    of the format reads."""
     raw = b"abc" * 1000
     for codec in (Codec.NONE, Codec.ZSTD):
         head = encode_header(KEY, NS, codec, encode_payload(codec, raw), len(raw))

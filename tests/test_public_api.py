@@ -65,7 +65,7 @@ def test_reexports_are_the_same_object() -> None:
                 assert getattr(home, name) is obj, (
                     f"{package}.{name} is a copy of {home.__name__}.{name}")
     # the ones a driver or a user meets from two sides
-    assert seen["LoadState"][1] is importlib.import_module("ucm.drivers._protocol").LoadState
+    assert seen["LoadState"][1] is importlib.import_module("ucm.drivers.contract").LoadState
     assert seen["Scatter"][1] is importlib.import_module("ucm.block").Scatter
 
 

@@ -21,14 +21,7 @@ Subcommands import their modules lazily: `ucm --help` needs neither torch nor vL
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-
-# `ucm bench NAME ...` -> the module whose main(argv) runs it; any other first argument goes
-# to the storage benchmark (`ucm bench`, `ucm bench storage`).
-BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
-           "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec",
-           "serve": "ucm.bench.serve", "quality": "ucm.bench.quality"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,13 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from ucm.autotune._cli import main as tune_main
 
         return int(tune_main(rest) or 0)
-    if command == "bench":
-        if rest and rest[0] in BENCHES:
-            module = importlib.import_module(BENCHES[rest[0]])
-            return int(module.main(rest[1:]) or 0)
-        from ucm.bench.storage import run_bench
+    if command == "bench":  # the benchmarks' own dispatch (ucm.bench.command)
+        from ucm.bench.command import main as bench_main
 
-        return int(run_bench(rest) or 0)
+        return bench_main(rest)
     parser.parse_args(argv)  # reports the unknown command
     return 2
 

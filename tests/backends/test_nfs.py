@@ -19,7 +19,7 @@ import pytest
 
 from ucm.block import PAYLOAD_OFFSET
 from ucm.drivers import _blockfiles
-from ucm.drivers._protocol import LoadState
+from ucm.drivers.contract import LoadState
 from ucm.drivers.nfs import NfsDriver, NfsOptions
 from ucm.errors import StorageUnavailable
 from ucm.kernel import Load

@@ -324,7 +324,7 @@ def test_bad_events_fail_in_the_callers_thread():
     ({"tiers": [{"driver": "memory"}], "durability": "disk"}, "durability"),
     ({"tiers": [{"driver": "memory"}, {"driver": "memory"}]}, "unique"),
     ({"tiers": [{"driver": "posix"}]}, r"tiers\.0.*path"),
-    # capacity 0 once meant unbounded: now it is refused, and null is unbounded
+    # a capacity of 0 is refused; leaving it out (null) makes a tier unbounded
     ({"tiers": [{"driver": "memory", "capacity": 0}]}, r"^tiers\.0\.capacity: must be > 0"),
     # counted in bytes: 130 two-byte characters would pass a 255-character limit
     ({"tiers": [{"driver": "memory"}], "namespace": "é" * 130},

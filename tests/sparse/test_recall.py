@@ -1,7 +1,8 @@
 """Synthetic recall against the oracle top-k by attention mass (seeded, CPU).
 
-Thresholds come from shared/reference/sparse (REPORT.md section 4); the random baseline shows
-the measurement can fail.
+At a budget of 1/16 of the blocks, Quest keeps at least 90% of the oracle's attention mass and
+ESA's block means 85% on smooth keys, and Quest finds a planted needle 99 times in 100; the
+random baseline (at most 20%) shows the measurement can fail.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import json
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ucm.autotune import AutoTuner
+    from ucm.autotune._tuner import AutoTuner
 
     parser = argparse.ArgumentParser(prog="ucm tune", description="a ucm config searched by "
                                      "replaying sample requests through the cache simulator")

@@ -2,8 +2,8 @@
 
 - Mooncake-style JSONL: one object per request with `hash_ids` (prefix-block ids) and
   optionally `timestamp`;
-- token-id request lists: full blocks chain-hashed as the vLLM connector keys them
-  (`ucm.vllm_hook.keys`);
+- token-id request lists: full blocks chain-hashed as the engine hooks key them
+  (`ucm.engine.keys`);
 - ucm's own event traces (`ucm.trace`): the Lookup events' "start" records, which carry the
   short digests of their keys when the kernel traced them (`keys`).
 """
@@ -62,7 +62,7 @@ def from_token_lists(requests: Iterable[Sequence[int]], block_size: int, *,
                      namespace: str = "ucm-autotune") -> list[Request]:
     """Requests of token-id lists: the digests of their full blocks, chained as the vLLM
     connector computes them (a partial last block is never stored)."""
-    from ucm.vllm_hook.keys import chain_digests, chain_seed
+    from ucm.engine.keys import chain_digests, chain_seed
 
     seed = chain_seed(namespace)
     out = []

@@ -8,6 +8,8 @@
     ucm bench trace         what tracing costs (trace)
     ucm demo                stored KV reused by a second vLLM engine (demo)
 
+`command` sends `ucm bench NAME ...` to its module.
+
 This module imports nothing: scripts/setup.sh imports `ucm.bench.engines` before ucm's
 dependencies are installed.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ucm.cli import main
+from ucm.bench.command import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:]))

@@ -68,8 +68,8 @@ def validate(trace: str, model: str, *, policies: Sequence[str] = POLICIES,
     `block_bytes`: the KV bytes of one vLLM block of `model` (all layers, K and V); the memory
     tier holds `capacity_blocks` of them (less the headers its stores reserve), over a posix
     tier of `posix_blocks` if given (in a fresh directory per engine). `promote`: the kernel
-    copies hits from the posix tier up, in the background (so the replay is no longer exact
-    in time)."""
+    copies hits from the posix tier up, in the background (so the replay is not exact in
+    time)."""
     import shutil
     import tempfile
 

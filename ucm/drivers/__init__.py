@@ -1,9 +1,15 @@
-"""Storage drivers and their contract. See `_protocol` for what a driver implements and
-`ucm.drivers.kit` for the supported helpers a driver is built with."""
+"""Storage drivers and their contract. See `ucm.drivers.contract` for what a driver implements
+and `ucm.drivers.kit` for the supported helpers a driver is built with."""
 
 from __future__ import annotations
 
-from ucm.drivers._protocol import (
+from ucm.drivers._registry import (
+    available_drivers,
+    get_driver_class,
+    register_driver,
+    unregister_driver,
+)
+from ucm.drivers.contract import (
     STATISTICS,
     Driver,
     DriverFactory,
@@ -16,12 +22,6 @@ from ucm.drivers._protocol import (
     MemoryLoad,
     ScatterLoads,
     ScatterStores,
-)
-from ucm.drivers._registry import (
-    available_drivers,
-    get_driver_class,
-    register_driver,
-    unregister_driver,
 )
 
 __all__ = [

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ucm.drivers._protocol import DriverFactory
+from ucm.drivers.contract import DriverFactory
 from ucm.errors import ConfigError
 
 # name -> ("module:Class", the extra to install when the import fails)

@@ -13,7 +13,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, urlsplit
 from xml.etree import ElementTree
 
@@ -23,7 +23,7 @@ from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call, ConnectionPool
 from ucm.errors import ConfigError, StorageUnavailable
 
 if TYPE_CHECKING:
-    from ucm.drivers.s3 import S3Driver
+    from pydantic import SecretStr
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _UNSIGNED = "UNSIGNED-PAYLOAD"
@@ -221,7 +221,29 @@ def xml_escape(text: str) -> str:
 # -- configuration ---------------------------------------------------------------------------
 
 
-def resolve(options: S3Driver.Options) -> tuple[Target, Any, str]:
+class Location(Protocol):
+    """What `resolve` reads of the driver's options (`S3Driver.Options`): where the bucket is
+    and whose credentials open it."""
+
+    @property
+    def bucket(self) -> str: ...
+    @property
+    def endpoint(self) -> str | None: ...
+    @property
+    def region(self) -> str | None: ...
+    @property
+    def profile(self) -> str | None: ...
+    @property
+    def access_key_id(self) -> str | None: ...
+    @property
+    def secret_access_key(self) -> SecretStr | None: ...
+    @property
+    def session_token(self) -> SecretStr | None: ...
+    @property
+    def addressing_style(self) -> str: ...
+
+
+def resolve(options: Location) -> tuple[Target, Any, str]:
     """Endpoint, region and credentials from the options and the AWS environment. Runs in a
     worker thread: botocore reads ~/.aws files. Returns a description of where the
     credentials came from (never the credentials)."""

@@ -25,8 +25,8 @@ import trio
 from pydantic import Field, field_validator
 
 from ucm.block import Scatter
-from ucm.drivers._protocol import Driver, DriverOptions, Listing, LoadState, ScatterLoads
 from ucm.drivers._registry import get_driver_class
+from ucm.drivers.contract import Driver, DriverOptions, Listing, LoadState, ScatterLoads
 from ucm.drivers.kit import Workers, check_batch, check_keys
 from ucm.errors import StorageUnavailable
 

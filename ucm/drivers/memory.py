@@ -46,7 +46,6 @@ from ucm.block import (
     encode_payload,
     stored_codec,
 )
-from ucm.drivers._protocol import DriverOptions
 from ucm.drivers._shm_arena import ShmArena
 from ucm.drivers._shm_trust import (
     DEFAULT_GROUP_MODE,
@@ -55,6 +54,7 @@ from ucm.drivers._shm_trust import (
     default_shm_dir,
     group_id,
 )
+from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     Backend,
     LoadState,

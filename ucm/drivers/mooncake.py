@@ -49,7 +49,7 @@ import trio
 from pydantic import ByteSize, Field
 
 from ucm.drivers._extents import Extents
-from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     PAYLOAD_OFFSET,
     Backend,

@@ -52,7 +52,7 @@ from pydantic import Field, model_validator
 
 from ucm.block import PAYLOAD_OFFSET, Codec, decode_header
 from ucm.drivers._blockfiles import BlockFiles, FileLayout, is_dead_writers_temp, tmp_name
-from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     Backend,
     LoadState,

@@ -33,8 +33,8 @@ import trio
 from pydantic import ByteSize, Field
 
 from ucm.drivers._pmem_pool import PmemPool
-from ucm.drivers._protocol import DriverOptions
 from ucm.drivers._pump import Spread, chunks, wide
+from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     LoadState,
     ScatterLoading,

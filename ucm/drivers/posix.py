@@ -46,7 +46,7 @@ import trio
 from pydantic import ByteSize, Field, field_validator
 
 from ucm.drivers._blockfiles import FILE_MODE, BlockFiles, FileLayout
-from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     ScatterLoading,
     ScatterStoring,

@@ -51,7 +51,7 @@ from pydantic import (
     model_validator,
 )
 
-from ucm.drivers._protocol import DriverOptions
+from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     Backend,
     Codec,

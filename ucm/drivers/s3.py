@@ -53,7 +53,6 @@ from ucm.block import (
     decode_payload_into,
     verify_payload,
 )
-from ucm.drivers._protocol import DriverOptions
 from ucm.drivers._s3_client import (
     XML_NS,
     Retryable,
@@ -71,6 +70,7 @@ from ucm.drivers._s3_client import (
     xml_text,
 )
 from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call
+from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     LoadState,
     Workers,

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ucm.drivers import InMemoryLoads, LoadState, MemoryLoad
@@ -32,8 +33,8 @@ from ucm.kernel._completion import Completion
 from ucm.kernel._events import Event, Load, LoadResult, Lookup, LookupResult
 
 if TYPE_CHECKING:
-    from ucm.kernel._kernel import Kernel
     from ucm.kernel._tier import Tier
+    from ucm.trace import Tracer
 
 log = logging.getLogger("ucm.kernel")
 
@@ -43,11 +44,18 @@ _TOUCH_BACKLOG = 4096
 
 
 class FastPath:
-    """The off-thread path of one `Kernel` (it uses the kernel's lock, event ids, tracer,
-    fastest tier and trio-thread submission)."""
+    """The off-thread path of one `Kernel`, which hands it what it uses of the kernel: its
+    tracer, `fastest_tier()` (tier 0 while events may be served off the trio thread, else
+    None), `new_event_id()` (None once closing) and `to_trio(event)` (the event handed to the
+    trio thread)."""
 
-    def __init__(self, kernel: Kernel) -> None:
-        self._kernel = kernel
+    def __init__(self, *, tracer: Tracer | None, fastest_tier: Callable[[], Tier | None],
+                 new_event_id: Callable[[], int | None],
+                 to_trio: Callable[[Event], Completion]) -> None:
+        self._tracer = tracer
+        self._fastest_tier = fastest_tier
+        self._new_event_id = new_event_id
+        self._to_trio = to_trio
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()  # added to the core's in Kernel.statistics
         self._touched: deque[tuple[Tier, list[bytes], list[int]]] = deque(
@@ -67,14 +75,14 @@ class FastPath:
         """Resolved at once when the fastest tier's index holds every key. The index is a dict
         the trio thread updates; a membership test is atomic under the GIL, and a block evicted
         just after the probe is a load miss, as it is when eviction follows a lookup."""
-        tier = self._kernel._fastest_tier()
+        tier = self._fastest_tier()
         if tier is None:
             return None
         index, keys = tier.policy.index, event.keys
         for key in keys:
             if key not in index:
                 return None
-        event_id = self._kernel._new_event_id()
+        event_id = self._new_event_id()
         if event_id is None:
             return None
         n = len(keys)
@@ -82,7 +90,7 @@ class FastPath:
         with self._lock:
             self.counts["lookups_from_index"] += 1
             count_lookup(self.counts, n, hits)
-        tracer = self._kernel.tracer
+        tracer = self._tracer
         if tracer is not None:  # the records the trio thread writes for a lookup
             tracer.emit("submit", event_id, trace_fields(event))
             tracer.emit("start", event_id, trace_fields(event, start=True))
@@ -97,7 +105,7 @@ class FastPath:
         """Started on the driver's copy threads when the fastest tier's index holds every key
         (none of them pinned: a load unpins, which is the trio thread's) and its driver holds
         every block in memory."""
-        tier = self._kernel._fastest_tier()
+        tier = self._fastest_tier()
         if tier is None or tier.in_memory is None:
             return None
         driver: InMemoryLoads = tier.in_memory
@@ -109,11 +117,11 @@ class FastPath:
         prepared = driver.in_memory_load(list(keys), event.buffers)
         if prepared is None:
             return None
-        event_id = self._kernel._new_event_id()
+        event_id = self._new_event_id()
         if event_id is None:
             return None
         completion = _InMemoryLoad(event, event_id, driver, prepared)
-        tracer = self._kernel.tracer
+        tracer = self._tracer
         if tracer is not None:
             tracer.emit("submit", event_id, trace_fields(event))
             tracer.emit("start", event_id, trace_fields(event, start=True))
@@ -149,7 +157,7 @@ class FastPath:
                 count_load(self.counts, [LoadState.OK] * len(ok), [tier.name] * len(ok), sizes)
             if ok:
                 self._touched.append((tier, [event.keys[i] for i in ok], sizes))
-            tracer = self._kernel.tracer
+            tracer = self._tracer
             if tracer is not None:
                 tracer.emit("op", completion.event_id,
                             load_op(tier.name, n, t0, len(ok), sum(sizes), in_memory=True))
@@ -174,7 +182,7 @@ class FastPath:
         follow = Load(tuple(event.keys[i] for i in rest),
                       buffers=tuple(event.buffers[i] for i in rest),
                       deadline=event.deadline, request_id=event.request_id)
-        sub = self._kernel._submit_to_core(follow)
+        sub = self._to_trio(follow)
         completion._set_cancel_hook(sub.cancel)
 
         def merge(sub: concurrent.futures.Future[Any]) -> None:  # on the resolving thread
@@ -198,7 +206,7 @@ class FastPath:
         sub.add_done_callback(merge)
 
     def _trace_done(self, completion: Completion, outcome: str, **fields: Any) -> None:
-        tracer = self._kernel.tracer
+        tracer = self._tracer
         if tracer is not None:
             tracer.emit("done", completion.event_id, {"outcome": outcome, **fields})
 

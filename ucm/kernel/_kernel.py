@@ -58,7 +58,9 @@ class Kernel:
         self._outstanding = 0  # submitted and not yet finished: the inbox bound
         self._queued = 0  # submitted and not yet started on the trio thread
         self._busy = 0
-        self._fast = FastPath(self)  # events served off the trio thread
+        self._fast = FastPath(  # events served off the trio thread
+            tracer=tracer, fastest_tier=self._fastest_tier, new_event_id=self._new_event_id,
+            to_trio=self._submit_to_core)
         self._closing = False
         self._start_error: BaseException | None = None
         self._ready = threading.Event()

@@ -1,8 +1,9 @@
 """Moving blocks between the caller and the tiers: stores at a durability level, room made by
 eviction, promotion and prefetch into faster tiers, and the background work behind them.
 
-`Movement` is one part of a `KernelCore` (it holds the core, for its config, counters, trace
-and lookups); `Background` runs the work nobody waits for.
+`Movement` is one part of a `KernelCore`, which it reaches through `Owner` (the config,
+counters, error counts, trace records and lookups it uses); `Background` runs the work nobody
+waits for.
 """
 
 from __future__ import annotations
@@ -10,21 +11,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
 from ucm.block import Scatter
 from ucm.drivers import LoadState
 from ucm.errors import DriverError, NoCapacity
-from ucm.kernel._events import Lookup, Prefetch, PrefetchResult, Priority, Store, StoreResult
+from ucm.kernel._events import (
+    Lookup,
+    LookupResult,
+    Prefetch,
+    PrefetchResult,
+    Priority,
+    Store,
+    StoreResult,
+)
 from ucm.kernel._groups import unwrap_single
 from ucm.kernel._tier import Tier, keys_of
 
 if TYPE_CHECKING:
     from collections import Counter
 
-    from ucm.kernel._core import KernelCore
+    from ucm.config import UCMConfig
 
 log = logging.getLogger("ucm.kernel")
 
@@ -74,8 +83,25 @@ class Background:
             await self._idle.wait()
 
 
+class Owner(Protocol):
+    """What `Movement` uses of the core that holds it (`KernelCore`)."""
+
+    @property
+    def config(self) -> UCMConfig: ...
+    @property
+    def stats(self) -> Counter[str]: ...
+
+    def count_error(self, tier: Tier, op: str, exc: BaseException | None, *,
+                    kind: str | None = None) -> None: ...
+
+    def emit(self, phase: str, event_id: int, **fields: Any) -> None: ...
+
+    async def lookup_in(self, event: Lookup, tiers: list[Tier],
+                        event_id: int) -> LookupResult: ...
+
+
 class Movement:
-    def __init__(self, core: KernelCore, background: Background) -> None:
+    def __init__(self, core: Owner, background: Background) -> None:
         self._core = core
         self.stats = core.stats
         self._spawn = background.spawn

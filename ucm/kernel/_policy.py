@@ -1,4 +1,6 @@
-"""Eviction policies: byte-weighted LRU and S3-FIFO, with pins.
+"""Eviction policies, byte-weighted, with pins: `shadow` (two LRU segments, the fresh one's
+weight picked online; the config's default), `lru`, `s3fifo` and `adaptive` (S3-FIFO whose
+small queue's share adapts), made by name with `make_policy`.
 
 A policy tracks the blocks one tier holds (key -> bytes) and, asked for room, names victims.
 Pinned keys are never named. Each policy overrides a few methods of one base class, as in

@@ -1,5 +1,6 @@
-"""Block keys for the vLLM hook: the engine-neutral ones of `ucm.engine.keys`, under the names
-the hook (and code written against it) has always imported them by."""
+"""Block keys for the vLLM hook: the engine-neutral ones of `ucm.engine.keys`, importable from
+the hook's own package without vLLM (`ucm.vllm_hook` imports the connector lazily), for code
+that computes the hook's keys."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,9 +18,30 @@ from ucm.vllm_hook.keys import layer_key
 from ucm.vllm_hook.metadata import BlockTransfer
 
 if TYPE_CHECKING:
-    from ucm.vllm_hook.worker import WorkerSide
+    from ucm.engine.pages import PageIO
+    from ucm.vllm_hook.layout import BlockLayout
+    from ucm.vllm_hook.settings import HookSettings
 
 log = logging.getLogger("ucm.vllm_hook")
+
+
+class Host(Protocol):
+    """What a LayerwiseLoad uses of the worker side that starts it (`WorkerSide`): its
+    settings and page I/O, its reused staging buffer, and its wait for a load and count of a
+    step's loads, so that a layerwise step is waited for and counted as a whole-block one."""
+
+    @property
+    def settings(self) -> HookSettings: ...
+    @property
+    def pages(self) -> PageIO: ...
+
+    def load_staging(self, rows: int) -> torch.Tensor: ...
+
+    def await_load(self, pending: PendingPages | None, *, direct: bool,
+                   what: str = "load") -> tuple[LoadState, ...] | None: ...
+
+    def account(self, transfers: list[BlockTransfer], states: Sequence[LoadState | None] | None,
+                ) -> list[tuple[BlockTransfer, int, int]]: ...
 
 
 class LayerwiseLoad:
@@ -34,20 +56,16 @@ class LayerwiseLoad:
 
     WINDOW = 2
 
-    def __init__(self, worker: WorkerSide, transfers: list[BlockTransfer],
+    def __init__(self, worker: Host, layout: BlockLayout, transfers: list[BlockTransfer],
                  keys: list[bytes]) -> None:
-        self.worker, self.transfers, self.keys = worker, transfers, keys
-        layout = worker.layout
+        self.worker, self.layout, self.transfers, self.keys = worker, layout, transfers, keys
         self.layers = list(layout.by_layer)
         self.index = {name: i for i, name in enumerate(self.layers)}
         self.block_ids = [b for t in transfers for b in t.block_ids]
         self.direct = worker.settings.direct_loads and layout.scatters
         self.staging: torch.Tensor | None = None
         if not self.direct:
-            staging = worker._load_staging
-            if staging is None or staging.shape[0] < len(keys):
-                staging = worker._load_staging = layout.new_staging(len(keys))
-            self.staging = staging
+            self.staging = worker.load_staging(len(keys))
         self._lock = threading.Lock()
         self._next = 0
         self._closed = False  # no more submissions (a layer gave up waiting to be submitted)
@@ -64,7 +82,7 @@ class LayerwiseLoad:
             if i >= len(self.layers) or self._closed:
                 return
             self._next += 1
-        name, layout = self.layers[i], self.worker.layout
+        name, layout = self.layers[i], self.layout
         pending = None
         try:
             keys = [layer_key(k, i) for k in self.keys]
@@ -103,8 +121,8 @@ class LayerwiseLoad:
             with self._lock:
                 self._closed = True  # what is not submitted by now never will be
         pending = self.pendings[i] if self._submitted[i].is_set() else None
-        states = worker._await_load(pending, direct=self.staging is None,
-                                    what=f"load of layer {self.layers[i]}")
+        states = worker.await_load(pending, direct=self.staging is None,
+                                   what=f"load of layer {self.layers[i]}")
         self.states[i] = states
         self._waited.add(i)
         if self.staging is not None and states is not None:
@@ -113,7 +131,7 @@ class LayerwiseLoad:
                 n = len(t.block_ids)
                 good = next((j for j in range(n) if states[row + j] is not LoadState.OK), n)
                 if good:
-                    worker.layout.copy_in(t.block_ids[:good], self.staging,
+                    self.layout.copy_in(t.block_ids[:good], self.staging,
                                           layer=self.layers[i], first_row=row)
                 row += n
 
@@ -128,4 +146,4 @@ class LayerwiseLoad:
             bad = next((s[r] if s is not None else None for s in self.states
                         if s is None or s[r] is not LoadState.OK), LoadState.OK)
             rows.append(bad)
-        self.worker._account(self.transfers, rows)
+        self.worker.account(self.transfers, rows)

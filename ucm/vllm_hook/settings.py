@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -45,7 +45,6 @@ from ucm.vllm_hook.keys import make_namespace, model_identity, weights_fingerpri
 if TYPE_CHECKING:
     from ucm.kernel import Kernel
     from ucm.vllm_hook.metadata import BlockTransfer
-    from ucm.vllm_hook.worker import WorkerSide
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -366,6 +365,16 @@ def wait_running(kernel: Any, timeout: float) -> bool:
     return True
 
 
+class KernelOwner(Protocol):
+    """What a scheduler side in the same process uses of the worker side (`WorkerSide`) that
+    owns a kernel."""
+
+    @property
+    def kernel(self) -> Any: ...
+
+    def load_early(self, loads: list[BlockTransfer]) -> bool: ...
+
+
 class SharedKernel:
     """A worker side's kernel, as a scheduler side in the same process reaches it. vLLM in one
     process (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni") builds both sides there: the
@@ -373,9 +382,9 @@ class SharedKernel:
     process-local memory tier) and hands the worker each step's loads as soon as it has
     planned them."""
 
-    def __init__(self, kernel: Kernel, worker: WorkerSide | None) -> None:
+    def __init__(self, kernel: Kernel, worker: KernelOwner | None) -> None:
         self.kernel = kernel
-        self._worker = worker  # the WorkerSide that owns the kernel; None once released
+        self._worker = worker  # the worker side that owns the kernel; None once released
 
     def load_early(self, loads: list[BlockTransfer]) -> bool:
         """Starts a step's loads on the worker side (`WorkerSide.load_early`); False when they
@@ -399,7 +408,7 @@ class ProcessKernels:
         the key holds no secret in the clear)."""
         return os.getpid(), config_fingerprint(config)
 
-    def acquire(self, config: UCMConfig, worker: WorkerSide | None,
+    def acquire(self, config: UCMConfig, worker: KernelOwner | None,
                 sinks: tuple[Any, ...] = ()) -> SharedKernel:
         """Starts a kernel for `config` (`start_kernel`, feeding `sinks`) owned by `worker` (a
         WorkerSide; None for a kernel shared without one) and makes it findable. Its owner

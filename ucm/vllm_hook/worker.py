@@ -12,8 +12,8 @@ KernelBusy, deadline, `load_timeout`) is reported through `get_block_ids_with_lo
 vLLM recomputes it and everything after it: its cache blocks may hold anything until then.
 A direct load that times out is cancelled and waited for until it has stopped, so nothing
 writes into cache blocks that vLLM recomputes or gives to another request. Loads and stores go
-through the engine-neutral `ucm.engine.PageIO` (no kernel deadline, as before: the worker waits
-`load_timeout` on its own terms).
+through the engine-neutral `ucm.engine.PageIO` with no kernel deadline: the worker waits
+`load_timeout` on its own terms.
 
 Saves: `save_kv_layer` snapshots this step's new full blocks of that layer into a staging
 buffer as soon as the layer has written them; `wait_for_save` posts one Store per step and
@@ -229,16 +229,14 @@ class WorkerSide:
             return
         keys = [self._key(d) for t in meta.loads for d in t.digests]
         if self.settings.layerwise:
-            self._layerwise = LayerwiseLoad(self, meta.loads, keys)
+            self._layerwise = LayerwiseLoad(self, self.layout, meta.loads, keys)
             self.stats["load_blocks"] += n
             return
         if self.settings.direct_loads and self.layout.scatters:
             staging = None
             buffers = [self.layout.scatter(b) for t in meta.loads for b in t.block_ids]
         else:
-            staging = self._load_staging
-            if staging is None or staging.shape[0] < n:
-                staging = self._load_staging = self.layout.new_staging(n)
+            staging = self.load_staging(n)
             buffers = [staging[i].numpy() for i in range(n)]
         pending = None
         if not wait_running(self._kernel, self.settings.start_timeout):
@@ -251,17 +249,26 @@ class WorkerSide:
         if staging is None:
             self._finish_direct_load(meta.loads, pending)
             return
-        states = self._await_load(pending, direct=False)
-        for t, first_row, good in self._account(meta.loads, states):
+        states = self.await_load(pending, direct=False)
+        for t, first_row, good in self.account(meta.loads, states):
             if good:
                 self.layout.copy_in(t.block_ids[:good], staging, first_row=first_row)
 
     def _finish_direct_load(self, loads: list[BlockTransfer],
                             pending: PendingPages | None) -> None:
         """Waits for a load straight into the cache and counts it: its blocks are in place."""
-        self._account(loads, self._await_load(pending, direct=True))
+        self.account(loads, self.await_load(pending, direct=True))
 
-    def _await_load(self, pending: PendingPages | None, *, direct: bool,
+    def load_staging(self, rows: int) -> torch.Tensor:
+        """The staging buffer loads land in before they are copied into the cache: reused,
+        replaced by a larger one when it has fewer than `rows` rows."""
+        assert self.layout is not None, "register_kv_caches first"
+        staging = self._load_staging
+        if staging is None or staging.shape[0] < rows:
+            staging = self._load_staging = self.layout.new_staging(rows)
+        return staging
+
+    def await_load(self, pending: PendingPages | None, *, direct: bool,
                     what: str = "load") -> tuple[LoadState, ...] | None:
         """Waits up to `load_timeout` for a Load; its states, or None when it failed. A load
         that times out is cancelled; a direct one is waited for until it has stopped writing
@@ -282,7 +289,7 @@ class WorkerSide:
         self.stats["load_wait_ns"] += int((time.perf_counter() - t0) * 1e9)
         return states
 
-    def _account(self, transfers: list[BlockTransfer],
+    def account(self, transfers: list[BlockTransfer],
                  states: Sequence[LoadState | None] | None) -> list[tuple[BlockTransfer, int, int]]:
         """Counts a step's loads (states by row, None: the whole load failed) and marks each
         request's blocks from its first failed one on for recompute (prefix semantics).

@@ -102,7 +102,7 @@ class SqliteBlocks(Backend):
                 continue
             if row is None:
                 states.append(LoadState.MISSING)
-            else:  # header and checksum checked; InvalidRequest for a wrong-sized buffer
+            else:  # header, size and checksum checked: a damaged block is CORRUPT
                 states.append(unframe_into(key, memoryview(row[0]), view,
                                               namespace=self.namespace))
         return states

@@ -19,15 +19,16 @@ Naming         safe_dir_name: a directory name for a namespace; pid_alive: wheth
                sharing the store from another process of this host still runs
 
 Modules by job: `_checks` (validation, errors, naming), `_framing` (block format, the gate of
-abandonable calls), `_threaded` (Backend, ThreadedDriver), `_remote` (RemoteDriver), `_workers`
-(Workers).
+abandonable calls), `_threaded` (Backend, ThreadedDriver), `_remote` (RemoteDriver); Workers
+lives in `ucm.drivers._workers`, beneath both the kit and the contract, whose `open` names it.
 docs/writing-a-driver.md walks through a complete driver built on it.
 """
 
 from __future__ import annotations
 
 from ucm.block import PAYLOAD_OFFSET, Codec, Scatter, wrong_size
-from ucm.drivers._protocol import (
+from ucm.drivers._workers import Workers
+from ucm.drivers.contract import (
     STATISTICS,
     DriverStatistics,
     LoadState,
@@ -52,7 +53,6 @@ from ucm.drivers.kit._threaded import (
     count_loads,
     count_stores,
 )
-from ucm.drivers.kit._workers import Workers
 
 __all__ = [
     "PAYLOAD_OFFSET",

@@ -25,7 +25,7 @@ from ucm.block import (
     encode_payload,
     wrong_size,
 )
-from ucm.drivers._protocol import LoadState
+from ucm.drivers.contract import LoadState
 from ucm.errors import BlockCorrupt
 
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import trio
 
+from ucm.drivers._workers import Workers
 from ucm.drivers.kit._checks import os_error
 from ucm.drivers.kit._framing import Gate, call_gated
 from ucm.drivers.kit._threaded import Backend, ThreadedDriver
-from ucm.drivers.kit._workers import Workers
 from ucm.errors import StorageUnavailable
 
 
@@ -35,7 +35,7 @@ class RemoteDriver(ThreadedDriver):
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
                    views: list[memoryview], *, store: bool = False) -> list[Any]:
         # One thread hop per batch, not parts in parallel: the client libraries spread a call
-        # over their own threads or concurrent RPCs, and two concurrent parts were slower than
+        # over their own threads or concurrent RPCs, and two concurrent parts are slower than
         # one call (docs/performance.md, "Remote drivers"). Calls are abandonable anyway.
         return await self._run(fn, keys, views)
 

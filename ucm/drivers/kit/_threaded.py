@@ -19,10 +19,10 @@ from typing import Any
 import trio
 
 from ucm.block import Scatter
-from ucm.drivers._protocol import DriverStatistics, LoadState, new_statistics
 from ucm.drivers._pump import Spread, chunks, wide
+from ucm.drivers._workers import Workers
+from ucm.drivers.contract import DriverStatistics, LoadState, new_statistics
 from ucm.drivers.kit._checks import check_batch, check_keys, os_error
-from ucm.drivers.kit._workers import Workers
 from ucm.errors import StorageUnavailable
 
 # A thread hop per part of at most this many bytes: big enough that the hop costs nothing
@@ -36,9 +36,15 @@ PARALLEL = 2
 class Backend:
     """What a ThreadedDriver runs in worker threads. Methods are synchronous and batched.
 
-    load returns one (state, bytes read) per key and raises InvalidRequest for a buffer whose
-    size differs from the block; store returns the stored bytes per key (0 = not stored) and
-    raises OSError only when no key was stored.
+    load writes each block into its view and returns one LoadState per key: OK (header and
+    checksum verified), MISSING, CORRUPT (a header or checksum that fails, or a block read from
+    storage that holds another size than its view: `wrong_size`; `unframe_into` checks both)
+    or FAILED (that key's read failed). An OSError it raises fails the whole batch, and so does
+    every key FAILED. (Only a block that never left the process, the memory tier's, raises
+    `size_mismatch`'s InvalidRequest for a view of another size: the caller's mistake.)
+
+    store returns the stored bytes per key (0 = not stored) and raises OSError only when no key
+    was stored.
     """
 
     def lookup(self, keys: list[bytes]) -> list[bool]:

@@ -1,4 +1,6 @@
-"""The threads drivers run their blocking work on, with one owner: `Workers`.
+"""The threads drivers run their blocking work on, with one owner: `Workers` (public as
+`ucm.drivers.kit.Workers`; here, below the kit, so that the contract can name it in `open`
+without importing the kit).
 
 The kernel makes one `Workers` from its config's `threads` section, hands it to every driver it
 opens (`DriverFactory.open(..., workers=)`), and closes it after it has closed the drivers. A

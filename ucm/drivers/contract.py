@@ -1,8 +1,9 @@
 """The driver contract: what a storage driver implements, and the capabilities it may add.
 
-A driver imports only this module, `ucm.drivers.kit` (validation, framing, threaded base),
-`ucm.errors` and `ucm.block`; never the kernel. The kernel owns deadlines (cancel scopes),
-concurrency limits, capacity, eviction and pins.
+A driver imports only this module (or `ucm.drivers`, which re-exports it), `ucm.drivers.kit`
+(validation, framing, threaded base), `ucm.errors` and `ucm.block`; never the kernel. The kit
+builds on this module; this module imports nothing of the kit. The kernel owns deadlines
+(cancel scopes), concurrency limits, capacity, eviction and pins.
 
 All calls are batched. Keys are validated bytes (see `ucm.block.check_key`); buffers are flat
 byte memoryviews, one per key, and a load writes straight into them. A driver reports per-key
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from ucm.block import Scatter
-    from ucm.drivers.kit import Workers
+    from ucm.drivers._workers import Workers
 
 
 class LoadState(enum.IntEnum):
@@ -203,8 +204,9 @@ class DriverFactory(Protocol):
     @classmethod
     async def open(cls, options: Any, *, name: str, namespace: str, codec: str = "none",
                    workers: Workers | None = None) -> Driver:
-        """Opens the driver for one tier. `codec` is the tier's codec ("none" or "zstd"): how
-        the driver encodes payloads it stores; loads decode whatever codec a header names.
+        """Opens the driver for one tier. `codec` is the tier's codec, one of `ucm.block.Codec`
+        by name (none, zstd, shuffle_zstd, int8, int4; see docs/compression.md): how the driver
+        encodes payloads it stores; loads decode whatever codec a header names.
         `workers`: the kernel's threads (`ucm.drivers.kit.Workers`) for the driver's blocking
         work; None when opened outside a kernel (the kit then uses the process's default)."""
         ...
