@@ -88,8 +88,11 @@ def test_every_listed_product_part_exists():
     # The engine-neutral layer knows no engine: neither their hooks nor the engines.
     (("engine",), ("ucm.vllm_hook", "ucm.sglang_hook", "vllm", "sglang", "torch")),
     (("sglang_hook",), ("ucm.vllm_hook", "vllm")),
+    # The payload codecs sit under the block format: ucm.block calls them, never back.
+    (("codecs",), ("ucm.block", "ucm.drivers", "ucm.config", "ucm.kernel", "ucm.engine",
+                   "ucm.vllm_hook", "ucm.sglang_hook", "ucm.sparse", "ucm.ops")),
 ], ids=["product-not-bench", "drivers-below-kernel", "kernel-below-hook-and-sparse",
-        "engine-layer-knows-no-engine", "sglang-hook-not-vllm"])
+        "engine-layer-knows-no-engine", "sglang-hook-not-vllm", "codecs-below-block"])
 def test_imports_run_one_way(parts, banned):
     bad = offenders(modules(*parts), banned)
     assert not bad, "imports against the layering:\n" + "\n".join(bad)

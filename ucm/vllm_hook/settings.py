@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,6 +43,7 @@ from ucm.sparse.config import SparseConfig
 from ucm.vllm_hook.keys import make_namespace, model_identity, weights_fingerprint
 
 if TYPE_CHECKING:
+    from ucm.codecs import KVLayout
     from ucm.kernel import Kernel
     from ucm.vllm_hook.metadata import BlockTransfer
     from ucm.vllm_hook.worker import WorkerSide
@@ -331,11 +332,13 @@ def _lookup_only(tier: Any) -> Any:
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = ()) -> Kernel:
+def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = (),
+                 layouts: Sequence[KVLayout] = ()) -> Kernel:
     """A Kernel for `config`, starting in the background: opening a tier can be slow or hang
     (an unreachable backend), and vLLM's start-up must not wait for it. Until `kernel.running`
     the hook treats every block as a miss. `sinks` get its trace records (the connector's
-    stats, `ucm.vllm_hook.stats`), beside any trace the config asks for."""
+    stats, `ucm.vllm_hook.stats`), beside any trace the config asks for; `layouts`: the KV
+    layouts of the blocks it stores (`Kernel(layouts=)`)."""
     from ucm.kernel import Kernel
 
     tracer = None
@@ -344,7 +347,7 @@ def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = ()) -> Kernel:
 
         tracer = tracer_from_config(config) or Tracer()
         tracer.sinks.extend(sinks)
-    kernel = Kernel(config, tracer=tracer)
+    kernel = Kernel(config, tracer=tracer, layouts=layouts)
 
     def start() -> None:
         try:
@@ -400,11 +403,11 @@ class ProcessKernels:
         return os.getpid(), config_fingerprint(config)
 
     def acquire(self, config: UCMConfig, worker: WorkerSide | None,
-                sinks: tuple[Any, ...] = ()) -> SharedKernel:
-        """Starts a kernel for `config` (`start_kernel`, feeding `sinks`) owned by `worker` (a
-        WorkerSide; None for a kernel shared without one) and makes it findable. Its owner
-        closes it, after `release`."""
-        shared = SharedKernel(start_kernel(config, sinks), worker)
+                sinks: tuple[Any, ...] = (), layouts: Sequence[KVLayout] = ()) -> SharedKernel:
+        """Starts a kernel for `config` (`start_kernel`, feeding `sinks`, given `layouts`)
+        owned by `worker` (a WorkerSide; None for a kernel shared without one) and makes it
+        findable. Its owner closes it, after `release`."""
+        shared = SharedKernel(start_kernel(config, sinks, layouts), worker)
         with self._lock:
             self._shared[self._key(config)] = shared
         return shared
