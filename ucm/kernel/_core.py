@@ -124,7 +124,7 @@ class KernelCore:
         if any(t.name == name for t in self.tiers):
             raise InvalidRequest(f"a tier named {name!r} is attached already")
         factory = get_driver_class(tier_config.driver)
-        codec = tier_config.codec
+        codec = tier_config.codec or self.config.codec  # a tier without one: the default
         extra = ({"layouts": self.layouts} if self.layouts is not None
                  and Codec.parse(codec).quantizes else {})
         driver = await factory.open(tier_config.options, name=name,

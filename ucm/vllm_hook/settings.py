@@ -37,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from ucm.config import UCMConfig, config_fingerprint, load_config
+from ucm.config import UCMConfig, config_fingerprint, format_errors, load_config
 from ucm.errors import ConfigError
 from ucm.sparse.config import SparseConfig
 from ucm.vllm_hook.keys import make_namespace, model_identity, weights_fingerprint
@@ -137,21 +137,11 @@ class HookOptions(BaseModel):
         try:
             return cls.model_validate(dict(extra or {}), context={"block_size": block_size})
         except ValidationError as exc:
-            raise ConfigError(_format_error(exc)) from None
+            raise ConfigError(format_errors(exc, root=_OPTIONS)) from None
 
     def ucm_config(self) -> UCMConfig:
         """The ucm config these options name (ConfigError if its file is bad)."""
         return load_config(self.ucm if self.ucm is not None else self.ucm_config_file)
-
-
-def _format_error(exc: ValidationError) -> str:
-    """As `ucm.config` words them, each under the options' own name."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join([_OPTIONS, *(str(p) for p in err["loc"] if p != "options")])
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"{loc}: {msg}")
-    return "; ".join(lines)
 
 
 _DEFAULTS = HookOptions()
