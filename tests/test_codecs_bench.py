@@ -16,7 +16,7 @@ def test_bench_codec_rows():
     assert [(r["dtype"], r["codec"]) for r in rows] == [
         (d, c) for d in ("bf16", "fp32") for c in ("memcpy", "none", "int4", "shuffle_zstd")]
     stored = {(r["dtype"], r["codec"]): r.get("stored_as") for r in rows}
-    assert stored[("bf16", "int4")] == "int4"  # the bench registers its layout
+    assert stored[("bf16", "int4")] == "int4"  # the bench gives the codecs its layout
     ratio = {(r["dtype"], r["codec"]): r["ratio"] for r in rows}
     assert ratio[("fp32", "int4")] < ratio[("bf16", "int4")] < 0.5 < ratio[("bf16", "none")]
 

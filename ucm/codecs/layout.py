@@ -117,7 +117,7 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-@functools.lru_cache(maxsize=64)  # the few layouts a process registers, packed per block
+@functools.lru_cache(maxsize=64)  # the few layouts a process's kernels hold, packed per block
 def pack(layout: KVLayout, group: int) -> bytes:
     runs: list[tuple[str, int, int, Order, int]] = []
     for part in layout.parts:
