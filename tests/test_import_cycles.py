@@ -15,9 +15,6 @@ from __future__ import annotations
 
 from test_layering import ROOT, module_imports, source_modules
 
-# The one circle left, being broken on another branch (the codec registry's: ucm.codecs stops
-# using ucm.block's private compressors). Remove it from here when that branch lands.
-KNOWN_CYCLE_ELSEWHERE = frozenset({"ucm.block", "ucm.codecs"})
 
 
 def import_graph() -> dict[str, dict[str, int]]:
@@ -101,7 +98,7 @@ def test_the_graph_holds_every_module_and_the_imports_inside_functions():
 
 def test_no_module_imports_a_module_that_imports_it():
     graph = import_graph()
-    found = [c for c in circles(graph) if set(c) != KNOWN_CYCLE_ELSEWHERE]
+    found = circles(graph)
     assert not found, "import circles:\n" + "\n".join(describe(c, graph) for c in found)
 
 
@@ -114,9 +111,3 @@ def test_no_module_imports_its_own_package():
            if name.startswith(target + ".")]
     assert not bad, "\n".join(bad)
 
-
-def test_the_known_circle_is_still_a_circle():
-    """The exception names a circle that exists: once it is broken, empty the constant."""
-    if KNOWN_CYCLE_ELSEWHERE:
-        assert sorted(KNOWN_CYCLE_ELSEWHERE) in circles(import_graph()), (
-            f"{sorted(KNOWN_CYCLE_ELSEWHERE)} is no longer a circle: empty KNOWN_CYCLE_ELSEWHERE")

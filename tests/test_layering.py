@@ -201,9 +201,12 @@ def test_every_listed_product_part_exists():
     (("autotune",), ("ucm.vllm_hook", "ucm.sglang_hook", "vllm", "sglang")),
     # ucm.cli dispatches to the benchmarks; they never import it back.
     (("bench",), ("ucm.cli",)),
+    # The payload codecs sit under the block format: ucm.block calls them, never back.
+    (("codecs",), ("ucm.block", "ucm.drivers", "ucm.config", "ucm.kernel", "ucm.engine",
+                   "ucm.vllm_hook", "ucm.sglang_hook", "ucm.sparse", "ucm.ops")),
 ], ids=["product-not-bench", "drivers-below-kernel", "kernel-below-hook-and-sparse",
         "engine-layer-knows-no-engine", "sglang-hook-not-vllm", "autotune-knows-no-hook",
-        "bench-not-cli"])
+        "bench-not-cli", "codecs-below-block"])
 def test_imports_run_one_way(parts, banned):
     bad = offenders(modules(*parts), banned)
     assert not bad, "imports against the layering:\n" + "\n".join(bad)

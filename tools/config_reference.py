@@ -58,6 +58,11 @@ SECTIONS: list[Section] = [
             "The connector's own keys, beside `ucm` in vLLM's `kv_connector_extra_config`. "
             "Checked when the engine starts: an unknown key or a bad value is an error naming "
             "it."),
+    Section("The SGLang backend", "ucm.sglang_hook.backend:StorageOptions",
+            "hicache_storage_backend_extra_config.",
+            "The keys of SGLang's `hicache_storage_backend_extra_config` for ucm's HiCache "
+            "backend ([sglang.md](sglang.md)). Checked when SGLang builds the backend: an "
+            "unknown key, a bad value or a missing `ucm` is an error naming it."),
 ]
 
 

@@ -33,16 +33,17 @@ bounded by the raw size, which equals the caller's buffer.
 from __future__ import annotations
 
 import ctypes
-import enum
 import hashlib
 import struct
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
 import xxhash
 
+from ucm.codecs import Codec as Codec
+from ucm.codecs import Encoded, check_params, decode_into, decode_verified, encode, zstd
+from ucm.codecs import KVLayouts as KVLayouts
 from ucm.errors import BlockCorrupt, InvalidRequest
 
 if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations only
@@ -61,26 +62,6 @@ _FIXED_END = _FIXED.size + _HEADER_CRC.size  # 44
 _PARAMS_LEN = struct.Struct("<H")
 
 
-class Codec(enum.IntEnum):
-    NONE = 0
-    ZSTD = 1
-    SHUFFLE_ZSTD = 2  # lossless: byte planes, then zstd
-    INT8 = 3  # KIVI quantization of KV blocks of a known layout (ucm.codecs)
-    INT4 = 4
-
-    @classmethod
-    def parse(cls, name: str | int | Codec) -> Codec:
-        if isinstance(name, Codec):
-            return name
-        if isinstance(name, int):
-            return cls(name)
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            choices = ", ".join(c.name.lower() for c in cls)
-            raise InvalidRequest(f"unknown codec {name!r}; choose one of {choices}") from None
-
-
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
     key: bytes
@@ -97,9 +78,7 @@ class BlockHeader:
         return PAYLOAD_OFFSET + self.payload_len
 
 
-def zstd_bound(raw_len: int) -> int:
-    """The most bytes a zstd payload of `raw_len` raw bytes may take (above ZSTD_compressBound)."""
-    return raw_len + (raw_len >> 7) + 1024
+zstd_bound = zstd.bound  # the most bytes a zstd payload of `raw_len` raw bytes may take
 
 
 def check_key(key: object) -> bytes:
@@ -207,8 +186,6 @@ def encode_header(
 
 def _encoded_as(obj: object) -> tuple[Codec, bytes]:
     """The codec and parameters of a payload `encode_payload` made with ucm.codecs."""
-    from ucm.codecs import Encoded
-
     if type(obj) is not Encoded:
         raise InvalidRequest("a payload of this codec must come from encode_payload")
     return obj.codec, obj.params
@@ -275,47 +252,24 @@ def decode_header(data: Buffer, *, expect_key: bytes | None = None,
     if codec > 1 or version != FORMAT_VERSION:  # codecs with parameters (plain ints: cheap)
         if (codec > 1) != (version == FORMAT_VERSION_PARAMS):
             raise BlockCorrupt(f"codec {codec_value.name.lower()} in a version {version} header")
-        from ucm.codecs import check_params
-
         check_params(header)
     return header
 
 
-_local = threading.local()
-
-
-def _compressor():
-    import zstandard
-
-    c = getattr(_local, "zc", None)
-    if c is None:
-        c = _local.zc = zstandard.ZstdCompressor(level=1)
-    return c
-
-
-def _decompressor():
-    import zstandard
-
-    d = getattr(_local, "zd", None)
-    if d is None:
-        d = _local.zd = zstandard.ZstdDecompressor()
-    return d
-
-
-def encode_payload(codec: Codec, raw: Buffer | Scatter) -> Buffer | Scatter:
+def encode_payload(codec: Codec, raw: Buffer | Scatter, layouts: KVLayouts | None = None,
+                   ) -> Buffer | Scatter:
     """The bytes to store for `raw`. For codec NONE this is `raw` itself (no copy, a Scatter
     too). The codecs of `ucm.codecs` return an `Encoded` payload, which names the codec and
     parameters its header gets (`encode_header`, `stored_codec`); they read the whole block
-    anyway, so a Scatter is joined first."""
+    anyway, so a Scatter is joined first. `layouts`: the tier's KV layouts (int8 and int4
+    quantize a block only when they hold one of its size)."""
     if codec is Codec.NONE:
         return raw
     if type(raw) is Scatter:
         raw = raw.gather()
     if codec is Codec.ZSTD:
-        return _compressor().compress(raw)
-    from ucm.codecs import encode
-
-    return encode(codec, as_byte_view(raw))
+        return zstd.compress(raw)
+    return encode(codec, as_byte_view(raw), layouts=layouts)
 
 
 def verify_payload(header: BlockHeader, stored: Buffer | Scatter) -> None:
@@ -397,35 +351,20 @@ def decode_payload_into(header: BlockHeader, stored: Buffer, out: memoryview | S
     if out.nbytes != header.raw_len:
         raise wrong_size(out, header)
     if header.codec is Codec.INT8 or header.codec is Codec.INT4:
-        from ucm.codecs import decode_verified
-
-        if decode_verified(header, as_byte_view(stored), out):
+        target = out.parts if type(out) is Scatter else out
+        if decode_verified(header, as_byte_view(stored), target):
             return  # decoded and checked in one pass
     verify_payload(header, stored)
     if header.codec is not Codec.ZSTD:
         _decode_codec(header, stored, out)
         return
-    import zstandard
-
-    try:
-        # decompress allocates a frame's declared size, else up to max_output_size: both
-        # bounded by raw_len, which equals the caller's buffer (checked above).
-        declared = zstandard.frame_content_size(stored)
-        if declared >= 0 and declared != header.raw_len:
-            raise BlockCorrupt(f"zstd frame declares {declared} bytes, header {header.raw_len}")
-        raw = _decompressor().decompress(stored, max_output_size=max(header.raw_len, 1))
-    except zstandard.ZstdError as exc:
-        raise BlockCorrupt(f"zstd payload does not decode: {exc}") from None
-    if len(raw) != header.raw_len:
-        raise BlockCorrupt("decoded payload has the wrong length")
-    copy_bytes(out, raw)
+    # bounded by raw_len, which equals the caller's buffer (checked above)
+    copy_bytes(out, zstd.decompress(stored, header.raw_len))
 
 
 def _decode_codec(header: BlockHeader, stored: Buffer, out: memoryview | Scatter) -> None:
     """A verified payload of a `ucm.codecs` codec, decoded into `out` (raw_len bytes)."""
     import numpy
-
-    from ucm.codecs import decode_into
 
     if isinstance(out, memoryview) and not out.readonly:
         decode_into(header, as_byte_view(stored), numpy.frombuffer(out, numpy.uint8))

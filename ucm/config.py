@@ -9,7 +9,11 @@ embedded default: a memory tier over a posix tier in the user's cache directory)
         capacity: 100GiB
 
 Keys other than the common tier keys below are the driver's own options, checked against the
-driver's `Options` model. Unknown keys and bad values raise ConfigError naming the key.
+driver's `Options` model. Unknown keys and bad values raise ConfigError naming the key (a key
+of an earlier schema says what replaces it).
+
+Each thing has one key: a tier's `codec` sets how it stores payloads, the top-level `codec` the
+default of every tier that sets none.
 """
 
 from __future__ import annotations
@@ -40,14 +44,18 @@ from ucm.block import MAX_NAMESPACE_BYTES
 from ucm.drivers import DriverOptions, get_driver_class
 from ucm.errors import ConfigError
 
+# When a store completes: the config's default and a Store event's own (ucm.kernel).
 Durability = Literal["memory", "local", "all"]
 
-_TIER_KEYS = {"driver", "name", "capacity", "codec", "compression", "concurrency", "options"}
+_TIER_KEYS = {"driver", "name", "capacity", "codec", "concurrency", "options"}
 CodecName = Literal["none", "zstd", "shuffle_zstd", "int8", "int4"]
-# The smallest share of a 16-bit KV block's bytes each method can store (quantized codes alone;
-# zstd of shuffled bytes keeps about the exponent plane): a stated ratio below it cannot be met.
-_RATIO_FLOOR = {("quantize", 8): 0.5, ("quantize", 4): 0.25, ("lossless", 8): 0.5,
-                ("lossless", 4): 0.5}
+_CODECS = ("none, zstd, shuffle_zstd, int8 or int4 (compression's method lossless is "
+           "shuffle_zstd; quantize with bits 8 or 4 is int8 or int4)")
+# Keys of earlier schemas, by the end of their path (list indices left out): what to use.
+RETIRED_KEYS = {
+    ("ucm_compression",): f"use the top-level `codec`, every tier's default: {_CODECS}",
+    ("tiers", "compression"): f"use the tier's `codec`: {_CODECS}",
+}
 
 
 class _Strict(BaseModel):
@@ -55,53 +63,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
-class CompressionConfig(_Strict):
-    """KV compression, at the top level (`ucm_compression`) or per tier (`compression`)."""
-
-    enabled: bool = Field(default=True, description="compress what this tier stores")
-    method: Literal["quantize", "lossless"] = Field(
-        default="quantize", description="quantize: KIVI int8/int4 of KV blocks whose layout "
-        "the vLLM hook registered (any other block is stored lossless); lossless: byte "
-        "shuffle + zstd, bit-exact")
-    bits: Literal[4, 8] = Field(default=8, description="code width when quantizing")
-    compression_ratio: float | None = Field(
-        default=None, gt=0, le=1, description="the stored share of a 16-bit block's bytes you "
-        "expect; one below what the method can reach (0.5 for int8 and lossless, 0.25 for "
-        "int4, scales extra) is a config error; the reached ratio is in `ucm bench codec`")
-
-    @field_validator("compression_ratio")
-    @classmethod
-    def _reachable_ratio(cls, ratio: float | None, info: ValidationInfo) -> float | None:
-        method, bits = info.data.get("method"), info.data.get("bits")
-        if ratio is None or method is None or bits is None:  # None: that field was invalid
-            return ratio
-        floor = _RATIO_FLOOR[(method, bits)]
-        if ratio < floor:
-            what = f"int{bits}" if method == "quantize" else "lossless"
-            raise ValueError(f"{ratio} is below what {what} can reach ({floor})")
-        return ratio
-
-    @property
-    def codec(self) -> CodecName:
-        if not self.enabled:
-            return "none"
-        if self.method == "lossless":
-            return "shuffle_zstd"
-        return "int8" if self.bits == 8 else "int4"
-
-
 class TierConfig(_Strict):
     driver: str = Field(description="the driver's registered name (memory, posix, s3, ...)")
     name: str | None = Field(default=None, description="the tier's name; default: the driver's")
     capacity: ByteSize | None = Field(
         default=None, description="bytes the kernel lets this tier hold (> 0); null: unbounded")
-    codec: CodecName = Field(
-        default="none", description="how stored payloads are encoded (int8 and int4 quantize "
-        "KV blocks of a registered layout, anything else goes shuffle_zstd); loads decode any "
-        "codec; `compression` sets it too")
-    compression: CompressionConfig | None = Field(
-        default=None, description="this tier's KV compression; overrides ucm_compression and "
-        "sets `codec` (give one of the two)")
+    codec: CodecName | None = Field(
+        default=None, description="how this tier stores payloads: none, zstd, shuffle_zstd "
+        "(byte planes, then zstd: lossless), int8 or int4 (KIVI quantization of KV blocks "
+        "whose layout the engine hook gave the kernel; any other block goes shuffle_zstd); "
+        "loads decode any codec. null: the top-level `codec`")
     concurrency: int = Field(default=8, ge=1, le=1024,
                              description="driver calls in flight at once on this tier")
     # SerializeAsAny: dumps hold the driver's own options (secrets starred), not those of the
@@ -124,14 +95,6 @@ class TierConfig(_Strict):
         factory = get_driver_class(str(data["driver"]))
         common["options"] = factory.Options(**own)
         return common
-
-    @model_validator(mode="after")
-    def _compression_sets_codec(self) -> TierConfig:
-        if self.compression is None:
-            return self
-        if "codec" in self.model_fields_set and self.codec != self.compression.codec:
-            raise ValueError("give either codec or compression, not both")
-        return self.model_copy(update={"codec": self.compression.codec})
 
     @field_validator("capacity")
     @classmethod
@@ -195,9 +158,9 @@ class UCMConfig(_Strict):
     threads: ThreadsConfig = Field(default_factory=ThreadsConfig,
                                    description="the threads the kernel owns and lends to its "
                                    "drivers")
-    ucm_compression: CompressionConfig | None = Field(
-        default=None, description="KV compression for every tier that sets neither codec "
-        "nor compression of its own")
+    codec: CodecName = Field(
+        default="none", description="the codec of every tier that sets no `codec` of its own "
+        "(see tiers[].codec and docs/compression.md)")
     trace: TraceConfig | None = Field(default=None,
                                       description="record every event's life; null: off "
                                       "(unless UCM_TRACE names a directory)")
@@ -211,12 +174,12 @@ class UCMConfig(_Strict):
         return namespace
 
     @model_validator(mode="after")
-    def _compress_tiers(self) -> UCMConfig:
-        top = self.ucm_compression
-        if top is None:
+    def _tier_codecs(self) -> UCMConfig:
+        """Every tier's codec set: its own, else the top-level one."""
+        if all(t.codec is not None for t in self.tiers):
             return self
-        tiers = [t if t.compression is not None or "codec" in t.model_fields_set
-                 else t.model_copy(update={"codec": top.codec}) for t in self.tiers]
+        tiers = [t if t.codec is not None else t.model_copy(update={"codec": self.codec})
+                 for t in self.tiers]
         return self.model_copy(update={"tiers": tiers})
 
     @model_validator(mode="after")
@@ -266,13 +229,24 @@ def _reveal(value: Any) -> Any:
     return str(value)  # paths
 
 
-def _format_error(exc: ValidationError) -> str:
+def format_errors(exc: ValidationError, *, root: str = "",
+                  retired: Mapping[tuple[str, ...], str] | None = None) -> str:
+    """A ValidationError of a config model as one line per error, "key.path: problem", under
+    `root` (where the model sits, e.g. the engine option holding it; "" for a ucm config).
+    Unknown keys say so; a key of an earlier schema (`retired`: the end of its path, list
+    indices left out; default RETIRED_KEYS, the ucm config's, wherever a ucm config sits) also
+    says what replaces it. Values are never echoed: a rejected value may be a secret."""
+    retired = RETIRED_KEYS if retired is None else retired
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if p not in ("options",)) or "config"
+        path = [str(p) for p in err["loc"] if p != "options"]
+        loc = ".".join([root, *path] if root else path) or "config"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            keys = tuple(p for p in path if not p.isdigit())
+            hint = next((retired[keys[i:]] for i in range(len(keys)) if keys[i:] in retired),
+                        None)
+            msg = "unknown key" if hint is None else f"not a key; {hint}"
         lines.append(f"{loc}: {msg}")
     return "; ".join(lines)
 
@@ -309,4 +283,4 @@ def load_config(source: UCMConfig | Mapping[str, Any] | str | os.PathLike | None
     try:
         return UCMConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc)) from None
+        raise ConfigError(format_errors(exc)) from None

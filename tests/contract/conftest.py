@@ -91,8 +91,8 @@ SPECS: list[DriverSpec] = [
                flip_file_byte, cross_process=True, persistent=True, truncate=truncate_file),
     DriverSpec("faulty-memory", "faulty", lambda s: {"inner": {"driver": "memory"}},
                flip_record_byte),
-    # Quantizing codecs store the suite's opaque blocks losslessly (no KV layout is
-    # registered): the version-2 headers and the shuffle_zstd payloads go through every check.
+    # Quantizing codecs store the suite's opaque blocks losslessly (the drivers are given no KV
+    # layout): the version-2 headers and the shuffle_zstd payloads go through every check.
     DriverSpec("memory-int8", "memory", lambda s: {}, flip_record_byte, codec="int8"),
     DriverSpec("memory-shared-shuffle", "memory",
                lambda s: {"shared": True, "shm_dir": str(s.shm), "size": "1GiB"},

@@ -12,7 +12,7 @@ from ucm.ops import kernel_source, native_dir, native_sources
 
 _DEFAULT_NVCC = "/usr/local/bin/nvcc"
 NVCC = shutil.which("nvcc") or (_DEFAULT_NVCC if os.path.exists(_DEFAULT_NVCC) else None)
-EXPECTED = {"quant", "score"}
+EXPECTED = {"score"}
 
 
 def test_sources_are_found_next_to_the_package():

@@ -31,7 +31,8 @@ class LayerFirstPool:
         g = torch.Generator().manual_seed(seed)
         self.kv_buffer = torch.randn((2, layers, tokens, heads, dim), generator=g)
         self.dtype = self.kv_buffer.dtype
-        self.layers = layers
+        self.layers = self.layer_num = layers
+        self.head_num, self.head_dim = heads, dim
 
     def token_bytes(self) -> int:
         return self.kv_buffer[0, 0, 0].nbytes
@@ -143,9 +144,19 @@ def test_a_hanging_tier_answers_within_the_timeout():
     ({"ucm": {"tiers": [{"driver": "no-such-driver"}]}}, "no-such-driver"),
     ({"ucm": {"tiers": []}}, "tiers"),
     ({"ucm": {"tiers": [{"driver": "memory"}]}, "timeout": 0}, "timeout"),
-    ({"ucm": {"tiers": [{"driver": "memory"}]}, "tiemout": 3}, "tiemout"),
-    ({}, "'ucm' key"),
-], ids=["unknown-driver", "no-tiers", "bad-timeout", "unknown-key", "no-ucm"])
+    ({"ucm": {"tiers": [{"driver": "memory"}]}, "tiemout": 3},
+     r"^hicache_storage_backend_extra_config\.tiemout: unknown key$"),
+    ({}, r"^hicache_storage_backend_extra_config\.ucm: Field required$"),
+    ({"ucm": {"tiers": [{"driver": "memory"}]}, "timeout": True},
+     r"^hicache_storage_backend_extra_config\.timeout: Input should be a valid number$"),
+    ({"ucm": {"tiers": [{"driver": "memory", "compression": {"bits": 8}}]}},
+     r"^hicache_storage_backend_extra_config\.ucm\.tiers\.0\.compression: not a key; use "
+     r"the tier's `codec`"),
+    ({"ucm": "/no/such/ucm.yaml"},
+     r"^hicache_storage_backend_extra_config\.ucm: cannot read config file /no/such/ucm\.yaml"),
+    ({"ucm": {"tiers": [{"driver": "memory"}]}, "model_id": ""}, "model_id"),
+], ids=["unknown-driver", "no-tiers", "bad-timeout", "unknown-key", "no-ucm", "bool-timeout",
+        "retired-key", "missing-file", "empty-model-id"])
 def test_a_bad_config_is_a_clear_error_at_construction(extra, message):
     config = SimpleNamespace(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, is_mla_model=False,
                              model_name="m", extra_config=extra)
@@ -258,3 +269,58 @@ def test_mha_page_first_pages_round_trip_with_no_copy(tmp_path, tier):
     b.close()
     if reader is not b:
         reader.close()
+
+
+def _stored_headers(root) -> list:
+    from ucm.block import PAYLOAD_OFFSET, decode_header
+
+    return [decode_header(p.read_bytes()[:PAYLOAD_OFFSET]) for p in sorted(root.rglob("*"))
+            if p.is_file() and p.stat().st_size > PAYLOAD_OFFSET]
+
+
+def test_layer_first_pages_quantize_on_an_int8_tier(tmp_path):
+    """The backend gives its kernel the layout of SGLang's layer_first MHA pages: an int8 tier
+    quantizes them as K and V of each layer (its headers say so), and a fresh backend loads
+    each page within half a quantization step, through either interface."""
+    from ucm.block import Codec
+    from ucm.codecs import KVLayout
+    from ucm.codecs.layout import unpack
+
+    src, dst = LayerFirstPool(seed=5, dim=32), LayerFirstPool(seed=6, dim=32)
+    ucm = {"codec": "int8", "tiers": [{"driver": "posix", "path": str(tmp_path)}]}
+    writer = backend(ucm, src)
+    want = KVLayout("fp32", (("k", PAGE, 64),) * 3 + (("v", PAGE, 64),) * 3)
+    assert writer.kv_layouts == [want]
+    assert writer.batch_set_v1(KEYS[:3], indices(0, 1, 2)) == [True] * 3
+    headers = _stored_headers(tmp_path)
+    assert [h.codec for h in headers] == [Codec.INT8] * 3
+    assert all(unpack(h.params, h.raw_len)[0] == want for h in headers)
+    reader = backend(ucm, dst)
+    assert reader.batch_get_v1(KEYS[:3], indices(3, 4, 5)) == [True] * 3
+    for stored, loaded in ((0, 3), (1, 4), (2, 5)):
+        x, y = src.page(stored * PAGE), dst.page(loaded * PAGE)
+        bound = float(x.max() - x.min()) * (1 + 2 / 255) / 255 * 0.51
+        assert float((x - y).abs().max()) <= bound and not torch.equal(x, y)
+        plain = reader.get(KEYS[stored], torch.zeros_like(x))
+        assert plain is not None and torch.equal(plain, y)
+    writer.close()
+    reader.close()
+
+
+def test_pages_without_a_layout_stay_exact_on_a_quantizing_tier(tmp_path):
+    """page_first pages (no known layout) on an int4 tier: stored losslessly, read back
+    byte-identical."""
+    from ucm.block import Codec
+
+    src, dst = PageFirstPool(seed=7), PageFirstPool(seed=8)
+    ucm = {"tiers": [{"driver": "posix", "path": str(tmp_path), "codec": "int4"}]}
+    writer = backend(ucm, src)
+    assert writer.kv_layouts == []
+    assert writer.batch_set_v1(KEYS[:2], indices(0, 1)) == [True] * 2
+    assert [h.codec for h in _stored_headers(tmp_path)] == [Codec.SHUFFLE_ZSTD] * 2
+    reader = backend(ucm, dst)
+    assert reader.batch_get_v1(KEYS[:2], indices(2, 3)) == [True] * 2
+    assert torch.equal(dst.page(2 * PAGE), src.page(0)) and torch.equal(dst.page(3 * PAGE),
+                                                                        src.page(PAGE))
+    writer.close()
+    reader.close()

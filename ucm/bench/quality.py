@@ -47,9 +47,7 @@ BLOCK = 32
 # Lossless paths without ucm, for the scale of path noise (--paths).
 PATHS = {"recompute": "no connector, no prefix cache: one prefill pass",
          "vllm-hit": "vLLM's own prefix cache holds the prefix"}
-CODECS = {"none": {"codec": "none"},
-          "int8": {"compression": {"method": "quantize", "bits": 8}},
-          "int4": {"compression": {"method": "quantize", "bits": 4}}}
+CODECS = {"none": {"codec": "none"}, "int8": {"codec": "int8"}, "int4": {"codec": "int4"}}
 
 
 @dataclass

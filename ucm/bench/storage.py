@@ -170,15 +170,17 @@ class TierBench:
         single = {"driver": tier.driver, "name": self.name, "codec": tier.codec,
                   "concurrency": max(tier.concurrency, 8),
                   **tier.options.model_dump(exclude_defaults=True)}
-        self.kernel = Kernel(UCMConfig.model_validate(
+        config = UCMConfig.model_validate(
             {"tiers": [single], "namespace": self.namespace, "promote": False,
-             "inbox_size": 1 << 16}))
+             "inbox_size": 1 << 16})
+        resolved = config.tiers[0]  # its codec set: a tier without one takes the default
+        self.kernel = Kernel(config)
         self.kernel.start()
-        self.raw_files = tier.driver == "posix" and tier.codec == "none"
-        self.raw = None if self.raw_files else _raw_baseline(tier, self.namespace)
+        self.raw_files = tier.driver == "posix" and resolved.codec == "none"
+        self.raw = None if self.raw_files else _raw_baseline(resolved, self.namespace)
         # A driver that owns its storage (pmem) cannot be opened twice on one namespace.
         direct_ns = self.namespace + ("-direct" if self.raw is not None else "")
-        self.direct = _DirectDriver(TierConfig.model_validate(single), direct_ns)
+        self.direct = _DirectDriver(resolved, direct_ns)
 
     def close(self) -> None:
         if self.raw is not None:

@@ -8,7 +8,7 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
                 as the README advises for vLLM on CPU; `--no-direct-writes` for buffered
                 stores), the hit engine's listing reads the blocks in when it starts
     ucm-posix-int8, ucm-posix-int4
-                ucm-posix with the tier compressed (`compression: {method: quantize, bits}`):
+                ucm-posix with the tier compressed (`codec: int8` or `codec: int4`):
                 each its own store pass and directory; their overhead is shown over
                 ucm-posix's (a compressed hit decodes what an uncompressed one copies)
     ucm-shm     ucm, memory tier shared through /dev/shm (one arena file that every process
@@ -254,8 +254,7 @@ def _run_once(args: argparse.Namespace, setups: list[str], workdir: str | None,
     def posix_tier(path: str, bits: int | None = None) -> dict:
         return {"tiers": [{"driver": "posix", "path": path,
                            **({"direct_writes": True} if args.direct_writes else {}),
-                           **({"compression": {"method": "quantize", "bits": bits}}
-                              if bits else {})}]}
+                           **({"codec": f"int{bits}"} if bits else {})}]}
 
     ucm_posix = posix_tier(os.path.join(work, "ucm-store"))
     ucm_shm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm,

@@ -1,42 +1,80 @@
-"""The payload codecs beyond none and zstd, as `ucm.block` calls them: encode a block's raw
-bytes into a payload plus the parameters its header keeps, and decode a checked payload back
-into the caller's buffer, bounded by the raw size the header declares.
+"""The payload codecs of the block format, below it (`ucm.block` calls them; they never import
+it): encode a block's raw bytes into a payload plus the parameters its header keeps, and decode
+a checked payload back into the caller's buffer, bounded by the raw size the header declares.
 
+    none, zstd    the bytes as given; one zstd frame of them (ucm.codecs.zstd)
     shuffle_zstd  lossless: each element's byte planes stored together, then zstd
-    int8, int4    KIVI quantization of KV blocks of a registered layout (ucm.codecs.layout);
-                  any other block is stored shuffle_zstd and counted in `stats`
+    int8, int4    KIVI quantization of KV blocks whose layout the tier was given
+                  (`KVLayouts`, one layout per block size of the tier's namespace); any other
+                  block is stored shuffle_zstd and counted in `stats`
 
 The header's codec byte says what a block holds: a quantizing tier's blocks that could not be
-quantized say shuffle_zstd (or zstd), so loads never guess.
+quantized say shuffle_zstd (or zstd), so loads never guess; the layout a block was quantized
+with travels in its header's parameters, so a load needs nothing but the block.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import struct
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
-from ucm.codecs.layout import (
-    DEFAULT_GROUP,
-    KVLayout,
-    layout_for,
-    pack,
-    register_layout,
-    unpack,
-    unregister_layout,
-)
-from ucm.errors import BlockCorrupt
+from ucm.codecs import zstd
+from ucm.codecs.layout import DEFAULT_GROUP, KVLayout, KVLayouts, pack, unpack
+from ucm.errors import BlockCorrupt, InvalidRequest
 
 if TYPE_CHECKING:
-    from ucm.block import BlockHeader, Codec, Scatter
+    import numpy as np
 
-__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_into", "decode_verified", "encode",
-           "layout_for", "register_layout", "stats", "unregister_layout"]
+__all__ = ["DEFAULT_GROUP", "Codec", "Encoded", "Header", "KVLayout", "KVLayouts",
+           "check_params", "decode_into", "decode_verified", "encode", "stats"]
 
 log = logging.getLogger("ucm.codecs")
+
+
+class Codec(enum.IntEnum):
+    """The codec byte of a block header."""
+
+    NONE = 0
+    ZSTD = 1
+    SHUFFLE_ZSTD = 2  # lossless: byte planes, then zstd
+    INT8 = 3  # KIVI quantization of KV blocks of a known layout
+    INT4 = 4
+
+    @classmethod
+    def parse(cls, name: str | int | Codec) -> Codec:
+        if isinstance(name, Codec):
+            return name
+        if isinstance(name, int):
+            return cls(name)
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            choices = ", ".join(c.name.lower() for c in cls)
+            raise InvalidRequest(f"unknown codec {name!r}; choose one of {choices}") from None
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether this codec quantizes KV blocks (and so takes a tier's KV layouts)."""
+        return self is Codec.INT8 or self is Codec.INT4
+
+
+class Header(Protocol):
+    """The fields of a block header the codecs read (`ucm.block.BlockHeader` has them)."""
+
+    @property
+    def codec(self) -> Codec: ...
+    @property
+    def params(self) -> bytes: ...
+    @property
+    def payload_len(self) -> int: ...
+    @property
+    def raw_len(self) -> int: ...
+    @property
+    def checksum(self) -> int: ...
+
 
 # Blocks a quantizing tier stored losslessly, by reason; a warning is logged the first time.
 stats: Counter[str] = Counter()
@@ -65,10 +103,14 @@ def _fallback(reason: str) -> None:
     stats[reason] += 1
 
 
-def encode(codec: Codec, raw: memoryview, *, group: int = DEFAULT_GROUP) -> Encoded:
-    from ucm.block import Codec, zstd_bound
+def encode(codec: Codec, raw: memoryview, *, layouts: KVLayouts | None = None,
+           group: int = DEFAULT_GROUP) -> Encoded:
+    """The payload of `raw` for a codec with parameters (shuffle_zstd, int8, int4): int8 and
+    int4 quantize a block whose size `layouts` (the tier's) holds a layout of, and store any
+    other block shuffle_zstd."""
+    import numpy as np
 
-    layout = layout_for(raw.nbytes)
+    layout = layouts.for_size(raw.nbytes) if layouts is not None else None
     if codec in (Codec.INT8, Codec.INT4):
         if layout is None:
             _fallback("no_layout")
@@ -85,23 +127,15 @@ def encode(codec: Codec, raw: memoryview, *, group: int = DEFAULT_GROUP) -> Enco
     itemsize = layout.itemsize if layout is not None else 2
     if raw.nbytes % itemsize:
         itemsize = 1
-    payload = _compress(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T.tobytes())
-    if len(payload) > zstd_bound(raw.nbytes):  # pragma: no cover - zstd stays within it
+    payload = zstd.compress(np.frombuffer(raw, np.uint8).reshape(-1, itemsize).T.tobytes())
+    if len(payload) > zstd.bound(raw.nbytes):  # pragma: no cover - zstd stays within it
         raise AssertionError("zstd exceeded its bound")
     return _encoded(payload, Codec.SHUFFLE_ZSTD, _SHUFFLE.pack(itemsize))
 
 
-def _compress(data: bytes) -> bytes:
-    from ucm.block import _compressor
-
-    return bytes(_compressor().compress(data))
-
-
-def check_params(header: BlockHeader) -> None:
+def check_params(header: Header) -> None:
     """Raises BlockCorrupt unless the header's parameters fit its codec and lengths (called
     by decode_header, before anything is allocated for the payload)."""
-    from ucm.block import Codec
-
     if header.codec is Codec.SHUFFLE_ZSTD:
         if len(header.params) != _SHUFFLE.size:
             raise BlockCorrupt("shuffle parameters have the wrong length")
@@ -136,26 +170,22 @@ def _unpacked(params: bytes, raw_len: int, bits: int) -> tuple[KVLayout, int, in
     return found
 
 
-def decode_verified(header: BlockHeader, stored: memoryview, out: memoryview | Scatter) -> bool:
-    """An int8/int4 payload decoded straight into `out` (or each piece of a Scatter) in one
-    pass that also takes its xxh3-64: True once it matches the header's checksum; BlockCorrupt
-    when it does not (`out` then holds bad bytes: the caller treats it as unloaded, as with
-    copy_verified). False, with nothing written, where that pass is not available (see
-    quant.decode_hashed)."""
-    from ucm.block import Codec, Scatter
+def decode_verified(header: Header, stored: memoryview,
+                    out: memoryview | tuple[memoryview, ...]) -> bool:
+    """An int8/int4 payload decoded straight into `out` (one buffer, or the pieces of a
+    Scatter in order) in one pass that also takes its xxh3-64: True once it matches the
+    header's checksum; BlockCorrupt when it does not (`out` then holds bad bytes: the caller
+    treats it as unloaded, as with copy_verified). False, with nothing written, where that
+    pass is not available (see quant.decode_hashed)."""
     from ucm.codecs import quant
 
     if stored.nbytes != header.payload_len:
         raise BlockCorrupt(f"payload is {stored.nbytes} bytes, header says {header.payload_len}")
-    if type(out) is Scatter:
-        target: memoryview | tuple[memoryview, ...] = out.parts
-    elif out.readonly:
+    if isinstance(out, memoryview) and out.readonly:
         return False
-    else:
-        target = out
     bits = 8 if header.codec is Codec.INT8 else 4
     layout, group, _ = _unpacked(header.params, header.raw_len, bits)
-    digest = quant.decode_hashed(layout, group, bits, stored, target)
+    digest = quant.decode_hashed(layout, group, bits, stored, out)
     if digest is None:
         return False
     if digest != header.checksum:
@@ -163,25 +193,13 @@ def decode_verified(header: BlockHeader, stored: memoryview, out: memoryview | S
     return True
 
 
-def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> None:
+def decode_into(header: Header, stored: memoryview, out: np.ndarray) -> None:
     """out (uint8, header.raw_len bytes) = the raw bytes of a verified payload."""
-    from ucm.block import Codec
-
     if header.codec is Codec.SHUFFLE_ZSTD:
-        import zstandard
+        import numpy as np
 
         (itemsize,) = _SHUFFLE.unpack(header.params)
-        try:
-            from ucm.block import _decompressor
-
-            declared = zstandard.frame_content_size(stored)
-            if declared >= 0 and declared != header.raw_len:
-                raise BlockCorrupt("zstd frame declares another size")
-            planes = _decompressor().decompress(stored, max_output_size=max(header.raw_len, 1))
-        except zstandard.ZstdError as exc:
-            raise BlockCorrupt(f"zstd payload does not decode: {exc}") from None
-        if len(planes) != header.raw_len:
-            raise BlockCorrupt("decoded payload has the wrong length")
+        planes = zstd.decompress(stored, header.raw_len)
         src = np.frombuffer(planes, np.uint8).reshape(itemsize, -1)
         out.reshape(-1, itemsize)[...] = src.T
         return

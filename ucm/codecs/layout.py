@@ -7,11 +7,12 @@ tokens split into outer x `ti` inner and the channels into outer x `ci` inner, r
 [tokens/ti, channels/ci, ti, ci] ("t-major"), or over [channels/ci, tokens/ti, ci, ti]
 ("c-major"). Plain [T, C] is t-major with ti = ci = 1; [C, T] is c-major with 1, 1; vLLM's CPU
 attention packs keys for AMX as t-major 16 x 2 and values as c-major 2 x 16
-(ucm/codecs/vllm.py). The vLLM hook registers the layout of its blocks (`register_layout`);
-a quantizing tier quantizes a block only when a layout of exactly its size is registered in
-the process, and stores any other block losslessly: bytes it cannot interpret are never
-quantized. The layout travels in every quantized block's header (`pack`), so a load needs
-nothing but the block.
+(ucm/codecs/vllm.py). An engine hook gives its kernel the layouts of the blocks it stores
+(`KVLayouts`: one layout per block size, for the kernel's namespace), and the kernel gives them
+to each quantizing tier; a tier quantizes a block only when it holds a layout of exactly its
+size, and stores any other block losslessly: bytes it cannot interpret are never quantized.
+The layout travels in every quantized block's header (`pack`), so a load needs nothing but
+the block.
 
 Packed (little-endian): format u8 (FORMAT | dtype) | group u16 | repeat u32 | runs u16 |
 per run: kind u8, tokens u32, channels u32, count u32, c-major u8, ti u16, ci u16. The parts
@@ -24,11 +25,11 @@ from __future__ import annotations
 
 import functools
 import struct
-import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ucm.errors import BlockCorrupt
+from ucm.errors import BlockCorrupt, ConfigError
 
 DTYPES = {"fp16": 1, "bf16": 2, "fp32": 3}
 ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -116,7 +117,7 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-@functools.lru_cache(maxsize=64)  # the few layouts a process registers, packed per block
+@functools.lru_cache(maxsize=64)  # the few layouts a process's kernels hold, packed per block
 def pack(layout: KVLayout, group: int) -> bytes:
     runs: list[tuple[str, int, int, Order, int]] = []
     for part in layout.parts:
@@ -166,25 +167,74 @@ def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
     return KVLayout(dtype, parts), group
 
 
-# -- the layouts this process knows, by block size ----------------------------------------------
-
-_layouts: dict[int, KVLayout] = {}
-_lock = threading.Lock()
-
-
-def register_layout(layout: KVLayout) -> None:
-    """Declares that blocks of `layout.raw_bytes` bytes stored by this process are KV of this
-    layout (the vLLM hook calls it once it knows the cache). A quantizing tier quantizes only
-    blocks of a registered size."""
-    with _lock:
-        _layouts[layout.raw_bytes] = layout
+def _part_text(part: Part) -> str:
+    kind, tokens, channels, order = part
+    tiles = "" if order == TC else f" {'c' if order.c_major else 't'}-major {order.ti}x{order.ci}"
+    return f"{kind} {tokens}x{channels}{tiles}"
 
 
-def unregister_layout(layout: KVLayout) -> None:
-    with _lock:
-        if _layouts.get(layout.raw_bytes) == layout:
-            del _layouts[layout.raw_bytes]
+def describe(layout: KVLayout, shown: int = 6) -> str:
+    """A layout in a line: its dtype and parts (the repeating run once, with its count)."""
+    parts = [_part_text(p) for p in layout.parts]
+    n = len(parts)
+    period = next(p for p in range(1, n + 1) if n % p == 0 and parts == parts[:p] * (n // p))
+    text = ", ".join(parts[:min(period, shown)]) + (", ..." if period > shown else "")
+    return f"{layout.dtype} [{text}]" + (f" x {n // period}" if n > period else "")
 
 
-def layout_for(nbytes: int) -> KVLayout | None:
-    return _layouts.get(nbytes)
+def _first_difference(a: KVLayout, b: KVLayout) -> str:
+    if a.dtype != b.dtype:
+        return ""
+    for i, (pa, pb) in enumerate(zip(a.parts, b.parts, strict=False)):
+        if pa != pb:
+            return f" (part {i}: {_part_text(pa)} against {_part_text(pb)})"
+    return f" ({len(a.parts)} parts against {len(b.parts)})"
+
+
+# -- the layouts of one namespace's blocks ---------------------------------------------------------
+
+class KVLayouts:
+    """The KV layouts of the blocks one namespace stores, one per block size: what a quantizing
+    tier of that namespace quantizes with (the engine hook gives them to its kernel, which
+    gives them to its tiers). Immutable; two different layouts of one size are a ConfigError
+    naming both, since a tier could not tell which of them a block of that size holds."""
+
+    __slots__ = ("_by_size", "namespace")
+
+    def __init__(self, layouts: Iterable[KVLayout] = (), *, namespace: str = "") -> None:
+        by_size: dict[int, KVLayout] = {}
+        for layout in layouts:
+            if not isinstance(layout, KVLayout):
+                raise TypeError(f"a KVLayout, not {type(layout).__name__}")
+            known = by_size.setdefault(layout.raw_bytes, layout)
+            if known != layout:
+                where = f"namespace {namespace!r}" if namespace else "one namespace"
+                raise ConfigError(f"{where} was given two KV layouts of {layout.raw_bytes}-byte "
+                                  f"blocks: {describe(known)} and {describe(layout)}"
+                                  f"{_first_difference(known, layout)}")
+        self._by_size = by_size
+        self.namespace = namespace
+
+    def for_size(self, nbytes: int) -> KVLayout | None:
+        """The layout of this namespace's blocks of `nbytes` bytes, if it has one."""
+        return self._by_size.get(nbytes)
+
+    def with_layouts(self, layouts: Iterable[KVLayout]) -> KVLayouts:
+        """These layouts and `layouts` (ConfigError on a conflict, naming both)."""
+        return KVLayouts([*self, *layouts], namespace=self.namespace)
+
+    def __iter__(self) -> Iterator[KVLayout]:
+        return iter(self._by_size.values())
+
+    def __len__(self) -> int:
+        return len(self._by_size)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVLayouts) and self._by_size == other._by_size
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._by_size.items()))
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(str(size) for size in sorted(self._by_size))
+        return f"KVLayouts({self.namespace!r}: blocks of {sizes or 'no size'} bytes)"

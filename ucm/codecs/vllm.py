@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ucm.codecs.layout import TC, KVLayout, Order, Part, register_layout
+from ucm.codecs.layout import TC, KVLayout, Order, Part
 
 if TYPE_CHECKING:
     import torch
@@ -135,12 +135,12 @@ def attention_isa(vllm_config: Any, layer_names: list[str]) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def register_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_bytes: int,
-                       *, interpretable: bool, cpu_isa: str | None = None) -> list[KVLayout]:
-    """Registers the caches' block (and layer) layouts for the quantizing codecs; the vLLM
-    hook calls it once the cache is known. Nothing is registered when nothing in a block can
-    be read as keys or values: its blocks are stored losslessly. On CPU, the ISA's orders are
-    first checked against vLLM's own cache writes (`probe_cpu_orders`)."""
+def cache_layouts(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_bytes: int,
+                  *, interpretable: bool, cpu_isa: str | None = None) -> list[KVLayout]:
+    """The caches' block (and layer) layouts, for the quantizing tiers of the hook's kernel
+    (`Kernel(..., layouts=)`); the vLLM hook calls it once the cache is known. [] when nothing
+    in a block can be read as keys or values: its blocks are stored losslessly. On CPU, the
+    ISA's orders are first checked against vLLM's own cache writes (`probe_cpu_orders`)."""
     if not interpretable and cpu_isa is not None:
         first = next(iter(kv_caches.values()))
         if first.dim() != 4 or not probe_cpu_orders(cpu_isa, first.dtype, first.shape[1],
@@ -152,8 +152,6 @@ def register_kv_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int, bloc
     found = kv_layout_of(kv_caches, num_blocks, interpretable=interpretable, cpu_isa=cpu_isa)
     if not found or found[0].raw_bytes != block_bytes:
         return []
-    for layout in found:
-        register_layout(layout)
-    log.info("ucm: KV layout registered for quantizing tiers (%s, %d parts a block%s)",
+    log.info("ucm: KV layout found for quantizing tiers (%s, %d parts a block%s)",
              found[0].dtype, len(found[0].parts), f", isa {cpu_isa}" if cpu_isa else "")
     return found

@@ -39,6 +39,7 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     BlockHeader,
     Codec,
+    KVLayouts,
     Scatter,
     copy_bytes,
     decode_header,
@@ -220,7 +221,8 @@ class BlockFiles(Backend):
 
     def __init__(self, layout: FileLayout, *, namespace: str, codec: Codec, fsync: bool,
                  direct: bool, direct_writes: bool = False, map_bytes: int = 0,
-                 file_mode: int = FILE_MODE, gid: int | None = None) -> None:
+                 file_mode: int = FILE_MODE, gid: int | None = None,
+                 layouts: KVLayouts | None = None) -> None:
         """`direct`: O_DIRECT reads and writes. `direct_writes`: O_DIRECT writes only, so a
         store takes no page-cache pages (see the posix driver's docstring for when it pays);
         reads stay buffered and listed blocks stay mapped. `file_mode` and `gid`: blocks
@@ -237,6 +239,7 @@ class BlockFiles(Backend):
         # umask only narrows 0600/0700; a mode chosen for sharing is set explicitly
         self._share = file_mode != FILE_MODE or gid is not None
         self.codec = codec
+        self.layouts = layouts
         self.fsync = fsync
         self.direct = direct
         self.direct_writes = direct or direct_writes
@@ -408,7 +411,7 @@ class BlockFiles(Backend):
         return sizes
 
     def _store_one(self, key: bytes, view: memoryview | Scatter) -> int:
-        header, payload = frame_block(key, self.namespace, self.codec, view)
+        header, payload = frame_block(key, self.namespace, self.codec, view, self.layouts)
         final = self.layout.path_for(key)
         root = self.layout.root_for(key)
         tmp = os.path.join(root, _TMP_DIR, tmp_name())

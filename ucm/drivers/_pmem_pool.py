@@ -37,6 +37,7 @@ from typing import Any
 from ucm.block import (
     PAYLOAD_OFFSET,
     Codec,
+    KVLayouts,
     as_byte_view,
     buffer_address,
     copy_hashed,
@@ -139,11 +140,13 @@ class _Entry:
 class PmemPool(Backend):
     """The mapped pool file: index, allocator and block copies. Thread-safe."""
 
-    def __init__(self, path: str, *, namespace: str, codec: Codec, lock_fd: int) -> None:
+    def __init__(self, path: str, *, namespace: str, codec: Codec, lock_fd: int,
+                 layouts: KVLayouts | None = None) -> None:
         self.path = path
         self.namespace = namespace
         self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
+        self.layouts = layouts
         self._lock_fd = lock_fd
         self._lock = threading.Lock()
         self.lib = libpmem()
@@ -160,7 +163,8 @@ class PmemPool(Backend):
 
     @classmethod
     def open(cls, path: str, *, size: int, max_blocks: int | None, namespace: str,
-             codec: Codec, populate: bool = True) -> PmemPool:
+             codec: Codec, layouts: KVLayouts | None = None,
+             populate: bool = True) -> PmemPool:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -168,7 +172,7 @@ class PmemPool(Backend):
         except BlockingIOError:
             os.close(lock_fd)
             raise StorageUnavailable(f"pool {path} is open in another process") from None
-        pool = cls(path, namespace=namespace, codec=codec, lock_fd=lock_fd)
+        pool = cls(path, namespace=namespace, codec=codec, lock_fd=lock_fd, layouts=layouts)
         try:
             pool._map(size, max_blocks)
             if populate:
@@ -401,7 +405,7 @@ class PmemPool(Backend):
     def place(self, key: bytes, view: memoryview) -> _Entry | None:
         """Copies one block (header and payload) into a free extent, not yet durable nor
         named by any entry; None when the pool has no room. `publish` or `unplace` it."""
-        payload = as_byte_view(encode_payload(self.codec, view))
+        payload = as_byte_view(encode_payload(self.codec, view, self.layouts))
         # On pmem libpmem copies and flushes; elsewhere the payload goes in first, hashed
         # on the way (copy_hashed), and the header with its checksum after it.
         header = (encode_header(key, self.namespace, self.codec, payload, view.nbytes)

@@ -58,6 +58,7 @@ from ucm.block import (
     MADV_POPULATE_WRITE,
     PAYLOAD_OFFSET,
     Codec,
+    KVLayouts,
     Scatter,
     as_buffer_view,
     buffer_address,
@@ -114,11 +115,13 @@ def geometry(size: int) -> tuple[int, int, int, int, int]:
 class ShmArena(Backend):
     """One arena file mapped into this process. Thread-safe; see the module docstring."""
 
-    def __init__(self, path: str, *, namespace: str, codec: Codec) -> None:
+    def __init__(self, path: str, *, namespace: str, codec: Codec,
+                 layouts: KVLayouts | None = None) -> None:
         self.path = path
         self.namespace = namespace
         self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
+        self.layouts = layouts
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
         self._fd = self._lock_fd = -1
@@ -130,8 +133,9 @@ class ShmArena(Backend):
 
     @classmethod
     def open(cls, path: str, *, size: int, namespace: str, codec: Codec,
-             populate: bool = True, sharing: Sharing = PRIVATE) -> ShmArena:
-        arena = cls(path, namespace=namespace, codec=codec)
+             layouts: KVLayouts | None = None, populate: bool = True,
+             sharing: Sharing = PRIVATE) -> ShmArena:
+        arena = cls(path, namespace=namespace, codec=codec, layouts=layouts)
         try:
             arena._open(size, populate, sharing)
         except BaseException:
@@ -411,7 +415,8 @@ class ShmArena(Backend):
     def _place(self, key: bytes, view: memoryview | Scatter,
                ) -> tuple[bytes, int, int, int] | None:
         """Copies one block into pages of its own, not yet visible; None if none are free."""
-        payload = as_buffer_view(encode_payload(self.codec, view))  # NONE: a Scatter as it is
+        # NONE: a Scatter as it is
+        payload = as_buffer_view(encode_payload(self.codec, view, self.layouts))
         length = PAYLOAD_OFFSET + payload.nbytes
         npages = _pages(length)
         with self._locked():

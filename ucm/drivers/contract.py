@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypedDict, cast, runt
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from ucm.block import Scatter
+    from ucm.block import KVLayouts, Scatter
     from ucm.drivers._workers import Workers
 
 
@@ -203,10 +203,14 @@ class DriverFactory(Protocol):
 
     @classmethod
     async def open(cls, options: Any, *, name: str, namespace: str, codec: str = "none",
-                   workers: Workers | None = None) -> Driver:
+                   layouts: KVLayouts | None = None, workers: Workers | None = None) -> Driver:
         """Opens the driver for one tier. `codec` is the tier's codec, one of `ucm.block.Codec`
         by name (none, zstd, shuffle_zstd, int8, int4; see docs/compression.md): how the driver
-        encodes payloads it stores; loads decode whatever codec a header names.
+        encodes payloads it stores; loads decode whatever codec a header names. `layouts`: the
+        KV layouts of the namespace's blocks, given with a quantizing codec (int8, int4) where
+        the kernel has them; the driver passes them to `frame_block` (or
+        `ucm.block.encode_payload`), which quantizes a block only when they hold a layout of
+        its size.
         `workers`: the kernel's threads (`ucm.drivers.kit.Workers`) for the driver's blocking
         work; None when opened outside a kernel (the kit then uses the process's default)."""
         ...

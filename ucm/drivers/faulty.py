@@ -27,7 +27,7 @@ from pydantic import Field, field_validator
 from ucm.block import Scatter
 from ucm.drivers._registry import get_driver_class
 from ucm.drivers.contract import Driver, DriverOptions, Listing, LoadState, ScatterLoads
-from ucm.drivers.kit import Workers, check_batch, check_keys
+from ucm.drivers.kit import KVLayouts, Workers, check_batch, check_keys
 from ucm.errors import StorageUnavailable
 
 Op = Literal["lookup", "load", "store", "delete", "list_blocks"]
@@ -100,14 +100,16 @@ class FaultyDriver:
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "faulty", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         driver, inner_codec, _ = _split_inner(options.inner)
         factory = get_driver_class(driver)
+        extra = {"layouts": layouts} if layouts is not None else {}  # as the kernel gives them
         inner = await factory.open(options.inner["options"], name=f"{name}.{driver}",
                                    namespace=namespace, codec=inner_codec or codec,
-                                   workers=workers)
+                                   workers=workers, **extra)
         return cls(inner, options, name=name)
 
     async def _inject(self, op: str) -> None:

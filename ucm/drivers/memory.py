@@ -39,6 +39,7 @@ from pydantic import ByteSize, Field, field_validator, model_validator
 from ucm.block import (
     BlockHeader,
     Codec,
+    KVLayouts,
     Scatter,
     checksum,
     copy_hashed,
@@ -83,9 +84,11 @@ class LocalBlocks(Backend):
     """The process-local store. Records are replaced whole, never edited, so a load that
     picked a record up reads one consistent block while a store of the same key runs."""
 
-    def __init__(self, *, namespace: str, codec: Codec) -> None:
+    def __init__(self, *, namespace: str, codec: Codec, layouts: KVLayouts | None = None,
+                 ) -> None:
         self.namespace = namespace
         self.codec = codec
+        self.layouts = layouts
         self.records: dict[bytes, _Record] = {}
 
     def lookup(self, keys: list[bytes]) -> list[bool]:
@@ -117,7 +120,7 @@ class LocalBlocks(Backend):
                 payload = bytearray(view.nbytes)
                 digest = copy_hashed(memoryview(payload), view)
             else:
-                encoded = encode_payload(codec, view)
+                encoded = encode_payload(codec, view, self.layouts)
                 codec, params = stored_codec(codec, encoded)  # shuffle_zstd, int8, int4
                 payload = bytearray(encoded)
                 digest = checksum(payload)
@@ -195,7 +198,8 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "memory", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
@@ -204,15 +208,16 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
                 if getattr(options, key) is not None:
                     raise ConfigError(f"{key}: applies to shared mode only (shared: true)")
             await trio.lowlevel.checkpoint()
-            return cls(LocalBlocks(namespace=namespace, codec=codec_value), name=name,
-                       workers=workers)
+            return cls(LocalBlocks(namespace=namespace, codec=codec_value, layouts=layouts),
+                       name=name, workers=workers)
         sharing = options.sharing()
         root = os.path.abspath(options.shm_dir or default_shm_dir(sharing.gid))
         path = os.path.join(root, safe_dir_name(namespace) + ".arena")
         size = int(options.size or DEFAULT_ARENA_BYTES)
         try:
             arena = await trio.to_thread.run_sync(lambda: ShmArena.open(
-                path, size=size, namespace=namespace, codec=codec_value, sharing=sharing))
+                path, size=size, namespace=namespace, codec=codec_value, layouts=layouts,
+                sharing=sharing))
         except OSError as exc:
             raise os_error(exc, name) from exc
         return cls(arena, name=name, workers=workers)

@@ -54,6 +54,7 @@ from ucm.drivers.kit import (
     PAYLOAD_OFFSET,
     Backend,
     Codec,
+    KVLayouts,
     LoadState,
     RemoteDriver,
     Workers,
@@ -114,7 +115,7 @@ class MooncakeBlocks(Backend):
 
     def __init__(self, client: Any, pool: StagingPool, *, prefix: str, namespace: str,
                  codec: Codec, master: str, force_delete: bool,
-                 reopen: Callable[[], Any]) -> None:
+                 reopen: Callable[[], Any], layouts: KVLayouts | None = None) -> None:
         self._client = client
         self._reopen = reopen
         self._lock = threading.Lock()
@@ -123,6 +124,7 @@ class MooncakeBlocks(Backend):
         self.namespace = namespace
         self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
+        self.layouts = layouts
         self.master = master
         self.force_delete = force_delete
         self.counters = {"refused_full": 0, "delete_deferred": 0, "unstaged": 0,
@@ -174,7 +176,8 @@ class MooncakeBlocks(Backend):
         staged: list[tuple[int, int, int]] = []  # (index, offset, nbytes)
         try:
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
-                header, payload = frame_block(key, self.namespace, self.codec, view)
+                header, payload = frame_block(key, self.namespace, self.codec, view,
+                                              self.layouts)
                 total = PAYLOAD_OFFSET + payload.nbytes
                 offset = self.pool.alloc(total)
                 if offset is None:  # no staging room now: the byte API, one copy more
@@ -319,12 +322,14 @@ class MooncakeDriver(RemoteDriver):
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "mooncake", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
         backend = await trio.to_thread.run_sync(
-            lambda: _connect(options, name=name, namespace=namespace, codec=codec_value),
+            lambda: _connect(options, name=name, namespace=namespace, codec=codec_value,
+                             layouts=layouts),
             abandon_on_cancel=True)
         return cls(backend, name=name, threads=options.threads, workers=workers)
 
@@ -344,7 +349,7 @@ def _check_reachable(address: str, what: str, name: str) -> None:
 
 
 def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
-             codec: Codec) -> MooncakeBlocks:
+             codec: Codec, layouts: KVLayouts | None = None) -> MooncakeBlocks:
     pool = StagingPool(int(options.staging_bytes))
 
     def reopen() -> Any:
@@ -357,7 +362,7 @@ def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
     prefix = f"ucm/{safe_dir_name(namespace)}/"
     return MooncakeBlocks(client, pool, prefix=prefix, namespace=namespace, codec=codec,
                           master=options.master, force_delete=options.force_delete,
-                          reopen=reopen)
+                          reopen=reopen, layouts=layouts)
 
 
 def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: str) -> Any:

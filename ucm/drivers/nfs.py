@@ -50,7 +50,7 @@ from typing import Any, Literal, Self
 import trio
 from pydantic import Field, model_validator
 
-from ucm.block import PAYLOAD_OFFSET, Codec, decode_header
+from ucm.block import PAYLOAD_OFFSET, Codec, KVLayouts, decode_header
 from ucm.drivers._blockfiles import BlockFiles, FileLayout, is_dead_writers_temp, tmp_name
 from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
@@ -129,13 +129,14 @@ class NfsBlocks(Backend):
     """Block files on an NFS export, through nfs-rs (synchronous; runs in worker threads)."""
 
     def __init__(self, conn: Connection, layout: FileLayout, *, namespace: str,
-                 codec: Codec) -> None:
+                 codec: Codec, layouts: KVLayouts | None = None) -> None:
         self.conn = conn
         self.layout = layout
         self.root = layout.roots[0]
         self.namespace = namespace
         self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
+        self.layouts = layouts
         self.retries = 0  # operations run again after an error nfs-rs marked safe to retry
 
     def _call(self, fn: Any) -> Any:
@@ -191,7 +192,7 @@ class NfsBlocks(Backend):
         return [self._store_one(k, v) for k, v in zip(keys, views, strict=True)]
 
     def _store_one(self, key: bytes, view: memoryview) -> int:
-        header, payload = frame_block(key, self.namespace, self.codec, view)
+        header, payload = frame_block(key, self.namespace, self.codec, view, self.layouts)
         total = PAYLOAD_OFFSET + payload.nbytes
         block = _scratch.get(total)
         block[:PAYLOAD_OFFSET] = header
@@ -340,13 +341,15 @@ class NfsDriver(RemoteDriver):
 
     @classmethod
     async def open(cls, options: NfsOptions | dict, *, name: str = "nfs", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self | NfsMountDriver:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self | NfsMountDriver:
         if not isinstance(options, NfsOptions):
             options = NfsOptions.model_validate(options)
         codec_value = parse_codec(codec)
         if options.mode == "mount":
             return await NfsMountDriver.open_mount(options, name=name, namespace=namespace,
-                                                   codec=codec_value, workers=workers)
+                                                   codec=codec_value, layouts=layouts,
+                                                   workers=workers)
         try:
             import nfs_rs  # noqa: F401
         except ImportError as exc:
@@ -356,7 +359,7 @@ class NfsDriver(RemoteDriver):
                           connect_timeout=options.connect_timeout)
         root = f"{options.root.strip('/')}/{safe_dir_name(namespace)}"
         backend = NfsBlocks(conn, FileLayout((root,), options.shard_depth),
-                            namespace=namespace, codec=codec_value)
+                            namespace=namespace, codec=codec_value, layouts=layouts)
         try:
             await trio.to_thread.run_sync(backend.prepare, abandon_on_cancel=True)
         except OSError as exc:
@@ -384,14 +387,16 @@ class NfsMountDriver(ThreadedDriver):
 
     @classmethod
     async def open_mount(cls, options: NfsOptions, *, name: str, namespace: str,
-                         codec: Codec, workers: Workers | None = None) -> NfsMountDriver:
+                         codec: Codec, layouts: KVLayouts | None = None,
+                         workers: Workers | None = None) -> NfsMountDriver:
         path = os.path.abspath(os.path.expanduser(options.path or ""))
         layout = FileLayout((os.path.join(path, safe_dir_name(namespace)),),
                             options.shard_depth)
         try:
             files = await trio.to_thread.run_sync(
                 lambda: MountBlockFiles.open(layout, namespace=namespace, codec=codec,
-                                             fsync=options.fsync, direct=False))
+                                             layouts=layouts, fsync=options.fsync,
+                                             direct=False))
         except OSError as exc:
             raise os_error(exc, name) from exc
         return cls(files, name=name, workers=workers)

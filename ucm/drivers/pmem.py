@@ -32,6 +32,7 @@ from typing import Any, Self
 import trio
 from pydantic import ByteSize, Field
 
+from ucm.block import KVLayouts
 from ucm.drivers._pmem_pool import PmemPool
 from ucm.drivers._pump import Spread, chunks, wide
 from ucm.drivers.contract import DriverOptions
@@ -124,7 +125,8 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "pmem", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
@@ -134,7 +136,7 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
             pool = await trio.to_thread.run_sync(
                 lambda: PmemPool.open(path, size=int(options.size),
                                       max_blocks=options.max_blocks, namespace=namespace,
-                                      codec=codec_value,
+                                      codec=codec_value, layouts=layouts,
                                       populate=options.populate))
         except OSError as exc:
             raise os_error(exc, name) from exc

@@ -48,6 +48,7 @@ from pydantic import ByteSize, Field, field_validator
 from ucm.drivers._blockfiles import FILE_MODE, BlockFiles, FileLayout
 from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
+    KVLayouts,
     ScatterLoading,
     ScatterStoring,
     ThreadedDriver,
@@ -136,7 +137,8 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "posix", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         gid = options.group
@@ -148,6 +150,7 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
         try:
             files = await trio.to_thread.run_sync(
                 lambda: BlockFiles.open(layout, namespace=namespace, codec=parse_codec(codec),
+                                        layouts=layouts,
                                         fsync=options.fsync, direct=options.direct,
                                         direct_writes=options.direct_writes,
                                         map_bytes=int(options.map_bytes),

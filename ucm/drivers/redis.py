@@ -55,6 +55,7 @@ from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     Backend,
     Codec,
+    KVLayouts,
     LoadState,
     RemoteDriver,
     Workers,
@@ -211,7 +212,7 @@ class RedisBlocks(Backend):
     """The synchronous side: batches of blocks to and from one redis.Redis."""
 
     def __init__(self, client: Any, *, prefix: bytes, namespace: str, codec: Codec,
-                 where: str) -> None:
+                 where: str, layouts: KVLayouts | None = None) -> None:
         import redis
 
         self.client = client
@@ -219,6 +220,7 @@ class RedisBlocks(Backend):
         self.namespace = namespace
         self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
+        self.layouts = layouts
         self.where = where
         self._errors = redis.exceptions
         self.counters = {"refused_full": 0}
@@ -268,7 +270,7 @@ class RedisBlocks(Backend):
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
         values = []
         for key, view in zip(keys, views, strict=True):
-            header, payload = frame_block(key, self.namespace, self.codec, view)
+            header, payload = frame_block(key, self.namespace, self.codec, view, self.layouts)
             values.append(header + payload)  # one value, one SET: atomic for readers
         replies = self._pipeline(
             lambda p: [p.set(self.name_of(k), v) for k, v in zip(keys, values, strict=True)])
@@ -341,7 +343,8 @@ class RedisDriver(RemoteDriver):
 
     @classmethod
     async def open(cls, options: RedisOptions | dict, *, name: str = "redis", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, RedisOptions):
             options = RedisOptions.model_validate(options)
         codec_value = parse_codec(codec)
@@ -349,7 +352,7 @@ class RedisDriver(RemoteDriver):
         prefix = (f"{options.prefix}:" if options.prefix else "") + safe_dir_name(namespace)
         client = _client(options, kwargs)
         backend = RedisBlocks(client, prefix=(prefix + ":").encode(), namespace=namespace,
-                              codec=codec_value, where=where)
+                              codec=codec_value, where=where, layouts=layouts)
         try:
             await trio.to_thread.run_sync(_check_server, backend, name, source,
                                           abandon_on_cancel=True)

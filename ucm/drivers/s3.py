@@ -49,6 +49,7 @@ from ucm.block import (
     PAYLOAD_OFFSET,
     BlockHeader,
     Codec,
+    KVLayouts,
     decode_header,
     decode_payload_into,
     verify_payload,
@@ -127,13 +128,14 @@ class S3Driver:
         part_size: ByteSize = Field(default=ByteSize(8 * 2**20), ge=5 * 2**20)
 
     def __init__(self, client: S3Client, options: Options, *, name: str, namespace: str,
-                 codec: Codec) -> None:
+                 codec: Codec, layouts: KVLayouts | None = None) -> None:
         self.client = client
         self.options = options
         self.name = name
         self.namespace = namespace
         self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
+        self.layouts = layouts
         prefix = options.prefix.strip("/")
         self.key_prefix = (f"{prefix}/" if prefix else "") + safe_dir_name(namespace) + "/"
         self._closed = False
@@ -144,7 +146,8 @@ class S3Driver:
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "s3", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
@@ -159,7 +162,8 @@ class S3Driver:
         except BaseException:
             await client.aclose()
             raise
-        return cls(client, options, name=name, namespace=namespace, codec=codec_value)
+        return cls(client, options, name=name, namespace=namespace, codec=codec_value,
+                   layouts=layouts)
 
     def object_key(self, key: bytes) -> str:
         """The object name of `key` (tests and tools)."""
@@ -308,7 +312,7 @@ class S3Driver:
     # -- one block ----------------------------------------------------------------------------
 
     async def _store_one(self, key: bytes, view: memoryview) -> int:
-        header, payload = frame_block(key, self.namespace, self.codec, view)
+        header, payload = frame_block(key, self.namespace, self.codec, view, self.layouts)
         size = PAYLOAD_OFFSET + payload.nbytes
         name = self.object_key(key)
         if size > self.options.multipart_threshold:

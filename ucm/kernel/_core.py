@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ucm.block import Scatter, copy_bytes
+from ucm.codecs import Codec, KVLayouts
 from ucm.config import TierConfig, UCMConfig
 from ucm.drivers import FreeSpace, Listing, LoadState, get_driver_class
 from ucm.drivers.kit import Workers
@@ -63,8 +64,9 @@ log = logging.getLogger("ucm.kernel")
 
 class KernelCore:
     def __init__(self, config: UCMConfig, nursery: trio.Nursery, *,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, layouts: KVLayouts | None = None) -> None:
         self.config = config
+        self.layouts = layouts  # the namespace's KV layouts, for the tiers that quantize
         self.tiers: list[Tier] = []
         self.stats: Counter[str] = Counter()
         self.tracer = tracer
@@ -86,14 +88,15 @@ class KernelCore:
     @classmethod
     @asynccontextmanager
     async def open(cls, config: UCMConfig, *, tracer: Tracer | None = None,
-                   drain_timeout: float = 30.0) -> AsyncIterator[KernelCore]:
+                   drain_timeout: float = 30.0, layouts: KVLayouts | None = None,
+                   ) -> AsyncIterator[KernelCore]:
         """Opens every tier; on exit drains background work (up to `drain_timeout`), then
         closes the drivers."""
         if tracer is None:
             tracer = _configured_tracer(config)
         with unwrap_single():
             async with trio.open_nursery() as nursery:
-                core = cls(config, nursery, tracer=tracer)
+                core = cls(config, nursery, tracer=tracer, layouts=layouts)
                 if tracer is not None:  # writes the trace; flushes and closes on cancel
                     nursery.start_soon(tracer.serve)
                 try:
@@ -121,9 +124,12 @@ class KernelCore:
         if any(t.name == name for t in self.tiers):
             raise InvalidRequest(f"a tier named {name!r} is attached already")
         factory = get_driver_class(tier_config.driver)
+        codec = tier_config.codec or self.config.codec  # a tier without one: the default
+        extra = ({"layouts": self.layouts} if self.layouts is not None
+                 and Codec.parse(codec).quantizes else {})
         driver = await factory.open(tier_config.options, name=name,
-                                    namespace=self.config.namespace, codec=tier_config.codec,
-                                    workers=self.workers)
+                                    namespace=self.config.namespace, codec=codec,
+                                    workers=self.workers, **extra)
         policy = make_policy(self.config.eviction,
                              int(tier_config.capacity) if tier_config.capacity else None,
                              clock=trio.current_time)

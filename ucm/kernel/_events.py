@@ -10,13 +10,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from ucm.block import MAX_KEY_BYTES, Scatter, as_buffer_view, check_key
+from ucm.config import Durability
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest
-
-Durability = Literal["memory", "local", "all"]
 
 
 class Priority(enum.IntEnum):

@@ -15,11 +15,12 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ucm.codecs import KVLayout, KVLayouts
 from ucm.config import TierConfig, UCMConfig, load_config
 from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UCMError
 from ucm.kernel._accounting import trace_fields
@@ -41,9 +42,13 @@ class Kernel:
     """One per process. Starts lazily on the first `submit` (or `start()`), after any fork."""
 
     def __init__(self, config: UCMConfig | dict[str, Any] | str | os.PathLike[str] | None = None,
-                 *, tracer: Tracer | None = None, drain_timeout: float = 30.0) -> None:
+                 *, tracer: Tracer | None = None, drain_timeout: float = 30.0,
+                 layouts: Iterable[KVLayout] | None = None) -> None:
         self.config = load_config(config)
         self.drain_timeout = drain_timeout
+        # the KV layouts of this namespace's blocks (an engine hook's): what its quantizing
+        # tiers quantize with; two of one size are a ConfigError naming both
+        self.layouts = KVLayouts(layouts or (), namespace=self.config.namespace) or None
         if tracer is None:  # config.trace or UCM_TRACE; the core runs its writer task
             tracer = _configured_tracer(self.config)
         self._tracer = tracer
@@ -110,7 +115,8 @@ class Kernel:
     async def _main(self, ready: threading.Event) -> None:
         try:
             async with KernelCore.open(self.config, tracer=self._tracer,
-                                       drain_timeout=self.drain_timeout) as core:
+                                       drain_timeout=self.drain_timeout,
+                                       layouts=self.layouts) as core:
                 with trio.move_on_after(float("inf")) as drain:
                     async with trio.open_nursery() as events:
                         self._core, self._events = core, events

@@ -1,4 +1,4 @@
-"""Device ops under ucm's sparse methods and codecs.
+"""Device ops under ucm's sparse methods (block scores, top-k).
 
 Every op has a torch reference that runs on the CPU (and on any torch device) and, where a
 kernel exists, a CuPy twin (`*_cupy`) that compiles `native/*.cu` with `cupy.RawModule` on first

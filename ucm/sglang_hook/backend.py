@@ -24,11 +24,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
 from ucm.block import Scatter
-from ucm.config import UCMConfig, load_config
+from ucm.codecs import KVLayout
+from ucm.config import UCMConfig, format_errors, load_config
 from ucm.engine.keys import (
     chain_seed,
     foreign_key,
@@ -43,10 +47,55 @@ from ucm.kernel import Kernel
 
 log = logging.getLogger("ucm.sglang_hook")
 
-OPTIONS = {"ucm", "model_id", "model_path", "timeout", "backend_name", "module_path",
-           "class_name", "interface_v1"}
 DEFAULT_TIMEOUT = 10.0
 T = TypeVar("T")
+_OPTIONS = "hicache_storage_backend_extra_config"
+
+
+class StorageOptions(BaseModel):
+    """Every key of SGLang's `hicache_storage_backend_extra_config` the backend accepts."""
+
+    # Errors name the key, never echo its value: a ucm config may hold a secret.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    ucm: UCMConfig = Field(
+        description="the ucm config: a mapping (tiers, deadline, ...), or the path of a YAML "
+        "or JSON file holding one")
+    model_id: str | None = Field(
+        default=None, min_length=1, description="names the model in the namespace instead "
+        "of the fingerprint of its checkpoint: whoever sets it vouches that every engine "
+        "given the same id runs the same weights")
+    model_path: str | None = Field(
+        default=None, min_length=1, description="the local checkpoint to fingerprint when "
+        "SGLang's served model name is not one")
+    timeout: float = Field(
+        default=DEFAULT_TIMEOUT, gt=0, strict=True, description="seconds each call may take "
+        "(its kernel deadline); a call past it is a miss")
+    interface_v1: bool = Field(
+        default=False, description="SGLang's zero-copy interface: pages go straight between "
+        "its host pool and the drivers (read by SGLang)")
+    backend_name: str | None = Field(default=None, description="SGLang's name for the "
+                                     "backend (read by SGLang)")
+    module_path: str | None = Field(default=None, description="the module SGLang loads the "
+                                    "backend from, ucm.sglang_hook (read by SGLang)")
+    class_name: str | None = Field(default=None, description="the backend's class, "
+                                   "UCMStorage (read by SGLang)")
+
+    @field_validator("ucm", mode="before")
+    @classmethod
+    def _config_file(cls, value: Any) -> Any:
+        """A path names a YAML or JSON file holding the ucm config."""
+        if isinstance(value, str | os.PathLike):
+            return load_config(Path(value))
+        return value
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> StorageOptions:
+        """The options in an extra config; ConfigError names a bad or missing key."""
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            raise ConfigError(format_errors(exc, root=_OPTIONS)) from None
 
 
 def page_namespace(*, model_id: str, model_type: str, dtype: str, page_size: int, layout: str,
@@ -57,6 +106,31 @@ def page_namespace(*, model_id: str, model_type: str, dtype: str, page_size: int
     kv_layout = f"sglang.{layout}.{'mla' if is_mla else 'mha'}"
     return make_namespace(model_type=model_type, model_id=model_id, dtype=dtype,
                           block_size=page_size, kv_layout=kv_layout)
+
+
+_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
+
+
+def page_layouts(mem_pool_host: Any, *, layout: str, is_mla: bool) -> list[KVLayout]:
+    """The KV layout of SGLang's pages, for the quantizing tiers of the backend's kernel: an
+    MHA `layer_first` page is [K, V] x layers x page_size x heads x head_dim in its flat-page
+    order (K of every layer, then V; SGLang's get_flat_data_page), so per layer a key part and,
+    after all of them, a value part of page_size tokens by heads x head_dim channels. [] for
+    any other page (MLA's latent, other layouts, other dtypes): quantizing tiers store those
+    losslessly."""
+    dtype = _DTYPES.get(str(getattr(mem_pool_host, "dtype", "")))
+    try:
+        layers = int(mem_pool_host.layer_num)
+        tokens = int(mem_pool_host.page_size)
+        channels = int(mem_pool_host.head_num) * int(mem_pool_host.head_dim)
+    except (AttributeError, TypeError, ValueError):
+        return []
+    if is_mla or layout != "layer_first" or dtype is None or min(layers, tokens, channels) < 1:
+        return []
+    found = KVLayout(dtype, (("k", tokens, channels),) * layers + (("v", tokens, channels),)
+                     * layers)
+    page_bytes = int(mem_pool_host.get_dummy_flat_data_page().nbytes)
+    return [found] if found.raw_bytes == page_bytes else []
 
 
 def storage_key(seed: bytes, sglang_key: str, *, rank: int, size: int) -> bytes:
@@ -84,28 +158,18 @@ def _identity(model: str, model_id: str | None) -> tuple[str, str]:
 class UCMStorageBase:
     """ucm as a HiCache storage backend; SGLang builds it as `cls(storage_config, kwargs)`.
 
-    The extra config's `ucm` key holds a ucm config (a dict, or a path to a YAML file);
-    `model_path` or `model_id` names the model when the served name is not its checkpoint,
-    `timeout` bounds each call (seconds). A bad config raises ConfigError here, at start.
+    The extra config's keys are `StorageOptions`: `ucm` holds a ucm config (a mapping, or the
+    path of a YAML or JSON file); `model_path` or `model_id` names the model when the served
+    name is not its checkpoint, `timeout` bounds each call (seconds). An unknown key, a bad
+    value or a missing `ucm` raises ConfigError naming the key here, at start.
     """
 
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
-        extra = dict(getattr(storage_config, "extra_config", None) or {})
-        unknown = sorted(set(extra) - OPTIONS)
-        if unknown:
-            raise ConfigError(f"ucm.sglang_hook: unknown extra config keys {unknown} "
-                              f"(known: {sorted(OPTIONS)})")
-        if "ucm" not in extra:
-            raise ConfigError("ucm.sglang_hook: the extra config needs a 'ucm' key holding a "
-                              "ucm config (tiers, ...)")
-        self.ucm_config: UCMConfig = load_config(extra["ucm"])
-        timeout = extra.get("timeout", DEFAULT_TIMEOUT)
-        if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
-            raise ConfigError(f"ucm.sglang_hook: timeout must be a number of seconds > 0, not "
-                              f"{timeout!r}")
-        self.timeout = float(timeout)
-        model = str(extra.get("model_path") or getattr(storage_config, "model_name", "") or "")
-        self.model_type, self.model_id = _identity(model, extra.get("model_id"))
+        options = StorageOptions.parse(getattr(storage_config, "extra_config", None))
+        self.ucm_config: UCMConfig = options.ucm
+        self.timeout = options.timeout
+        model = str(options.model_path or getattr(storage_config, "model_name", "") or "")
+        self.model_type, self.model_id = _identity(model, options.model_id)
         tp_rank = int(getattr(storage_config, "tp_rank", 0) or 0)
         tp_size = int(getattr(storage_config, "tp_size", 1) or 1)
         pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
@@ -120,6 +184,7 @@ class UCMStorageBase:
         self.namespace = ""
         self.k_then_v = False  # layer_first MHA: pieces come K0 V0 K1 V1 ..., pages K... V...
         self.page_bytes = 0
+        self.kv_layouts: list[KVLayout] = []  # given to the kernel's quantizing tiers
         # (pages, GB/s) of each load and store since SGLang last asked: its storage metrics.
         self._metrics_lock = threading.Lock()
         self._metrics: dict[str, list[float]] = {"prefetch_pgs": [], "prefetch_bandwidth": [],
@@ -141,8 +206,10 @@ class UCMStorageBase:
         self.k_then_v = layout == "layer_first" and not self.is_mla
         self.page_bytes = int(mem_pool_host.get_dummy_flat_data_page().nbytes)
         config = self.ucm_config.model_copy(update={"namespace": self.namespace})
+        # where keys and values sit in a page, for tiers that quantize (ucm.codecs)
+        self.kv_layouts = page_layouts(mem_pool_host, layout=layout, is_mla=self.is_mla)
         # No call waits longer than `timeout`, so neither does closing for what is in flight.
-        self.kernel = Kernel(config, drain_timeout=self.timeout)
+        self.kernel = Kernel(config, drain_timeout=self.timeout, layouts=self.kv_layouts)
         self.io = PageIO(self.kernel, timeout=self.timeout)
         try:
             self.kernel.start()

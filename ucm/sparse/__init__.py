@@ -1,10 +1,9 @@
-"""Sparse attention for ucm: block-selection methods, the per-request session, the fetcher
-that turns selections into kernel events, and KV codecs for storage (`codecs`: not yet in the
-store path; the compression issue wires them into it).
+"""Sparse attention for ucm: block-selection methods, the per-request session, and the fetcher
+that turns selections into kernel events. (The KV codecs of the store path are `ucm.codecs`.)
 
 Names resolve lazily, so `from ucm.sparse import SparseConfig` (scheduler side) does not import
 torch; everything else imports torch on first use. `ucm bench sparse` prints the
-selection latency, fetched bytes per step and the codec table.
+selection latency, fetched bytes per step and the table of the store path's codecs.
 """
 
 from __future__ import annotations
@@ -37,11 +36,6 @@ _EXPORTS = {
     "block_mass": "attention",
     "block_token_mask": "attention",
     "mass_recall": "attention",
-    "LosslessCodec": "codecs",
-    "QuantCodec": "codecs",
-    "CodecReport": "codecs",
-    "decode_any": "codecs",
-    "measure": "codecs",
 }
 
 __all__ = [
@@ -51,13 +45,10 @@ __all__ = [
     "Adaptive",
     "BlockFetcher",
     "BlockReps",
-    "CodecReport",
     "FetchStats",
     "KVStar",
-    "LosslessCodec",
     "PendingLoad",
     "PrefetchStats",
-    "QuantCodec",
     "Quest",
     "Random",
     "SparseConfig",
@@ -66,12 +57,10 @@ __all__ = [
     "StepPlan",
     "block_mass",
     "block_token_mask",
-    "decode_any",
     "dense_attention",
     "make_method",
     "masked_attention",
     "mass_recall",
-    "measure",
     "select_blocks",
     "sparse_attention",
 ]
@@ -85,7 +74,6 @@ if TYPE_CHECKING:
         mass_recall,
         sparse_attention,
     )
-    from ucm.sparse.codecs import CodecReport, LosslessCodec, QuantCodec, decode_any, measure
     from ucm.sparse.config import SparseConfig
     from ucm.sparse.fetch import BlockFetcher, FetchStats, PendingLoad
     from ucm.sparse.methods import (

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -37,12 +37,13 @@ from pydantic import (
     model_validator,
 )
 
-from ucm.config import UCMConfig, config_fingerprint, load_config
+from ucm.config import UCMConfig, config_fingerprint, format_errors, load_config
 from ucm.errors import ConfigError
 from ucm.sparse.config import SparseConfig
 from ucm.vllm_hook.keys import make_namespace, model_identity, weights_fingerprint
 
 if TYPE_CHECKING:
+    from ucm.codecs import KVLayout
     from ucm.kernel import Kernel
     from ucm.vllm_hook.metadata import BlockTransfer
 
@@ -135,21 +136,11 @@ class HookOptions(BaseModel):
         try:
             return cls.model_validate(dict(extra or {}), context={"block_size": block_size})
         except ValidationError as exc:
-            raise ConfigError(_format_error(exc)) from None
+            raise ConfigError(format_errors(exc, root=_OPTIONS)) from None
 
     def ucm_config(self) -> UCMConfig:
         """The ucm config these options name (ConfigError if its file is bad)."""
         return load_config(self.ucm if self.ucm is not None else self.ucm_config_file)
-
-
-def _format_error(exc: ValidationError) -> str:
-    """As `ucm.config` words them, each under the options' own name."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join([_OPTIONS, *(str(p) for p in err["loc"] if p != "options")])
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        lines.append(f"{loc}: {msg}")
-    return "; ".join(lines)
 
 
 _DEFAULTS = HookOptions()
@@ -330,11 +321,13 @@ def _lookup_only(tier: Any) -> Any:
 
 
 # -- kernels ----------------------------------------------------------------------------------
-def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = ()) -> Kernel:
+def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = (),
+                 layouts: Sequence[KVLayout] = ()) -> Kernel:
     """A Kernel for `config`, starting in the background: opening a tier can be slow or hang
     (an unreachable backend), and vLLM's start-up must not wait for it. Until `kernel.running`
     the hook treats every block as a miss. `sinks` get its trace records (the connector's
-    stats, `ucm.vllm_hook.stats`), beside any trace the config asks for."""
+    stats, `ucm.vllm_hook.stats`), beside any trace the config asks for; `layouts`: the KV
+    layouts of the blocks it stores (`Kernel(layouts=)`)."""
     from ucm.kernel import Kernel
 
     tracer = None
@@ -343,7 +336,7 @@ def start_kernel(config: UCMConfig, sinks: tuple[Any, ...] = ()) -> Kernel:
 
         tracer = tracer_from_config(config) or Tracer()
         tracer.sinks.extend(sinks)
-    kernel = Kernel(config, tracer=tracer)
+    kernel = Kernel(config, tracer=tracer, layouts=layouts)
 
     def start() -> None:
         try:
@@ -409,11 +402,11 @@ class ProcessKernels:
         return os.getpid(), config_fingerprint(config)
 
     def acquire(self, config: UCMConfig, worker: KernelOwner | None,
-                sinks: tuple[Any, ...] = ()) -> SharedKernel:
-        """Starts a kernel for `config` (`start_kernel`, feeding `sinks`) owned by `worker` (a
-        WorkerSide; None for a kernel shared without one) and makes it findable. Its owner
-        closes it, after `release`."""
-        shared = SharedKernel(start_kernel(config, sinks), worker)
+                sinks: tuple[Any, ...] = (), layouts: Sequence[KVLayout] = ()) -> SharedKernel:
+        """Starts a kernel for `config` (`start_kernel`, feeding `sinks`, given `layouts`)
+        owned by `worker` (a WorkerSide; None for a kernel shared without one) and makes it
+        findable. Its owner closes it, after `release`."""
+        shared = SharedKernel(start_kernel(config, sinks, layouts), worker)
         with self._lock:
             self._shared[self._key(config)] = shared
         return shared

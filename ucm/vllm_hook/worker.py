@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ucm.codecs.vllm import register_kv_caches
+from ucm.codecs.vllm import cache_layouts
 from ucm.drivers import LoadState
 from ucm.engine.pages import PageIO, PendingPages
 from ucm.errors import UCMError
@@ -57,7 +57,7 @@ class WorkerSide:
         self._sinks = sinks  # tracer sinks of the kernel (the connector's stats)
         self.stats: Counter[str] = Counter()
         self.layout: BlockLayout | None = None
-        self.kv_layouts: list[Any] = []  # what ucm.codecs registered for this cache
+        self.kv_layouts: list[Any] = []  # this cache's KV layouts, given to its kernel
         self._kernel: Any = None
         self._shared: SharedKernel | None = None  # the kernel, as a scheduler side finds it
         self._load_staging: torch.Tensor | None = None
@@ -97,10 +97,11 @@ class WorkerSide:
         self.layout = BlockLayout(kv_caches, num_blocks)
         # where keys and values sit, for tiers that quantize (ucm.codecs); on CPU the order
         # inside a block is the attention ISA's (`cpu_isa`, the layers' isa)
-        self.kv_layouts = register_kv_caches(
+        self.kv_layouts = cache_layouts(
             kv_caches, self.layout.num_blocks, self.layout.block_bytes,
             interpretable=self.layout.device.type == "cuda", cpu_isa=cpu_isa)
-        self._shared = kernels.acquire(self.settings.ucm_config, self, self._sinks)
+        self._shared = kernels.acquire(self.settings.ucm_config, self, self._sinks,
+                                       layouts=self.kv_layouts)
         self._kernel = self._shared.kernel
         self._pages = PageIO(self._kernel, timeout=self.settings.load_timeout, deadline=None)
         if self.layout.scatters and self.settings.hugepages:

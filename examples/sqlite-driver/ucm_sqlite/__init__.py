@@ -25,6 +25,7 @@ from ucm.drivers import DriverOptions
 from ucm.drivers.kit import (
     Backend,
     Codec,
+    KVLayouts,
     LoadState,
     ThreadedDriver,
     Workers,
@@ -59,10 +60,12 @@ class SqliteBlocks(Backend):
     """The synchronous half: batched calls the kit runs on worker threads. Each thread has a
     connection of its own (a sqlite3 connection is not to be shared between threads)."""
 
-    def __init__(self, path: str, *, namespace: str, codec: Codec, name: str) -> None:
+    def __init__(self, path: str, *, namespace: str, codec: Codec, name: str,
+                 layouts: KVLayouts | None = None) -> None:
         self.path = path
         self.namespace = namespace
         self.codec = codec
+        self.layouts = layouts  # what int8/int4 quantize with (none: stored losslessly)
         self.name = name
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
@@ -110,7 +113,7 @@ class SqliteBlocks(Backend):
     def store(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
         rows = []
         for key, view in zip(keys, views, strict=True):
-            header, payload = frame_block(key, self.namespace, self.codec, view)
+            header, payload = frame_block(key, self.namespace, self.codec, view, self.layouts)
             rows.append((self.namespace, key, header + payload))
         db = self._db()
         try:
@@ -167,7 +170,8 @@ class SqliteDriver(ThreadedDriver):
 
     @classmethod
     async def open(cls, options: Options | dict, *, name: str = "sqlite", namespace: str,
-                   codec: str = "none", workers: Workers | None = None) -> Self:
+                   codec: str = "none", layouts: KVLayouts | None = None,
+                   workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
         path = os.path.abspath(options.path)
@@ -175,7 +179,8 @@ class SqliteDriver(ThreadedDriver):
 
         def connect() -> SqliteBlocks:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            return SqliteBlocks(path, namespace=namespace, codec=codec_value, name=name)
+            return SqliteBlocks(path, namespace=namespace, codec=codec_value, name=name,
+                                layouts=layouts)
 
         try:
             backend = await trio.to_thread.run_sync(connect)

@@ -5,7 +5,8 @@
 Validation     check_keys, check_batch, size_mismatch: arguments checked as the contract says;
                wrong_size: a stored block of another size than the buffer (CORRUPT)
 Framing        frame_block, unframe_into: a block in the self-describing `ucm.block` format
-               (header with key, namespace, codec, lengths and checksum; payload after it)
+               (header with key, namespace, codec, lengths and checksum; payload after it);
+               KVLayouts: what a quantizing tier's `open(..., layouts=)` gets, for frame_block
 Errors         os_error: an OSError that failed a batch, as the ucm exception tree
 Threaded base  Backend + ThreadedDriver: write a synchronous, batched Backend; ThreadedDriver
                validates each call, runs it on worker threads, counts and translates errors;
@@ -26,7 +27,7 @@ docs/writing-a-driver.md walks through a complete driver built on it.
 
 from __future__ import annotations
 
-from ucm.block import PAYLOAD_OFFSET, Codec, Scatter, wrong_size
+from ucm.block import PAYLOAD_OFFSET, Codec, KVLayouts, Scatter, wrong_size
 from ucm.drivers._workers import Workers
 from ucm.drivers.contract import (
     STATISTICS,
@@ -60,6 +61,7 @@ __all__ = [
     "Backend",
     "Codec",
     "DriverStatistics",
+    "KVLayouts",
     "LoadState",
     "RemoteDriver",
     "Scatter",

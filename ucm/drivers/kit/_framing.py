@@ -17,6 +17,7 @@ from typing import Any
 from ucm.block import (
     PAYLOAD_OFFSET,
     Codec,
+    KVLayouts,
     Scatter,
     as_buffer_view,
     decode_header,
@@ -30,11 +31,12 @@ from ucm.errors import BlockCorrupt
 
 
 def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview | Scatter,
-                ) -> tuple[bytes, memoryview | Scatter]:
+                layouts: KVLayouts | None = None) -> tuple[bytes, memoryview | Scatter]:
     """A block as stored: its header (PAYLOAD_OFFSET bytes) and its payload (`raw` encoded
     with `codec`; `raw` itself for Codec.NONE, a Scatter too: write its pieces in order).
-    Store the two back to back."""
-    payload = as_buffer_view(encode_payload(codec, raw))
+    `layouts`: the KV layouts the driver was opened with (int8 and int4 need one of the
+    block's size to quantize it). Store the two back to back."""
+    payload = as_buffer_view(encode_payload(codec, raw, layouts))
     return encode_header(key, namespace, codec, payload, raw.nbytes), payload
 
 
