@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ucm.block import MAX_KEY_BYTES, Scatter, as_buffer_view, check_key
@@ -60,12 +60,12 @@ def _check_buffers(keys: tuple[bytes, ...], buffers: Sequence[Any], *, writable:
 
 # The constructors take what callers have (lists, bytes, bytearrays, Scatters); the fields
 # hold the checked, normalized tuples. `init=False` keeps dataclass from writing an __init__
-# that would type each argument as its field.
+# that would type each argument as its field; kw_only keeps `__match_args__` to the keys.
 @dataclass(frozen=True, slots=True, init=False)
 class _Event:
     keys: tuple[bytes, ...]
-    deadline: float | None  # seconds after submission
-    request_id: str | None  # carried into the trace
+    deadline: float | None = field(kw_only=True)  # seconds after submission
+    request_id: str | None = field(kw_only=True)  # carried into the trace
 
     def __init__(self, keys: Sequence[bytes], *, deadline: float | None = None,
                  request_id: str | None = None) -> None:
@@ -86,8 +86,8 @@ class Lookup(_Event):
     """Which keys are stored, and in which tier. With `prefix`, the result stops at the first
     miss. With `pin`, hits stay unevictable until loaded, unpinned, or `pin_ttl` passes."""
 
-    prefix: bool
-    pin: bool
+    prefix: bool = field(kw_only=True)
+    pin: bool = field(kw_only=True)
     priority = Priority.LOOKUP
 
     def __init__(self, keys: Sequence[bytes], *, prefix: bool = False, pin: bool = False,
@@ -102,7 +102,7 @@ class Load(_Event):
     """Reads each block into its buffer: a writable buffer of exactly the block's size, or a
     `Scatter` of pieces that add up to it."""
 
-    buffers: tuple[memoryview | Scatter, ...]
+    buffers: tuple[memoryview | Scatter, ...] = field(kw_only=True)
     priority = Priority.LOAD
 
     def __init__(self, keys: Sequence[bytes], *, buffers: Sequence[Buffer | Scatter] = (),
@@ -118,8 +118,8 @@ class Store(_Event):
     pieces, stored in order as one block: a driver with `ScatterStores` writes from the
     pieces, for any other the kernel joins them once (`store_gathers`)."""
 
-    buffers: tuple[memoryview | Scatter, ...]
-    durability: Durability | None
+    buffers: tuple[memoryview | Scatter, ...] = field(kw_only=True)
+    durability: Durability | None = field(kw_only=True)
     priority = Priority.STORE
 
     def __init__(self, keys: Sequence[bytes], *, buffers: Sequence[Buffer | Scatter] = (),
@@ -139,7 +139,7 @@ class Prefetch(_Event):
     block size to use for keys whose size this kernel has not seen (stored by another
     process)."""
 
-    block_bytes: int | None
+    block_bytes: int | None = field(kw_only=True)
     priority = Priority.PREFETCH
 
     def __init__(self, keys: Sequence[bytes], *, block_bytes: int | None = None,
