@@ -16,7 +16,6 @@ from __future__ import annotations
 from test_layering import ROOT, module_imports, source_modules
 
 
-
 def import_graph() -> dict[str, dict[str, int]]:
     """module -> {module it imports: the line of the first such import}, for the source
     modules (compiled ones and other packages import nothing of ucm)."""

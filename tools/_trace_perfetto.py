@@ -13,13 +13,14 @@ import json
 from collections import defaultdict
 from typing import Any
 
-from ._trace_model import Trace
+from ._trace_model import Event, Trace
 
 
 class _Lanes:
     """Assigns non-overlapping lanes (thread ids) to the intervals of one track."""
 
-    def __init__(self, next_tid: list[int], name: str, pid: int, meta: list[dict]) -> None:
+    def __init__(self, next_tid: list[int], name: str, pid: int,
+                 meta: list[dict[str, Any]]) -> None:
         self.ends: list[int] = []
         self.tids: list[int] = []
         self.next_tid, self.name, self.pid, self.meta = next_tid, name, pid, meta
@@ -41,16 +42,17 @@ class _Lanes:
         return tid
 
 
-def _jsonable(fields: dict) -> dict:
+def _jsonable(fields: dict[Any, Any]) -> dict[str, Any]:
     """A record's fields as JSON can hold them (keys and unknown values as strings)."""
-    return json.loads(json.dumps({str(k): v for k, v in fields.items()}, default=str,
-                                 skipkeys=True))
+    text = json.dumps({str(k): v for k, v in fields.items()}, default=str, skipkeys=True)
+    held: dict[str, Any] = json.loads(text)
+    return held
 
 
 def to_chrome(trace: Trace) -> dict[str, Any]:
     base = trace.t_min
-    meta: list[dict] = []
-    out: list[dict] = []
+    meta: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     pids = sorted({e.pid for e in trace.events} | {o.pid for o in trace.ops}
                   | {r.pid for r in trace.errors + trace.evictions})
     drivers_pid = {pid: 2 * i + 1 for i, pid in enumerate(pids)}
@@ -75,7 +77,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
     for op in sorted(trace.ops, key=lambda o: o.t0):
         pid = drivers_pid[op.pid]
         tid = lanes(pid, f"tier {op.tier}").place(op.t0, op.t1)
-        args = {"event_id": op.event_id, "keys": op.keys, "bytes": op.nbytes}
+        args: dict[str, Any] = {"event_id": op.event_id, "keys": op.keys, "bytes": op.nbytes}
         if op.hits is not None:
             args["hits"] = op.hits
         if op.error:
@@ -83,20 +85,21 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         out.append({"ph": "X", "name": op.op + (" (error)" if op.error else ""),
                     "cat": "driver", "pid": pid, "tid": tid, "ts": us(op.t0),
                     "dur": max(us(op.t1) - us(op.t0), 0.0), "args": args})
-    by_track: dict[tuple[int, str], list] = defaultdict(list)
+    # (start, end, event) of the events that have both
+    by_track: dict[tuple[int, str], list[tuple[int, int, Event]]] = defaultdict(list)
     for ev in trace.events:
         if ev.start is None or ev.end is None:
             continue
         track = f"request {ev.request_id}" if ev.request_id is not None else "events"
-        by_track[(ev.pid, track)].append(ev)
+        by_track[(ev.pid, track)].append((ev.start, ev.end, ev))
     for (pid, track), evs in sorted(by_track.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        for ev in sorted(evs, key=lambda e: e.start):
+        for start, end, ev in sorted(evs, key=lambda s: s[0]):
             rpid = requests_pid[pid]
-            t0 = ev.submit if ev.submit is not None else ev.start
-            tid = lanes(rpid, track).place(t0, ev.end)
+            t0 = ev.submit if ev.submit is not None else start
+            tid = lanes(rpid, track).place(t0, end)
             args = {"event_id": ev.event_id, "keys": ev.keys, "outcome": ev.outcome,
                     "bytes": ev.nbytes, "tiers": ev.tiers,
-                    "queue_us": (ev.start - t0) / 1000.0}
+                    "queue_us": (start - t0) / 1000.0}
             if ev.request_id is not None:
                 args["request_id"] = ev.request_id
             if ev.key:
@@ -104,7 +107,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
             if ev.error:
                 args["error"] = ev.error
             out.append({"ph": "X", "name": ev.type, "cat": "event", "pid": rpid, "tid": tid,
-                        "ts": us(t0), "dur": max(us(ev.end) - us(t0), 0.0), "args": args})
+                        "ts": us(t0), "dur": max(us(end) - us(t0), 0.0), "args": args})
     for r in trace.evictions + trace.errors:
         pid = drivers_pid[r.pid]
         tier = r.fields.get("tier")

@@ -13,7 +13,7 @@ _COLORS = {"lookup": "tab:blue", "load": "tab:green", "store": "tab:orange",
            "delete": "tab:red"}
 
 
-def plot(trace: Trace, out: str | os.PathLike, *, title: str | None = None) -> None:
+def plot(trace: Trace, out: str | os.PathLike[str], *, title: str | None = None) -> None:
     try:
         import matplotlib
     except ImportError as exc:
@@ -28,7 +28,7 @@ def plot(trace: Trace, out: str | os.PathLike, *, title: str | None = None) -> N
 
     # Driver calls: one row per tier and operation.
     rows = sorted({(o.tier, o.op) for o in trace.ops})
-    by_row: dict[tuple[str, str], list] = defaultdict(list)
+    by_row: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
     for o in trace.ops:
         by_row[(o.tier, o.op)].append(((o.t0 - base) / 1e9, max(o.t1 - o.t0, 1) / 1e9))
     for y, row in enumerate(rows):
@@ -46,9 +46,9 @@ def plot(trace: Trace, out: str | os.PathLike, *, title: str | None = None) -> N
     ax_tl.grid(axis="x", alpha=0.3)
 
     # Event latency over time.
-    by_type: dict[str, list] = defaultdict(list)
+    by_type: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for ev in trace.events:
-        if ev.seconds is not None:
+        if ev.seconds is not None and ev.start is not None:
             by_type[ev.type].append(((ev.start - base) / 1e9, max(ev.seconds, 1e-7)))
     for name, pts in sorted(by_type.items()):
         ax_lat.scatter([p[0] for p in pts], [p[1] * 1e3 for p in pts], s=6, label=name,

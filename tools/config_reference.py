@@ -21,6 +21,7 @@ import sys
 import tokenize
 import types
 import typing
+from collections.abc import Set
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -119,7 +120,7 @@ def resolve(model: type[BaseModel] | str) -> type[BaseModel]:
     return obj
 
 
-def _rows(model: type[BaseModel], prefix: str, elsewhere: set[type[BaseModel]] = frozenset(),
+def _rows(model: type[BaseModel], prefix: str, elsewhere: Set[type[BaseModel]] = frozenset(),
           ) -> list[tuple[str, str, str, str]]:
     rows = []
     notes = _source_notes(model)
@@ -232,7 +233,7 @@ def _bytes_text(value: Any, field: FieldInfo) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        value = field.default_factory()
+        value = field.get_default(call_default_factory=True)
     elif field.default is PydanticUndefined:
         return "required"
     else:
@@ -307,9 +308,10 @@ def _class_notes(cls: type) -> dict[str, str]:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         after = body[i + 1] if i + 1 < len(body) else None
-        beside = [comments[n] for n in range(node.lineno, node.end_lineno + 1)
+        end = node.end_lineno if node.end_lineno is not None else node.lineno
+        beside = [comments[n] for n in range(node.lineno, end + 1)
                   if n in comments and n not in own_line]
-        above = []
+        above: list[str] = []
         line = node.lineno - 1
         while line in own_line:
             above.insert(0, comments[line])

@@ -13,13 +13,16 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import trio
 
+if TYPE_CHECKING:
+    from ucm.block import Scatter
 
-def chunks(views: list[memoryview], limit: int) -> list[slice]:
+
+def chunks(views: Sequence[memoryview | Scatter], limit: int) -> list[slice]:
     """Contiguous parts of at most `limit` bytes (or one block, when a block is larger)."""
     parts, start, acc = [], 0, 0
     for i, view in enumerate(views):
@@ -166,8 +169,10 @@ class Spread:
     block is nearly all memcpy + xxh3 (both release the GIL), so two threads overlap one
     block's copy with another's checksum."""
 
-    def __init__(self, fn: Callable[[bytes, memoryview], Any], keys: list[bytes],
-                 views: list[memoryview], then: Callable[[Spread], Any] | None = None) -> None:
+    # `fn` takes a view or, for a driver with ScatterLoads, a Scatter.
+    def __init__(self, fn: Callable[[bytes, Any], Any], keys: list[bytes],
+                 views: Sequence[memoryview | Scatter],
+                 then: Callable[[Spread], Any] | None = None) -> None:
         self.keys, self.views = keys, views
         self._fn, self._then = fn, then
         self.runs = chunks(views, GRAB_BYTES)
@@ -248,7 +253,7 @@ def _pin(cpu: int) -> None:
         pass
 
 
-def wide(views: list[memoryview], split_bytes: int) -> bool:
+def wide(views: Sequence[memoryview | Scatter], split_bytes: int) -> bool:
     """Whether a batch is worth more than one thread: large enough in all, and of blocks large
     enough on average (small blocks cost more Python than copying: one thread is faster)."""
     nbytes = sum(v.nbytes for v in views)

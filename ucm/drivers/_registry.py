@@ -84,4 +84,5 @@ def get_driver_class(name: str) -> DriverFactory:
     except ImportError as exc:
         hint = f"; install it with: pip install 'ucm[{extra}]'" if extra else ""
         raise ConfigError(f"driver {name!r} cannot be imported ({exc}){hint}") from exc
-    return getattr(module, attr)
+    factory: DriverFactory = getattr(module, attr)
+    return factory

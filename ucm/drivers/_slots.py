@@ -84,7 +84,8 @@ class SlotTable:
         self.view[at:at + ENTRY_SIZE] = bytes(ENTRY_SIZE)
 
     def seq(self, slot: int) -> int:
-        return _U64.unpack_from(self.view, self.offset + slot * ENTRY_SIZE + SEQ_OFFSET)[0]
+        seq: int = _U64.unpack_from(self.view, self.offset + slot * ENTRY_SIZE + SEQ_OFFSET)[0]
+        return seq
 
 
 def seal(head: bytes) -> bytes:

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import trio
 
 if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12
-    from collections.abc import Buffer
+    from typing_extensions import Buffer
 
 T = TypeVar("T")
 
@@ -164,7 +164,8 @@ class Call:
             conn, reused = self._pool._take()
             self._conn = conn
             try:
-                if conn.sock is None:
+                fresh = conn.sock is None
+                if fresh:
                     conn.connect()
                     conn.sock.settimeout(self._pool.read_timeout)
                 self._watch(conn.sock)

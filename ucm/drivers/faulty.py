@@ -27,7 +27,8 @@ from pydantic import Field, field_validator
 from ucm.block import Scatter
 from ucm.drivers._registry import get_driver_class
 from ucm.drivers.contract import Driver, DriverOptions, Listing, LoadState, ScatterLoads
-from ucm.drivers.kit import KVLayouts, Workers, check_batch, check_keys
+from ucm.drivers.kit import DriverStatistics, KVLayouts, Workers, check_batch, check_keys
+from ucm.drivers.kit._threaded import with_counters
 from ucm.errors import StorageUnavailable
 
 Op = Literal["lookup", "load", "store", "delete", "list_blocks"]
@@ -99,8 +100,8 @@ class FaultyDriver:
             self.load_scatter = self._load_scatter
 
     @classmethod
-    async def open(cls, options: Options | dict, *, name: str = "faulty", namespace: str,
-                   codec: str = "none", layouts: KVLayouts | None = None,
+    async def open(cls, options: Options | dict[str, Any], *, name: str = "faulty",
+                   namespace: str, codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
@@ -168,9 +169,8 @@ class FaultyDriver:
     async def aclose(self) -> None:
         await self.inner.aclose()
 
-    def statistics(self) -> dict[str, int | float]:
-        stats = dict(self.inner.statistics())
-        stats.update(self._injected)
+    def statistics(self) -> DriverStatistics:
+        stats = with_counters(self.inner.statistics(), self._injected)
         # Injected corrupt blocks count as corrupt, as the caller saw them.
         stats["corrupt"] = stats.get("corrupt", 0) + self._injected["injected_corrupt"]
         return stats

@@ -29,9 +29,9 @@ by its members, and by nobody else.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 import trio
 from pydantic import ByteSize, Field, field_validator, model_validator
@@ -58,6 +58,7 @@ from ucm.drivers._shm_trust import (
 from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     Backend,
+    DriverStatistics,
     LoadState,
     ScatterLoading,
     ScatterStoring,
@@ -68,6 +69,7 @@ from ucm.drivers.kit import (
     safe_dir_name,
     size_mismatch,
 )
+from ucm.drivers.kit._threaded import with_counters
 from ucm.errors import BlockCorrupt, ConfigError
 
 SHM_ROOT = default_shm_dir()  # this user's; a group's is default_shm_dir(gid)
@@ -112,7 +114,7 @@ class LocalBlocks(Backend):
                 states.append(LoadState.OK)
         return states
 
-    def store(self, keys: list[bytes], views: list[memoryview | Scatter]) -> list[int]:
+    def store(self, keys: list[bytes], views: Sequence[memoryview | Scatter]) -> list[int]:
         sizes = []
         for key, view in zip(keys, views, strict=True):
             codec, params = self.codec, b""
@@ -121,6 +123,7 @@ class LocalBlocks(Backend):
                 digest = copy_hashed(memoryview(payload), view)
             else:
                 encoded = encode_payload(codec, view, self.layouts)
+                assert type(encoded) is not Scatter  # codecs other than NONE join a Scatter
                 codec, params = stored_codec(codec, encoded)  # shuffle_zstd, int8, int4
                 payload = bytearray(encoded)
                 digest = checksum(payload)
@@ -197,8 +200,8 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
             self.pump_loads = True  # block by block over the copy threads (_pump)
 
     @classmethod
-    async def open(cls, options: Options | dict, *, name: str = "memory", namespace: str,
-                   codec: str = "none", layouts: KVLayouts | None = None,
+    async def open(cls, options: Options | dict[str, Any], *, name: str = "memory",
+                   namespace: str, codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
@@ -239,8 +242,8 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
             raise TypeError("the arena exists in shared mode only")
         return self.backend
 
-    def statistics(self) -> dict[str, int | float]:
+    def statistics(self) -> DriverStatistics:
         stats = super().statistics()
         if isinstance(self.backend, ShmArena):
-            stats.update(self.backend.statistics())
+            return with_counters(stats, self.backend.statistics())
         return stats

@@ -54,6 +54,7 @@ from ucm.drivers.kit import (
     PAYLOAD_OFFSET,
     Backend,
     Codec,
+    DriverStatistics,
     KVLayouts,
     LoadState,
     RemoteDriver,
@@ -63,6 +64,7 @@ from ucm.drivers.kit import (
     safe_dir_name,
     unframe_into,
 )
+from ucm.drivers.kit._threaded import with_counters
 from ucm.errors import ConfigError, NoCapacity, StorageUnavailable
 
 # Mooncake's ErrorCode values the driver acts on.
@@ -178,6 +180,7 @@ class MooncakeBlocks(Backend):
             for i, (key, view) in enumerate(zip(keys, views, strict=True)):
                 header, payload = frame_block(key, self.namespace, self.codec, view,
                                               self.layouts)
+                assert isinstance(payload, memoryview)  # a Scatter only from a Scatter
                 total = PAYLOAD_OFFSET + payload.nbytes
                 offset = self.pool.alloc(total)
                 if offset is None:  # no staging room now: the byte API, one copy more
@@ -321,8 +324,8 @@ class MooncakeDriver(RemoteDriver):
         self.backend = backend
 
     @classmethod
-    async def open(cls, options: Options | dict, *, name: str = "mooncake", namespace: str,
-                   codec: str = "none", layouts: KVLayouts | None = None,
+    async def open(cls, options: Options | dict[str, Any], *, name: str = "mooncake",
+                   namespace: str, codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
@@ -333,8 +336,8 @@ class MooncakeDriver(RemoteDriver):
             abandon_on_cancel=True)
         return cls(backend, name=name, threads=options.threads, workers=workers)
 
-    def statistics(self) -> dict[str, int | float]:
-        return {**super().statistics(), **self.backend.counters}
+    def statistics(self) -> DriverStatistics:
+        return with_counters(super().statistics(), self.backend.counters)
 
 
 def _check_reachable(address: str, what: str, name: str) -> None:
@@ -368,7 +371,8 @@ def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
 def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: str) -> Any:
     """A set-up store client with `pool` registered; errors name the master and the cause."""
     try:
-        from mooncake.store import MooncakeDistributedStore
+        # mooncake-transfer-engine ships no type information
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
     except ImportError as exc:
         raise ConfigError(f"mooncake driver needs the mooncake extra ({exc}); install it "
                           "with: pip install 'ucm[mooncake]'") from exc

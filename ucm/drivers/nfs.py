@@ -55,6 +55,7 @@ from ucm.drivers._blockfiles import BlockFiles, FileLayout, is_dead_writers_temp
 from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     Backend,
+    DriverStatistics,
     LoadState,
     RemoteDriver,
     ThreadedDriver,
@@ -65,6 +66,7 @@ from ucm.drivers.kit import (
     safe_dir_name,
     unframe_into,
 )
+from ucm.drivers.kit._threaded import with_counters
 from ucm.errors import BlockCorrupt, ConfigError, StorageUnavailable
 
 
@@ -86,8 +88,8 @@ class Connection:
 
     def __init__(self, url: str, *, timeout: float, connect_timeout: float) -> None:
         self.url = url
-        self._kwargs = {"operation_timeout": timeout, "connect_timeout": connect_timeout,
-                        "uid": os.getuid(), "gid": os.getgid()}
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._client: Any = None
         self._lock = threading.Lock()
         self.reconnects = 0
@@ -101,7 +103,9 @@ class Connection:
                 from nfs_rs import Client
 
                 try:
-                    self._client = Client.connect(self.url, **self._kwargs)
+                    self._client = Client.connect(
+                        self.url, operation_timeout=self.timeout,
+                        connect_timeout=self.connect_timeout, uid=os.getuid(), gid=os.getgid())
                 except Exception as exc:
                     raise ConnectionError(f"cannot connect to NFS server {self.url}: "
                                           f"{exc}") from exc
@@ -193,6 +197,7 @@ class NfsBlocks(Backend):
 
     def _store_one(self, key: bytes, view: memoryview) -> int:
         header, payload = frame_block(key, self.namespace, self.codec, view, self.layouts)
+        assert isinstance(payload, memoryview)  # a Scatter only from a Scatter
         total = PAYLOAD_OFFSET + payload.nbytes
         block = _scratch.get(total)
         block[:PAYLOAD_OFFSET] = header
@@ -233,7 +238,8 @@ class NfsBlocks(Backend):
 
         def read(client: Any) -> int:
             with client.open(self.path_for(key), "rb") as f:
-                return f.readinto(stage)  # fills the range or stops at EOF: one call
+                n: int = f.readinto(stage)  # fills the range or stops at EOF: one call
+                return n
 
         try:
             n = self._call(read)
@@ -287,7 +293,8 @@ class NfsBlocks(Backend):
 
 def _read_head(client: Any, path: str) -> bytes:
     with client.open(path, "rb") as f:
-        return f.read_at(0, PAYLOAD_OFFSET)
+        head: bytes = f.read_at(0, PAYLOAD_OFFSET)
+        return head
 
 
 class MountBlockFiles(BlockFiles):
@@ -340,8 +347,8 @@ class NfsDriver(RemoteDriver):
         self.backend = backend
 
     @classmethod
-    async def open(cls, options: NfsOptions | dict, *, name: str = "nfs", namespace: str,
-                   codec: str = "none", layouts: KVLayouts | None = None,
+    async def open(cls, options: NfsOptions | dict[str, Any], *, name: str = "nfs",
+                   namespace: str, codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self | NfsMountDriver:
         if not isinstance(options, NfsOptions):
             options = NfsOptions.model_validate(options)
@@ -355,6 +362,7 @@ class NfsDriver(RemoteDriver):
         except ImportError as exc:
             raise ConfigError(f"nfs driver needs the nfs extra ({exc}); install it with: "
                               "pip install 'ucm[nfs]'") from exc
+        assert options.url is not None  # NfsOptions requires one in client mode
         conn = Connection(options.url, timeout=options.timeout,
                           connect_timeout=options.connect_timeout)
         root = f"{options.root.strip('/')}/{safe_dir_name(namespace)}"
@@ -370,9 +378,9 @@ class NfsDriver(RemoteDriver):
         """`key`'s block path inside the export (tests and tools; it may not exist)."""
         return self.backend.path_for(key)
 
-    def statistics(self) -> dict[str, int | float]:
-        return {**super().statistics(), "connects": self.backend.conn.reconnects,
-                "retries": self.backend.retries}
+    def statistics(self) -> DriverStatistics:
+        return with_counters(super().statistics(), {"connects": self.backend.conn.reconnects,
+                                                    "retries": self.backend.retries})
 
 
 class NfsMountDriver(ThreadedDriver):
@@ -380,7 +388,7 @@ class NfsMountDriver(ThreadedDriver):
 
     persistent = True
 
-    def __init__(self, files: MountBlockFiles, *, name: str,
+    def __init__(self, files: BlockFiles, *, name: str,
                  workers: Workers | None = None) -> None:
         super().__init__(files, name=name, workers=workers)
         self.files = files

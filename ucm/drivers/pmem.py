@@ -37,7 +37,9 @@ from ucm.drivers._pmem_pool import PmemPool
 from ucm.drivers._pump import Spread, chunks, wide
 from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
+    DriverStatistics,
     LoadState,
+    Scatter,
     ScatterLoading,
     ThreadedDriver,
     Workers,
@@ -45,7 +47,7 @@ from ucm.drivers.kit import (
     parse_codec,
     safe_dir_name,
 )
-from ucm.drivers.kit._threaded import CHUNK_BYTES, PARALLEL, SPLIT_BYTES
+from ucm.drivers.kit._threaded import CHUNK_BYTES, PARALLEL, SPLIT_BYTES, with_counters
 from ucm.errors import StorageUnavailable
 
 
@@ -69,7 +71,7 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
         self.inline_meta = True  # lookup and listing touch only the in-memory index
 
     async def _spread(self, fn: Callable[[bytes, memoryview], Any], keys: list[bytes],
-                      views: list[memoryview],
+                      views: list[memoryview | Scatter],
                       then: Callable[[Spread], Any] | None = None) -> Spread:
         if self._closed:
             raise StorageUnavailable("driver is closed", driver=self.name)
@@ -78,7 +80,8 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
         threads = PARALLEL if wide(views, SPLIT_BYTES) else 1
         return await Spread(fn, keys, views, then).run(self._pump, threads)
 
-    async def _load_part(self, keys: list[bytes], views: list[memoryview]) -> list[LoadState]:
+    async def _load_part(self, keys: list[bytes],
+                         views: list[memoryview | Scatter]) -> list[LoadState]:
         spread = await self._spread(self.pool.load_one, keys, views)
         for error in spread.errors:
             if error is not None:
@@ -97,17 +100,19 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
                 raise
             return [0] * len(spread.keys)
 
-    async def _store_part(self, keys: list[bytes], views: list[memoryview]) -> list[int]:
+    async def _store_part(self, keys: list[bytes],
+                          views: list[memoryview | Scatter]) -> list[int]:
         """Copies the part's blocks on PARALLEL threads, then publishes them with one set of
         barriers (PmemPool.publish)."""
         spread = await self._spread(self.pool.place, keys, views, then=self._publish)
         error = next((e for e in spread.errors if e is not None), spread.error)
         if error is not None:
             raise error
-        return spread.outcome
+        sizes: list[int] = spread.outcome  # what _publish returned
+        return sizes
 
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
-                   views: list[memoryview], *, store: bool = False) -> list[Any]:
+                   views: list[memoryview | Scatter], *, store: bool = False) -> list[Any]:
         """Parts of at most CHUNK_BYTES (stores: every part costs three barriers, so parts are
         large) or PARALLEL * CHUNK_BYTES (loads), so a cancel lands within one part; inside a
         part PARALLEL threads share the blocks (Spread)."""
@@ -124,8 +129,8 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
         return results
 
     @classmethod
-    async def open(cls, options: Options | dict, *, name: str = "pmem", namespace: str,
-                   codec: str = "none", layouts: KVLayouts | None = None,
+    async def open(cls, options: Options | dict[str, Any], *, name: str = "pmem",
+                   namespace: str, codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
@@ -144,8 +149,8 @@ class PmemDriver(ScatterLoading, ThreadedDriver):
             raise StorageUnavailable(str(exc), driver=name) from None
         return cls(pool, name=name, workers=workers)
 
-    def statistics(self) -> dict[str, int | float]:
+    def statistics(self) -> DriverStatistics:
         pool = self.pool
-        return {**super().statistics(), "is_pmem": int(pool.is_pmem),
-                "capacity_bytes": pool.capacity(), "blocks": len(pool.index),
-                "recovered_dropped": pool.recovered_dropped}
+        return with_counters(super().statistics(), {
+            "is_pmem": int(pool.is_pmem), "capacity_bytes": pool.capacity(),
+            "blocks": len(pool.index), "recovered_dropped": pool.recovered_dropped})

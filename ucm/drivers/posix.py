@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import grp
 import os
-from typing import Self
+from typing import Any, Self
 
 import trio
 from pydantic import ByteSize, Field, field_validator
@@ -48,6 +48,7 @@ from pydantic import ByteSize, Field, field_validator
 from ucm.drivers._blockfiles import FILE_MODE, BlockFiles, FileLayout
 from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
+    DriverStatistics,
     KVLayouts,
     ScatterLoading,
     ScatterStoring,
@@ -57,6 +58,7 @@ from ucm.drivers.kit import (
     parse_codec,
     safe_dir_name,
 )
+from ucm.drivers.kit._threaded import with_counters
 from ucm.errors import ConfigError
 
 
@@ -136,8 +138,8 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
         self.files = files
 
     @classmethod
-    async def open(cls, options: Options | dict, *, name: str = "posix", namespace: str,
-                   codec: str = "none", layouts: KVLayouts | None = None,
+    async def open(cls, options: Options | dict[str, Any], *, name: str = "posix",
+                   namespace: str, codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
             options = cls.Options.model_validate(options)
@@ -172,13 +174,14 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
             free[st.st_dev] = vfs.f_bavail * vfs.f_frsize
         return sum(free.values())
 
-    def statistics(self) -> dict[str, int | float]:
+    def statistics(self) -> DriverStatistics:
         stats = super().statistics()
         maps = self.files.maps
-        if maps is not None:
-            stats.update(mapped_blocks=len(maps), mapped_bytes=maps.mapped_bytes,
-                         mapped_loads=maps.loads)
-        return stats
+        if maps is None:
+            return stats
+        return with_counters(stats, {"mapped_blocks": len(maps),
+                                     "mapped_bytes": maps.mapped_bytes,
+                                     "mapped_loads": maps.loads})
 
     def block_path(self, key: bytes) -> str:
         """Where `key`'s block lives (tests and tools; the file may not exist)."""

@@ -35,6 +35,7 @@ an evicted block is a miss. Redis Cluster is not supported (MGET spans hash slot
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Self
@@ -55,6 +56,7 @@ from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     Backend,
     Codec,
+    DriverStatistics,
     KVLayouts,
     LoadState,
     RemoteDriver,
@@ -64,6 +66,7 @@ from ucm.drivers.kit import (
     safe_dir_name,
     unframe_into,
 )
+from ucm.drivers.kit._threaded import with_counters
 from ucm.errors import ConfigError, StorageUnavailable
 
 _SCAN_COUNT = 1000
@@ -161,7 +164,8 @@ def _address(options: RedisOptions) -> tuple[dict[str, Any], str, str]:
         url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379"
     if url is not None:
         try:
-            kwargs = parse_url(url)
+            # redis-py leaves parse_url unannotated
+            kwargs = parse_url(url)  # type: ignore[no-untyped-call]
         except ValueError as exc:  # its text may quote a piece of a malformed password
             shown = redact_url(url)
             detail = f"{exc}" if shown == url else f"not a valid redis URL: {shown}"
@@ -199,7 +203,8 @@ def _client(options: RedisOptions, kwargs: dict[str, Any]) -> Any:
     except ImportError as exc:
         raise ConfigError(f"redis driver needs the redis client ({exc}); install it with: "
                           "pip install 'ucm[redis]'") from None
-    pool = redis.BlockingConnectionPool(
+    # redis-py leaves BlockingConnectionPool.__init__ unannotated
+    pool = redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
         max_connections=options.pool_size, timeout=options.connect_timeout,
         socket_connect_timeout=options.connect_timeout, socket_timeout=options.timeout,
         socket_keepalive=True, socket_read_size=_READ_BYTES,
@@ -239,13 +244,15 @@ class RedisBlocks(Backend):
         except errors.RedisError as exc:
             raise ConnectionError(f"redis at {self.where}: {exc}") from None
 
-    def _pipeline(self, fill: Callable[[Any], None]) -> list[Any]:
+    def _pipeline(self, fill: Callable[[Any], object]) -> list[Any]:
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             fill(pipe)
-            return pipe.execute(raise_on_error=False)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            return replies
 
-        return self._call(run)
+        replies: list[Any] = self._call(run)
+        return replies
 
     # lookup / delete
 
@@ -259,7 +266,7 @@ class RedisBlocks(Backend):
     def delete(self, keys: list[bytes]) -> None:
         for start in range(0, len(keys), _SCAN_COUNT):
             names = [self.name_of(k) for k in keys[start:start + _SCAN_COUNT]]
-            self._call(lambda names=names: self.client.unlink(*names))
+            self._call(functools.partial(self.client.unlink, *names))
 
     def _raise_if_all_failed(self, replies: list[Any]) -> None:
         if replies and all(isinstance(r, Exception) for r in replies):
@@ -271,6 +278,7 @@ class RedisBlocks(Backend):
         values = []
         for key, view in zip(keys, views, strict=True):
             header, payload = frame_block(key, self.namespace, self.codec, view, self.layouts)
+            assert isinstance(payload, memoryview)  # a Scatter only from a Scatter
             values.append(header + payload)  # one value, one SET: atomic for readers
         replies = self._pipeline(
             lambda p: [p.set(self.name_of(k), v) for k, v in zip(keys, values, strict=True)])
@@ -342,8 +350,8 @@ class RedisDriver(RemoteDriver):
         self.persistent = persistent
 
     @classmethod
-    async def open(cls, options: RedisOptions | dict, *, name: str = "redis", namespace: str,
-                   codec: str = "none", layouts: KVLayouts | None = None,
+    async def open(cls, options: RedisOptions | dict[str, Any], *, name: str = "redis",
+                   namespace: str, codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self:
         if not isinstance(options, RedisOptions):
             options = RedisOptions.model_validate(options)
@@ -393,8 +401,8 @@ class RedisDriver(RemoteDriver):
             if cursor == 0:
                 return removed
 
-    def statistics(self) -> dict[str, int | float]:
-        return {**super().statistics(), **self.backend.counters}
+    def statistics(self) -> DriverStatistics:
+        return with_counters(super().statistics(), self.backend.counters)
 
 
 def _check_server(backend: RedisBlocks, name: str, source: str) -> None:

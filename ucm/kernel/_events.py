@@ -10,12 +10,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ucm.block import MAX_KEY_BYTES, Scatter, as_buffer_view, check_key
 from ucm.config import Durability
 from ucm.drivers import LoadState
 from ucm.errors import InvalidRequest
+
+if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations only
+    from typing_extensions import Buffer
 
 
 class Priority(enum.IntEnum):
@@ -54,80 +57,104 @@ def _check_buffers(keys: tuple[bytes, ...], buffers: Sequence[Any], *, writable:
     return views
 
 
-@dataclass(frozen=True, slots=True)
+# The constructors take what callers have (lists, bytes, bytearrays, Scatters); the fields
+# hold the checked, normalized tuples. `init=False` keeps dataclass from writing an __init__
+# that would type each argument as its field; kw_only keeps `__match_args__` to the keys.
+@dataclass(frozen=True, slots=True, init=False)
 class _Event:
     keys: tuple[bytes, ...]
-    deadline: float | None = field(default=None, kw_only=True)  # seconds after submission
-    request_id: str | None = field(default=None, kw_only=True)  # carried into the trace
+    deadline: float | None = field(kw_only=True)  # seconds after submission
+    request_id: str | None = field(kw_only=True)  # carried into the trace
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "keys", _check_keys(self.keys))
-        if self.deadline is not None and not self.deadline > 0:
-            raise InvalidRequest(f"deadline must be > 0 seconds, got {self.deadline}")
+    def __init__(self, keys: Sequence[bytes], *, deadline: float | None = None,
+                 request_id: str | None = None) -> None:
+        _set_common(self, keys, deadline, request_id)
 
 
-@dataclass(frozen=True, slots=True)
+def _set_common(event: _Event, keys: Sequence[bytes], deadline: float | None,
+                request_id: str | None) -> None:
+    object.__setattr__(event, "keys", _check_keys(keys))
+    if deadline is not None and not deadline > 0:
+        raise InvalidRequest(f"deadline must be > 0 seconds, got {deadline}")
+    object.__setattr__(event, "deadline", deadline)
+    object.__setattr__(event, "request_id", request_id)
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Lookup(_Event):
     """Which keys are stored, and in which tier. With `prefix`, the result stops at the first
     miss. With `pin`, hits stay unevictable until loaded, unpinned, or `pin_ttl` passes."""
 
-    prefix: bool = field(default=False, kw_only=True)
-    pin: bool = field(default=False, kw_only=True)
+    prefix: bool = field(kw_only=True)
+    pin: bool = field(kw_only=True)
     priority = Priority.LOOKUP
 
+    def __init__(self, keys: Sequence[bytes], *, prefix: bool = False, pin: bool = False,
+                 deadline: float | None = None, request_id: str | None = None) -> None:
+        _set_common(self, keys, deadline, request_id)
+        object.__setattr__(self, "prefix", prefix)
+        object.__setattr__(self, "pin", pin)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Load(_Event):
     """Reads each block into its buffer: a writable buffer of exactly the block's size, or a
     `Scatter` of pieces that add up to it."""
 
-    buffers: tuple[memoryview | Scatter, ...] = field(default=(), kw_only=True)
+    buffers: tuple[memoryview | Scatter, ...] = field(kw_only=True)
     priority = Priority.LOAD
 
-    def __post_init__(self) -> None:
-        _Event.__post_init__(self)
-        object.__setattr__(self, "buffers", _check_buffers(self.keys, self.buffers,
-                                                           writable=True))
+    def __init__(self, keys: Sequence[bytes], *, buffers: Sequence[Buffer | Scatter] = (),
+                 deadline: float | None = None, request_id: str | None = None) -> None:
+        _set_common(self, keys, deadline, request_id)
+        object.__setattr__(self, "buffers", _check_buffers(self.keys, buffers, writable=True))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Store(_Event):
     """Writes each buffer as a block. Completes at `durability` (the config's when None); the
     buffers must stay unchanged until the event completes. A buffer may be a `Scatter` of
     pieces, stored in order as one block: a driver with `ScatterStores` writes from the
     pieces, for any other the kernel joins them once (`store_gathers`)."""
 
-    buffers: tuple[memoryview | Scatter, ...] = field(default=(), kw_only=True)
-    durability: Durability | None = field(default=None, kw_only=True)
+    buffers: tuple[memoryview | Scatter, ...] = field(kw_only=True)
+    durability: Durability | None = field(kw_only=True)
     priority = Priority.STORE
 
-    def __post_init__(self) -> None:
-        _Event.__post_init__(self)
-        object.__setattr__(self, "buffers", _check_buffers(self.keys, self.buffers,
-                                                           writable=False))
-        if self.durability not in (None, "memory", "local", "all"):
+    def __init__(self, keys: Sequence[bytes], *, buffers: Sequence[Buffer | Scatter] = (),
+                 durability: Durability | None = None, deadline: float | None = None,
+                 request_id: str | None = None) -> None:
+        _set_common(self, keys, deadline, request_id)
+        object.__setattr__(self, "buffers", _check_buffers(self.keys, buffers, writable=False))
+        if durability not in (None, "memory", "local", "all"):
             raise InvalidRequest(f"durability must be memory, local or all, not "
-                                 f"{self.durability!r}")
+                                 f"{durability!r}")
+        object.__setattr__(self, "durability", durability)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Prefetch(_Event):
     """Copies blocks held only by slower tiers into the fastest tier. `block_bytes` is the
     block size to use for keys whose size this kernel has not seen (stored by another
     process)."""
 
-    block_bytes: int | None = field(default=None, kw_only=True)
+    block_bytes: int | None = field(kw_only=True)
     priority = Priority.PREFETCH
 
+    def __init__(self, keys: Sequence[bytes], *, block_bytes: int | None = None,
+                 deadline: float | None = None, request_id: str | None = None) -> None:
+        _set_common(self, keys, deadline, request_id)
+        object.__setattr__(self, "block_bytes", block_bytes)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, init=False)
 class Delete(_Event):
     """Removes blocks from every tier."""
 
     priority = Priority.STORE
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class Unpin(_Event):
     """Releases pins taken by `Lookup(pin=True)` for blocks that will not be loaded."""
 

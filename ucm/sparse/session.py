@@ -56,7 +56,8 @@ def select_blocks(
     k = max(0, min(k, hi - lo))
     middle = torch.topk(scores[lo:hi], k).indices + lo if k else scores.new_zeros(0).long()
     fixed = torch.cat((torch.arange(lo), torch.arange(hi, nb)))
-    return torch.cat((fixed, middle.cpu())).unique(sorted=True)
+    chosen: torch.Tensor = torch.unique(torch.cat((fixed, middle.cpu())), sorted=True)
+    return chosen
 
 
 class SparseSession:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ucm.drivers import Driver
 from ucm.testing._spec import DriverSpec, Scratch, open_driver
 
 PROCESS_LOCAL = "process-local driver (the spec does not set cross_process)"
@@ -56,14 +57,14 @@ def spec(ucm_driver_spec: DriverSpec) -> DriverSpec:
 
 
 @pytest.fixture
-def scratch(tmp_path: Path):
+def scratch(tmp_path: Path) -> Iterator[Scratch]:
     shm = Path("/dev/shm") / f"ucm-test-{uuid.uuid4().hex[:12]}"
     yield Scratch(disk=tmp_path, shm=shm)
     shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture
-async def driver(spec: DriverSpec, scratch: Scratch):
+async def driver(spec: DriverSpec, scratch: Scratch) -> AsyncIterator[Driver]:
     drv = await open_driver(spec, scratch)
     try:
         yield drv

@@ -60,7 +60,7 @@ class DriverSpec:
         """The driver's options for this test's Scratch."""
         if callable(self.options):
             return self.options(scratch)
-        return substitute(dict(self.options), scratch)
+        return {k: substitute(v, scratch) for k, v in self.options.items()}
 
     def is_persistent(self) -> bool:
         if self.persistent is not None:

@@ -13,13 +13,14 @@ import json
 import os
 import random
 import sys
+from typing import Any
 
 import trio
 
 from ucm.testing._spec import driver_class
 
 
-async def main(job: dict) -> None:
+async def main(job: dict[str, Any]) -> None:
     factory = driver_class(job["driver"])
     drv = await factory.open(factory.Options(**job["options"]), name="worker",
                              namespace=job["namespace"], codec=job["codec"])

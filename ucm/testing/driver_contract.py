@@ -39,7 +39,7 @@ def empty(datas: list[bytes]) -> list[memoryview]:
     return [memoryview(bytearray(len(d))) for d in datas]
 
 
-async def test_round_trip_is_bit_exact(driver):
+async def test_round_trip_is_bit_exact(driver: Driver) -> None:
     assert isinstance(driver, Driver), "the driver lacks part of ucm.drivers.Driver"
     keys, datas = blocks(SIZES)
     sizes = await driver.store(keys, views(datas))
@@ -59,7 +59,7 @@ async def test_round_trip_is_bit_exact(driver):
     assert stats["corrupt"] == 0
 
 
-async def test_load_into_numpy_and_sliced_buffers(driver):
+async def test_load_into_numpy_and_sliced_buffers(driver: Driver) -> None:
     np = pytest.importorskip("numpy")
     keys, datas = blocks([8192, 8192], seed=1)
     await driver.store(keys, [np.frombuffer(d, np.uint8).view(np.float32) for d in datas])
@@ -69,7 +69,7 @@ async def test_load_into_numpy_and_sliced_buffers(driver):
     assert bytes(outs[0]) == datas[0] and outs[1].tobytes() == datas[1]
 
 
-async def test_missing_key(driver):
+async def test_missing_key(driver: Driver) -> None:
     keys, datas = blocks([4096, 4096], seed=2)
     await driver.store(keys[:1], views(datas[:1]))
     assert await driver.lookup(keys) == [True, False]
@@ -77,7 +77,7 @@ async def test_missing_key(driver):
     assert driver.statistics()["missing"] == 1
 
 
-async def test_overwrite_then_load_gets_new_value(driver):
+async def test_overwrite_then_load_gets_new_value(driver: Driver) -> None:
     keys, datas = blocks([65536], seed=3)
     _, newer = blocks([65536], seed=4)
     await driver.store(keys, views(datas))
@@ -87,7 +87,7 @@ async def test_overwrite_then_load_gets_new_value(driver):
     assert out[0] == newer[0]
 
 
-async def test_delete(driver):
+async def test_delete(driver: Driver) -> None:
     keys, datas = blocks([4096, 100], seed=5)
     await driver.store(keys, views(datas))
     await driver.delete([keys[0], b"never-stored"])
@@ -95,7 +95,7 @@ async def test_delete(driver):
     assert await driver.load(keys, empty(datas)) == [LoadState.MISSING, LoadState.OK]
 
 
-async def test_list_blocks_matches_stores(driver):
+async def test_list_blocks_matches_stores(driver: Driver) -> None:
     if not isinstance(driver, Listing):
         pytest.skip("driver does not list its blocks (ucm.drivers.Listing)")
     keys, datas = blocks([10, 5000, 70000], seed=6)
@@ -105,9 +105,10 @@ async def test_list_blocks_matches_stores(driver):
 
 
 @requires("corrupt")
-async def test_flipped_payload_byte_is_corrupt(spec: DriverSpec, driver):
+async def test_flipped_payload_byte_is_corrupt(spec: DriverSpec, driver: Driver) -> None:
     keys, datas = blocks([4096, 64 * 1024], seed=7)
     await driver.store(keys, views(datas))
+    assert spec.corrupt is not None  # @requires("corrupt")
     await call_hook(spec.corrupt, driver, keys[1])
     before = driver.statistics()["corrupt"]
     outs = empty(datas)
@@ -117,15 +118,16 @@ async def test_flipped_payload_byte_is_corrupt(spec: DriverSpec, driver):
 
 
 @requires("truncate")
-async def test_truncated_block_is_corrupt(spec: DriverSpec, driver):
+async def test_truncated_block_is_corrupt(spec: DriverSpec, driver: Driver) -> None:
     keys, datas = blocks([64 * 1024], seed=8)
     await driver.store(keys, views(datas))
+    assert spec.truncate is not None  # @requires("truncate")
     await call_hook(spec.truncate, driver, keys[0])
     assert await driver.load(keys, empty(datas)) == [LoadState.CORRUPT]
     assert driver.statistics()["corrupt"] == 1
 
 
-async def test_wrong_buffer_size_is_corrupt_or_invalid(driver):
+async def test_wrong_buffer_size_is_corrupt_or_invalid(driver: Driver) -> None:
     """A stored block that holds another size than the buffer is storage that lies or another
     layout: CORRUPT for that key, the rest of the batch loads. Only a tier whose blocks never
     left this process (memory) may call it the caller's mistake: InvalidRequest."""
@@ -144,14 +146,14 @@ async def test_wrong_buffer_size_is_corrupt_or_invalid(driver):
 
 
 @pytest.mark.parametrize("op", ["lookup", "load", "store", "delete"])
-async def test_empty_batch_is_invalid(driver, op):
-    args = ([],) if op in ("lookup", "delete") else ([], [])
+async def test_empty_batch_is_invalid(driver: Driver, op: str) -> None:
+    args: tuple[list[object], ...] = ([],) if op in ("lookup", "delete") else ([], [])
     with pytest.raises(InvalidRequest, match="empty batch"):
         await getattr(driver, op)(*args)
 
 
 @pytest.mark.parametrize("op", ["lookup", "load", "store", "delete"])
-async def test_bad_keys_are_invalid(driver, op):
+async def test_bad_keys_are_invalid(driver: Driver, op: str) -> None:
     for key, match in [(b"k" * 256, "256 bytes; the limit is 255"),
                        ("text", "must be bytes, not str"),
                        (b"", "must not be empty")]:
@@ -161,19 +163,19 @@ async def test_bad_keys_are_invalid(driver, op):
 
 
 @pytest.mark.parametrize("op", ["load", "store"])
-async def test_keys_and_buffers_must_pair_up(driver, op):
+async def test_keys_and_buffers_must_pair_up(driver: Driver, op: str) -> None:
     with pytest.raises(InvalidRequest, match="2 keys but 1 buffers"):
         await getattr(driver, op)([b"a", b"b"], [memoryview(bytearray(8))])
     with pytest.raises(InvalidRequest, match="buffer 0 is a int, not a buffer"):
         await getattr(driver, op)([b"a"], [7])
 
 
-async def test_load_needs_writable_buffer(driver):
+async def test_load_needs_writable_buffer(driver: Driver) -> None:
     with pytest.raises(InvalidRequest, match="read-only"):
         await driver.load([b"a"], [memoryview(b"12345678")])
 
 
-async def test_concurrent_stores_and_loads_of_one_key(driver):
+async def test_concurrent_stores_and_loads_of_one_key(driver: Driver) -> None:
     key = b"contended"
     patterns = [bytes([i]) * 300_000 for i in range(1, 4)]
 
@@ -196,7 +198,7 @@ async def test_concurrent_stores_and_loads_of_one_key(driver):
     assert await driver.load([key], [out]) == [LoadState.OK] and bytes(out) in patterns
 
 
-async def test_closed_driver_refuses_work(spec: DriverSpec, scratch: Scratch):
+async def test_closed_driver_refuses_work(spec: DriverSpec, scratch: Scratch) -> None:
     drv = await open_driver(spec, scratch)
     await drv.aclose()
     with pytest.raises(StorageUnavailable, match="closed"):
@@ -204,7 +206,7 @@ async def test_closed_driver_refuses_work(spec: DriverSpec, scratch: Scratch):
 
 
 @requires("outlives_instance")
-async def test_restart_finds_blocks(spec: DriverSpec, scratch: Scratch):
+async def test_restart_finds_blocks(spec: DriverSpec, scratch: Scratch) -> None:
     keys, datas = blocks([4096, 70000, 2 * 2**20 + 1], seed=10)
     first = await open_driver(spec, scratch)
     sizes = await first.store(keys, views(datas))
@@ -223,7 +225,7 @@ async def test_restart_finds_blocks(spec: DriverSpec, scratch: Scratch):
 
 
 @requires("cross_process")
-async def test_namespaces_are_separate(spec: DriverSpec, scratch: Scratch):
+async def test_namespaces_are_separate(spec: DriverSpec, scratch: Scratch) -> None:
     a = await open_driver(spec, scratch, namespace="ns-a")
     b = await open_driver(spec, scratch, namespace="ns/b")
     try:
@@ -239,7 +241,7 @@ async def test_namespaces_are_separate(spec: DriverSpec, scratch: Scratch):
 # --- cross-process -----------------------------------------------------------------------
 
 
-def worker_job(spec: DriverSpec, scratch: Scratch, **job) -> str:
+def worker_job(spec: DriverSpec, scratch: Scratch, **job: object) -> str:
     job.update(driver=spec.driver, options=spec.options_for(scratch), codec=spec.codec,
                namespace="contract")
     return json.dumps(job)
@@ -253,9 +255,11 @@ async def start_worker(job: str) -> trio.Process:
 
 
 async def read_lines(proc: trio.Process, count: int) -> list[str]:
+    stdout = proc.stdout
+    assert stdout is not None  # started with stdout=PIPE
     buf = b""
     while buf.count(b"\n") < count:
-        chunk = await proc.stdout.receive_some()
+        chunk = await stdout.receive_some()
         if not chunk:
             raise AssertionError(f"worker exited early (rc {await proc.wait()})")
         buf += chunk
@@ -264,7 +268,8 @@ async def read_lines(proc: trio.Process, count: int) -> list[str]:
 
 @pytest.mark.timeout(60)
 @requires("cross_process")
-async def test_two_writer_processes_one_key(spec: DriverSpec, driver, scratch: Scratch):
+async def test_two_writer_processes_one_key(spec: DriverSpec, driver: Driver,
+                                          scratch: Scratch) -> None:
     key, size = b"shared-key", 512 * 1024
     patterns = [random.Random(seed).randbytes(size) for seed in (1, 2)]
     procs = [await start_worker(worker_job(spec, scratch, mode="hammer", key=key.hex(),
@@ -294,7 +299,7 @@ async def test_two_writer_processes_one_key(spec: DriverSpec, driver, scratch: S
 @pytest.mark.timeout(60)
 @requires("cross_process")
 async def test_writer_killed_mid_write_leaves_no_partial_block(spec: DriverSpec,
-                                                               scratch: Scratch):
+                                                               scratch: Scratch) -> None:
     size = 3 * 2**20 + 5
     proc = await start_worker(worker_job(spec, scratch, mode="flood", prefix="f1", size=size))
     try:
@@ -327,16 +332,18 @@ async def test_writer_killed_mid_write_leaves_no_partial_block(spec: DriverSpec,
         await drv.aclose()
 
 
-def _has_block_files(drv) -> bool:
+def _has_block_files(drv: object) -> bool:
     while hasattr(drv, "inner"):
         drv = drv.inner
     return hasattr(drv, "block_path")
 
 
-def _block_path(drv, key: bytes) -> str:
+def _block_path(drv: object, key: bytes) -> str:
     while hasattr(drv, "inner"):
         drv = drv.inner
-    return drv.block_path(key)
+    assert hasattr(drv, "block_path")  # _has_block_files(drv)
+    path: str = drv.block_path(key)
+    return path
 
 
 def _roots(spec: DriverSpec, scratch: Scratch) -> list[Path]:

@@ -25,12 +25,12 @@ pytestmark = pytest.mark.trio
 BLOCK = 32 * 1024
 
 
-def tier_of(spec: DriverSpec, scratch: Scratch, **common) -> dict:
+def tier_of(spec: DriverSpec, scratch: Scratch, **common: object) -> dict[str, object]:
     return {"driver": spec.registered_name(), "name": "t", "codec": spec.codec,
             **spec.options_for(scratch), **common}
 
 
-def faulty_of(spec: DriverSpec, scratch: Scratch, **faults) -> dict:
+def faulty_of(spec: DriverSpec, scratch: Scratch, **faults: object) -> dict[str, object]:
     inner = {"driver": spec.registered_name(), "codec": spec.codec, **spec.options_for(scratch)}
     return {"driver": "faulty", "name": "t", "inner": inner, "ops": ["load", "lookup"],
             **faults}
@@ -41,7 +41,8 @@ def data(n: int, seed: int) -> tuple[list[bytes], list[bytes]]:
     return ([rng.randbytes(12) for _ in range(n)], [rng.randbytes(BLOCK) for _ in range(n)])
 
 
-async def test_prefix_lookup_and_load_through_the_kernel(spec, scratch):
+async def test_prefix_lookup_and_load_through_the_kernel(spec: DriverSpec,
+                                                         scratch: Scratch) -> None:
     keys, blocks = data(4, 1)
     cfg = load_config({"tiers": [tier_of(spec, scratch)], "namespace": "kc-prefix"})
     async with KernelCore.open(cfg) as core:
@@ -61,7 +62,7 @@ def scatter_of(size: int) -> tuple[Scatter, list[bytearray]]:
     return Scatter(pieces), pieces
 
 
-async def test_scatter_load_round_trip_and_corruption(spec, scratch):
+async def test_scatter_load_round_trip_and_corruption(spec: DriverSpec, scratch: Scratch) -> None:
     keys, blocks = data(3, 4)
     cfg = load_config({"tiers": [tier_of(spec, scratch)], "namespace": "kc-scatter"})
     async with KernelCore.open(cfg) as core:
@@ -96,7 +97,7 @@ async def test_scatter_load_round_trip_and_corruption(spec, scratch):
         assert loaded == [blocks[0]] * 3
 
 
-async def test_capacity_eviction_keeps_pinned_blocks(spec, scratch):
+async def test_capacity_eviction_keeps_pinned_blocks(spec: DriverSpec, scratch: Scratch) -> None:
     keys, blocks = data(10, 2)
     # Room for exactly 4 blocks whatever a driver charges for one: at least the block (more
     # than a quarter of the room for 5) and at most the block plus a 4 KiB header rounded up
@@ -124,7 +125,7 @@ async def test_capacity_eviction_keeps_pinned_blocks(spec, scratch):
 
 # Real time below, not an autojump clock: network drivers (s3 on httpx) keep timers of their
 # own, which a jumping clock would fire while a request is on the wire.
-async def test_detach_while_busy_loses_nothing(spec, scratch):
+async def test_detach_while_busy_loses_nothing(spec: DriverSpec, scratch: Scratch) -> None:
     keys, blocks = data(4, 3)
     cfg = load_config({"tiers": [faulty_of(spec, scratch, latency=0.2)],
                        "namespace": "kc-detach"})
@@ -145,12 +146,17 @@ async def test_detach_while_busy_loses_nothing(spec, scratch):
         assert outcomes == [True] * 4
 
 
-async def test_deadline_and_cancellation_reach_the_driver(spec, scratch):
+async def test_deadline_and_cancellation_reach_the_driver(spec: DriverSpec,
+                                                          scratch: Scratch) -> None:
+    from ucm.drivers.faulty import FaultyDriver
+
     keys, blocks = data(1, 4)
     cfg = load_config({"tiers": [faulty_of(spec, scratch)], "namespace": "kc-deadline"})
     async with KernelCore.open(cfg) as core:
         await core.run(Store(keys, buffers=blocks))
-        core.tiers[0].driver.faults.hang = True
+        faulty = core.tiers[0].driver
+        assert isinstance(faulty, FaultyDriver)  # the tier faulty_of configures
+        faulty.faults.hang = True
         start = trio.current_time()
         with pytest.raises(DeadlineExceeded):
             await core.run(Load(keys, buffers=[bytearray(BLOCK)], deadline=0.3))
@@ -158,7 +164,7 @@ async def test_deadline_and_cancellation_reach_the_driver(spec, scratch):
         with trio.move_on_after(0.2) as scope:  # a key the index lacks goes to the driver
             await core.run(Lookup([b"not-in-the-index"]))
         assert scope.cancelled_caught
-        core.tiers[0].driver.faults.hang = False
+        faulty.faults.hang = False
         out = bytearray(BLOCK)
         assert (await core.run(Load(keys, buffers=[out]))).ok and bytes(out) == blocks[0]
 

@@ -50,10 +50,10 @@ def parse_segment_name(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def list_segments(directory: str | os.PathLike, pid: int | None = None) -> list[Path]:
+def list_segments(directory: str | os.PathLike[str], pid: int | None = None) -> list[Path]:
     """Segments in `directory` ordered by (pid, n); only `pid`'s when given."""
-    found = []
-    for entry in os.scandir(directory):
+    found: list[tuple[tuple[int, int], Path]] = []
+    for entry in os.scandir(os.fspath(directory)):
         parsed = parse_segment_name(entry.name)
         if parsed and (pid is None or parsed[0] == pid):
             found.append((parsed, Path(entry.path)))
@@ -92,7 +92,7 @@ class SegmentWriter:
     """Appends record batches to rolling segments; keeps this process's segments within
     `max_bytes` by deleting the oldest. Not thread-safe: one caller at a time."""
 
-    def __init__(self, directory: str | os.PathLike, *, max_bytes: int, segment_bytes: int,
+    def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, segment_bytes: int,
                  level: int = 1) -> None:
         if segment_bytes <= 0 or max_bytes < segment_bytes:
             raise ValueError("trace sizes must satisfy 0 < segment_bytes <= max_bytes")
@@ -103,6 +103,7 @@ class SegmentWriter:
         self._compressor = zstandard.ZstdCompressor(level=level)
         self._packer = msgpack.Packer(default=pack_default)
         self._fd: int | None = None
+        self._path: Path | None = None  # the open segment's
         self._size = 0
         self._segments: list[tuple[Path, int]] = []  # closed segments of this writer, oldest first
         self._next = 0
@@ -115,8 +116,9 @@ class SegmentWriter:
     def _open_segment(self) -> None:
         private_dir(self.directory)
         existing = list_segments(self.directory, self.pid)
-        if existing:  # a reused pid: never overwrite an older trace
-            self._next = max(self._next, parse_segment_name(existing[-1].name)[1] + 1)
+        parsed = parse_segment_name(existing[-1].name) if existing else None
+        if parsed is not None:  # a reused pid: never overwrite an older trace
+            self._next = max(self._next, parsed[1] + 1)
         while True:
             path = self.directory / segment_name(self.pid, self._next)
             self._next += 1
@@ -142,14 +144,16 @@ class SegmentWriter:
         return _LEN.pack(len(data)) + data
 
     def _write(self, data: bytes) -> None:
+        fd = self._fd
+        assert fd is not None, "no segment open"
         view = memoryview(data)
         while view:
-            n = os.write(self._fd, view)
+            n = os.write(fd, view)
             view = view[n:]
         self._size += len(data)
         self.bytes_written += len(data)
 
-    def write(self, records: Sequence[tuple]) -> None:
+    def write(self, records: Sequence[Sequence[Any]]) -> None:
         """Writes records `(seq, t_ns, phase, event_id, fields)`: one frame per
         `FRAME_PAYLOAD` bytes."""
         pack = self._packer.pack
@@ -178,7 +182,7 @@ class SegmentWriter:
                 pass
 
     def _close_segment(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._path is not None:
             os.close(self._fd)
             self._segments.append((self._path, self._size))
             self._fd = None
@@ -208,7 +212,8 @@ def frame_payloads(chunks: Sequence[bytes]) -> list[bytes]:
 
 def frame_length(head: bytes) -> int:
     """The stored length of the frame whose FRAME_HEADER bytes are `head`."""
-    return _LEN.unpack(head)[0]
+    length: int = _LEN.unpack(head)[0]
+    return length
 
 
 FRAME_HEADER = _LEN.size

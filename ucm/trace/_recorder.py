@@ -34,20 +34,21 @@ from typing import Any, Protocol
 import msgpack
 import trio
 
-from ucm.trace._format import frame_payloads, pack_default
+from ucm.trace._format import SegmentWriter, frame_payloads, pack_default
 
 _now = time.monotonic_ns
 
 
-def _pack_any(record: tuple) -> bytes:
+def _pack_any(record: tuple[Any, ...]) -> bytes:
     return msgpack.packb(record, default=pack_default)
 
 
 def _seq_of(chunk: bytes) -> int:
-    return msgpack.unpackb(chunk, strict_map_key=False)[0]
+    seq: int = msgpack.unpackb(chunk, strict_map_key=False)[0]
+    return seq
 
 
-def _unpack_all(payload: bytes) -> list[list]:
+def _unpack_all(payload: bytes) -> list[Record]:
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(payload)
     return list(unpacker)
@@ -58,7 +59,7 @@ log = logging.getLogger("ucm.trace")
 def _discard(record: bytes) -> None:
     """The ring's append once tracing is off."""
 
-Record = Sequence  # [seq, t_ns, phase, event_id, fields]
+Record = Sequence[Any]  # [seq, t_ns, phase, event_id, fields]
 
 
 class Sink(Protocol):
@@ -72,7 +73,7 @@ class Tracer:
     records too (e.g. `ucm.trace.metrics.MetricsSink`). With neither, records are kept in the
     ring only (see `drain`)."""
 
-    def __init__(self, path: str | os.PathLike | None = None, *, max_bytes: int = 256 << 20,
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, max_bytes: int = 256 << 20,
                  segment_bytes: int = 8 << 20, ring_events: int = 65536,
                  interval: float = 0.1, sinks: Iterable[Sink] = ()) -> None:
         if ring_events < 2:
@@ -91,11 +92,12 @@ class Tracer:
         self._append = self._ring.append
         self._pack = msgpack.Packer().pack
         self._next_seq = itertools.count().__next__
-        self._retired: tuple[deque, int] | None = None  # last swapped-out ring, records taken
+        # the last swapped-out ring, and the records taken from it
+        self._retired: tuple[deque[bytes], int] | None = None
         self._last_seq = -1  # highest sequence number drained
         self._received = 0  # records drained
         self.dropped = 0  # records lost to ring overflow
-        self._writer: Any = None
+        self._writer: SegmentWriter | None = None
         self._flush_lock = threading.Lock()  # serve's drain and a caller's flush() may meet
         self._serving = False
         self.write_errors = 0  # failed trace file writes; the first turns file writing off
@@ -110,7 +112,7 @@ class Tracer:
                    **kwargs)
 
     # -- hot path ------------------------------------------------------------------------------
-    def emit(self, phase: str, event_id: int, fields: dict) -> None:
+    def emit(self, phase: str, event_id: int, fields: dict[str, Any]) -> None:
         record = (self._next_seq(), _now(), phase, event_id, fields)
         try:
             # Packed at once: bytes are invisible to the garbage collector, while ring-held
@@ -167,7 +169,7 @@ class Tracer:
             return 0
         payloads = frame_payloads(chunks)
         if self.path is not None and not self.files_disabled:
-            self._write_files(payloads)
+            self._write_files(self.path, payloads)
         if self.sinks:
             records = [r for payload in payloads for r in _unpack_all(payload)]
             for sink in self.sinks:
@@ -177,12 +179,10 @@ class Tracer:
                     log.exception("trace sink %r failed", sink)
         return len(chunks)
 
-    def _write_files(self, payloads: list[bytes]) -> None:
+    def _write_files(self, path: Path, payloads: list[bytes]) -> None:
         try:
             if self._writer is None:
-                from ucm.trace._format import SegmentWriter
-
-                self._writer = SegmentWriter(self.path, max_bytes=self.max_bytes,
+                self._writer = SegmentWriter(path, max_bytes=self.max_bytes,
                                              segment_bytes=self.segment_bytes)
             for payload in payloads:
                 self._writer.write_payload(payload)

@@ -87,7 +87,7 @@ class TraceCounts:
         raise NotImplementedError
 
     # -- the sink ------------------------------------------------------------------------------
-    def consume(self, records: Sequence[tuple]) -> None:
+    def consume(self, records: Sequence[Sequence[Any]]) -> None:
         submitted, started = self._submitted, self._started
         for _seq, t, phase, event_id, fields in records:
             if phase == "op":
@@ -121,7 +121,7 @@ class TraceCounts:
         self.set("inbox_depth", len(submitted))
         self.set("in_flight_events", len(started))
 
-    def _op(self, t: int, fields: dict) -> None:
+    def _op(self, t: int, fields: dict[str, Any]) -> None:
         tier, op = str(fields.get("tier", "?")), str(fields.get("op", "?"))
         t0 = fields.get("t0")
         if t0 is not None:
@@ -136,7 +136,7 @@ class TraceCounts:
             self.inc("stored_bytes", (tier,), fields.get("bytes", 0))
             self.inc("stored_blocks", (tier,), fields.get("stored", 0))
 
-    def _lookup_result(self, fields: dict) -> None:
+    def _lookup_result(self, fields: dict[str, Any]) -> None:
         remaining = fields.get("keys", 0)
         for tier, hits in (fields.get("hits") or {}).items():
             if remaining <= 0:
@@ -213,7 +213,7 @@ class StatsSink(TraceCounts):
         with self._lock:
             self._gauges[series_key(name, ())] = value
 
-    def take(self) -> dict[str, dict]:
+    def take(self) -> dict[str, dict[str, Any]]:
         """The counts since the last take, the observations, the gauges' last values:
         {"counters": {series: n}, "histograms": {series: [seconds]}, "gauges": {series: v}}
         (series: `series_key`)."""
@@ -241,7 +241,7 @@ class KernelCollector:
         self.kernel = kernel
         self.ns = namespace
 
-    def describe(self) -> list:
+    def describe(self) -> list[Any]:
         return []  # no describe-time scrape of a kernel that may not be running
 
     def collect(self) -> Any:
@@ -280,7 +280,8 @@ def serve_metrics(port: int, addr: str = "127.0.0.1", *, registry: Any = None,
         from prometheus_client import multiprocess as mp
 
         registry = prom.CollectorRegistry()
-        mp.MultiProcessCollector(registry)
+        # prometheus_client leaves MultiProcessCollector unannotated
+        mp.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     server, _thread = prom.start_http_server(port, addr=addr,
                                              registry=registry or prom.REGISTRY)
     return server

@@ -24,6 +24,9 @@ from ucm.vllm_hook.stats import SideStats, UCMConnectorStats, UCMPromMetrics
 if TYPE_CHECKING:
     import torch
 
+    from ucm.vllm_hook.scheduler import SchedulerSide
+    from ucm.vllm_hook.worker import WorkerSide
+
 log = logging.getLogger("ucm.vllm_hook")
 
 _live: weakref.WeakSet[UCMConnector] = weakref.WeakSet()
@@ -63,8 +66,8 @@ class UCMConnector(KVConnectorBase_V1):
                  ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = settings_from_vllm(vllm_config)
-        self.scheduler = None
-        self.worker = None
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
         self.sparse: SparseAttention | None = None
         self._stats = SideStats()  # fed by this side's kernel; vLLM's /metrics shows them
         sinks = (self._stats.sink,)
@@ -89,6 +92,16 @@ class UCMConnector(KVConnectorBase_V1):
                 self.sparse.activate()
         _live.add(self)
 
+    def _scheduler_side(self) -> SchedulerSide:
+        if self.scheduler is None:
+            raise RuntimeError("ucm: a scheduler call reached a worker's connector")
+        return self.scheduler
+
+    def _worker_side(self) -> WorkerSide:
+        if self.worker is None:
+            raise RuntimeError("ucm: a worker call reached the scheduler's connector")
+        return self.worker
+
     def _meta(self) -> UCMConnectorMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, UCMConnectorMetadata)
@@ -97,26 +110,27 @@ class UCMConnector(KVConnectorBase_V1):
     # -- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int,
                                  ) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = self.scheduler.build_connector_meta(scheduler_output)
-        if meta.loads and self.settings.early_loads and not self.scheduler.shares_kernel:
+        scheduler = self._scheduler_side()
+        meta = scheduler.build_connector_meta(scheduler_output)
+        if meta.loads and self.settings.early_loads and not scheduler.shares_kernel:
             return StepMetadata(loads=meta.loads, saves=meta.saves)  # loads on arrival
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, block_ids)
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches, self._num_blocks,
-                                       cpu_isa=attention_isa(self._vllm_config, list(kv_caches)))
+        self._worker_side().register_kv_caches(
+            kv_caches, self._num_blocks, cpu_isa=attention_isa(self._vllm_config, list(kv_caches)))
         if self.settings.layerwise and self._layers not in (None, len(kv_caches)):
             # The scheduler looks up this many layers per block; stores write len(kv_caches).
             log.warning("ucm: vLLM's KV cache config names %d layers but %d caches were "
@@ -127,17 +141,17 @@ class UCMConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.sparse is not None:
             self.sparse.observe(self._meta())
-        self.worker.start_load_kv(self._meta())
+        self._worker_side().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_for_layer_load(layer_name)
+        self._worker_side().wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        self.worker.save_kv_layer(self._meta(), layer_name)
+        self._worker_side().save_kv_layer(self._meta(), layer_name)
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save()
+        self._worker_side().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -160,7 +174,8 @@ class UCMConnector(KVConnectorBase_V1):
         return UCMConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type[Any], type[Any]],
+                           labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> UCMPromMetrics:
         return UCMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
@@ -172,7 +187,7 @@ class UCMConnector(KVConnectorBase_V1):
             if self.sparse is not None:
                 stats["sparse"] = self.sparse.statistics()
             return stats
-        return dict(self.scheduler.stats)
+        return dict(self._scheduler_side().stats)
 
     def shutdown(self) -> None:
         if self.worker is not None and self.sparse is not None:

@@ -90,7 +90,8 @@ class BlockLayout:
             self.segments.extend(segs)
             self.by_layer[name] = segs
         self.block_bytes = offset
-        self._rows: list | None = None  # numpy views of the segments, made on first use
+        # numpy views of the segments, made on first use: (bytes, row stride, row bytes)
+        self._rows: list[tuple[memoryview, int, int]] | None = None
         self._scatters: dict[int, Scatter] = {}  # load targets by block id (scatter)
 
     @property
@@ -118,11 +119,11 @@ class BlockLayout:
         cheaper than indexing the segment as an array (figures: docs/performance.md, Load
         targets)."""
         if self._rows is None:
-            rows = []
+            rows: list[tuple[memoryview, int, int]] = []
             for seg in self.segments:
                 n, stride = seg.view.shape[0], seg.view.stride(0)
                 span = seg.view.as_strided(((n - 1) * stride + seg.nbytes,), (1,))
-                rows.append((memoryview(span.numpy()), stride, seg.nbytes))
+                rows.append((span.numpy().data, stride, seg.nbytes))
             self._rows = rows
         return self._rows
 

@@ -88,7 +88,8 @@ def install() -> None:
                         *args, **kwargs)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
-    cpu_attn.CPUAttentionBackendImpl.forward = forward
+    impl: Any = cpu_attn.CPUAttentionBackendImpl  # a vLLM class whose method is replaced
+    impl.forward = forward
     _original_forward = original
     log.info("ucm: sparse attention wraps CPUAttentionBackendImpl.forward (vLLM %s)",
              vllm.__version__)
@@ -221,6 +222,7 @@ class SparseAttention:
             session.mark_resident([session.n_blocks - 1])
         layout = self.worker.layout
         row = rq.row
+        assert row is not None  # on_layer sets it before a step is planned
 
         def key_of(block: int) -> bytes:
             digest = self._digests.get(int(row[block]))
@@ -229,7 +231,7 @@ class SparseAttention:
             return rank_key(digest, self.worker.settings.tp_rank, self.worker.settings.tp_size)
 
         def buffer_of(block: int) -> memoryview:
-            return memoryview(np.empty(layout.block_bytes, dtype=np.uint8))
+            return np.empty(layout.block_bytes, dtype=np.uint8).data
 
         kernel = self.worker.kernel
         rq.fetcher = BlockFetcher(kernel.submit, key_of, buffer_of)
@@ -244,8 +246,8 @@ class SparseAttention:
                  rows: dict[int, tuple[list[int], int]], n_reqs: int,
                  seq_lens: list[int]) -> Any:
         """The metadata with each sparse row's block table and seq_len cut to its blocks."""
+        from vllm import _custom_ops as ops
         from vllm import envs
-        from vllm.v1.attention.backends import cpu_attn
 
         table = md.block_table.clone()
         lens = md.seq_lens.clone()
@@ -253,7 +255,7 @@ class SparseAttention:
             phys = md.block_table[r, torch.tensor(blocks, dtype=torch.long)]
             table[r, :len(blocks)] = phys
             lens[r] = new_len
-        scheduler_metadata = cpu_attn.ops.cpu_attn_get_scheduler_metadata(
+        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=n_reqs, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
             head_dim=impl.head_size, seq_lens=lens, dtype=query.dtype,
             query_start_loc=md.query_start_loc, causal=md.causal,

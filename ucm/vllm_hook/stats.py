@@ -52,12 +52,14 @@ TIER_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 _TIER_STATS = {"bytes": "tier_used_bytes", "capacity": "tier_capacity_bytes",
                "blocks": "tier_blocks", "pinned": "tier_pinned_blocks"}
 # WorkerSide.stats counters -> (op, result) of connector_blocks
-_OUTCOMES = {"loaded_blocks": ("load", "ok"), "saved_blocks": ("store", "ok"),
-             "save_failed_blocks": ("store", "failed"),
-             "save_dropped_blocks": ("store", "dropped"),
-             **{f"load_{s.name.lower()}": ("load", s.name.lower())
-                for s in LoadState if s is not LoadState.OK}}
-_EARLY = {"early_loads": ("started",), "early_loads_unused": ("unused",)}
+_OUTCOMES: dict[str, tuple[str, ...]] = {
+    "loaded_blocks": ("load", "ok"), "saved_blocks": ("store", "ok"),
+    "save_failed_blocks": ("store", "failed"),
+    "save_dropped_blocks": ("store", "dropped"),
+    **{f"load_{s.name.lower()}": ("load", s.name.lower())
+       for s in LoadState if s is not LoadState.OK}}
+_EARLY: dict[str, tuple[str, ...]] = {"early_loads": ("started",),
+                                      "early_loads_unused": ("unused",)}
 _PARTS = ("counters", "histograms", "gauges")
 
 
@@ -140,7 +142,7 @@ class SideStats:
                         stats.get("busy_rejections", self._last.get("busy_rejections", 0)))
         return UCMConnectorStats(data=data)
 
-    def _delta(self, counters: dict, name: str, labels: tuple[str, ...], stat: str,
+    def _delta(self, counters: dict[str, float], name: str, labels: tuple[str, ...], stat: str,
                total: float) -> None:
         delta = total - self._last.get(stat, 0)
         self._last[stat] = total
@@ -153,19 +155,25 @@ class UCMPromMetrics(KVConnectorPromMetrics):
     """The `ucm_*` series in the API server's registry (vLLM's metric classes: its
     multiprocess mode and Ray wrappers apply), fed each step's aggregated stats."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(self, vllm_config: Any, metric_types: dict[type[Any], type[Any]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]],
+                 ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, Any] = {}
+        # prometheus_client's classes or vLLM's Ray wrappers of them; vLLM types each as
+        # any of the three, so their own keywords (buckets, multiprocess_mode) need Any.
+        counter: Any = self._counter_cls
+        histogram: Any = self._histogram_cls
+        gauge: Any = self._gauge_cls
         for name, (doc, labels) in {**COUNTERS, **CONNECTOR_COUNTERS}.items():
-            self._metrics[name] = self._counter_cls(
+            self._metrics[name] = counter(
                 name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels])
         for name, (doc, labels) in HISTOGRAMS.items():
-            self._metrics[name] = self._histogram_cls(
+            self._metrics[name] = histogram(
                 name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels],
                 buckets=list(LATENCY_BUCKETS))
         for name, (doc, labels) in {**GAUGES, **TIER_GAUGES}.items():
-            self._metrics[name] = self._gauge_cls(
+            self._metrics[name] = gauge(
                 name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels],
                 multiprocess_mode="mostrecent")
         # The series with no labels of their own exist from the start (at 0): a dashboard

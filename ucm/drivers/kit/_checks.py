@@ -33,14 +33,14 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
 
 def check_batch(
     keys: Sequence[bytes], buffers: Sequence[Any], *, writable: bool, scatter: bool = False,
-) -> tuple[list[bytes], list[memoryview]]:
+) -> tuple[list[bytes], list[memoryview | Scatter]]:
     """Validated keys and flat byte views of their buffers (one per key); a load's Scatter
     as it is, and a store's where the driver writes from one (`scatter`)."""
     keys = check_keys(keys)
     buffers = list(buffers)
     if len(buffers) != len(keys):
         raise InvalidRequest(f"{len(keys)} keys but {len(buffers)} buffers")
-    views = []
+    views: list[memoryview | Scatter] = []
     for i, buf in enumerate(buffers):
         if (writable or scatter) and type(buf) is Scatter:
             views.append(buf)

@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from ucm.block import Scatter
 from ucm.drivers._workers import Workers
 from ucm.drivers.kit._checks import os_error
 from ucm.drivers.kit._framing import Gate, call_gated
@@ -33,11 +34,12 @@ class RemoteDriver(ThreadedDriver):
         self._limiter = trio.CapacityLimiter(threads)
 
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
-                   views: list[memoryview], *, store: bool = False) -> list[Any]:
+                   views: list[memoryview | Scatter], *, store: bool = False) -> list[Any]:
         # One thread hop per batch, not parts in parallel: the client libraries spread a call
         # over their own threads or concurrent RPCs, and two concurrent parts are slower than
         # one call (docs/performance.md, "Remote drivers"). Calls are abandonable anyway.
-        return await self._run(fn, keys, views)
+        results: list[Any] = await self._run(fn, keys, views)
+        return results
 
     async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False,
                    idle: bool = False) -> Any:

@@ -13,8 +13,8 @@ its loads are then handed out block by block to the copy threads of a `_pump.Pum
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import trio
 
@@ -59,6 +59,10 @@ class Backend:
     def delete(self, keys: list[bytes]) -> None:
         raise NotImplementedError
 
+    def load_one(self, key: bytes, view: memoryview) -> LoadState:
+        """One block of a `pump_loads` driver's load (see ThreadedDriver.pump_loads)."""
+        raise NotImplementedError
+
     def list_units(self) -> list[Any]:
         """Opaque units of listing work (for example directories), each one thread hop."""
         raise NotImplementedError
@@ -76,7 +80,7 @@ class Backend:
         pass
 
 
-def _partition(views: list[memoryview]) -> list[slice]:
+def _partition(views: Sequence[memoryview | Scatter]) -> list[slice]:
     """Contiguous parts of about equal bytes: one for a small batch, else at least PARALLEL
     (as keys allow) and none much over CHUNK_BYTES."""
     total = sum(v.nbytes for v in views)
@@ -84,7 +88,8 @@ def _partition(views: list[memoryview]) -> list[slice]:
         return [slice(0, len(views))]
     count = min(len(views), max(PARALLEL, -(-total // CHUNK_BYTES)))
     target = total / count
-    parts, start, acc = [], 0, 0
+    parts: list[slice] = []
+    start, acc = 0, 0
     for i, view in enumerate(views):
         acc += view.nbytes
         if acc >= target * (len(parts) + 1) and len(parts) < count - 1:
@@ -95,7 +100,7 @@ def _partition(views: list[memoryview]) -> list[slice]:
 
 
 def count_loads(stats: DriverStatistics, states: Sequence[LoadState],
-                views: Sequence[memoryview]) -> None:
+                views: Sequence[memoryview | Scatter]) -> None:
     """Adds one load batch's outcomes to a driver's counters."""
     stats["loads"] += len(states)
     for state, view in zip(states, views, strict=True):
@@ -117,22 +122,43 @@ def count_stores(stats: DriverStatistics, sizes: Sequence[int]) -> None:
             stats["store_failed"] += 1
 
 
+def with_counters(stats: DriverStatistics, counters: Mapping[str, float]) -> DriverStatistics:
+    """`stats` and a driver's own counters in one dict (the contract's keys are a minimum:
+    a driver may add its own)."""
+    merged: dict[str, object] = {**stats, **counters}
+    return cast(DriverStatistics, merged)
+
+
+class _Loads(Protocol):
+    """What ScatterLoading needs of the ThreadedDriver it is mixed into."""
+
+    async def load(self, keys: Sequence[bytes],
+                   buffers: Sequence[memoryview | Scatter]) -> list[LoadState]: ...
+
+
+class _Stores(Protocol):
+    """What ScatterStoring needs of the ThreadedDriver it is mixed into."""
+
+    async def _store(self, keys: Sequence[bytes], buffers: Sequence[memoryview | Scatter], *,
+                     scatter: bool = False) -> list[int]: ...
+
+
 class ScatterLoading:
     """Mixin of a ThreadedDriver whose backend reads straight into a Scatter's pieces (the
     `ScatterLoads` capability)."""
 
-    async def load_scatter(self, keys: Sequence[bytes],
+    async def load_scatter(self: _Loads, keys: Sequence[bytes],
                            buffers: Sequence[memoryview | Scatter]) -> list[LoadState]:
-        return await self.load(keys, buffers)  # type: ignore[attr-defined]
+        return await self.load(keys, buffers)
 
 
 class ScatterStoring:
     """Mixin of a ThreadedDriver whose backend's `store` writes straight from a Scatter's
     pieces (the `ScatterStores` capability)."""
 
-    async def store_scatter(self, keys: Sequence[bytes],
+    async def store_scatter(self: _Stores, keys: Sequence[bytes],
                             buffers: Sequence[memoryview | Scatter]) -> list[int]:
-        return await self._store(keys, buffers, scatter=True)  # type: ignore[attr-defined]
+        return await self._store(keys, buffers, scatter=True)
 
 
 class ThreadedDriver:
@@ -181,13 +207,14 @@ class ThreadedDriver:
             raise os_error(exc, self.name) from exc
 
     async def _map(self, fn: Callable[..., list[Any]], keys: list[bytes],
-                   views: list[memoryview], *, store: bool = False) -> list[Any]:
+                   views: list[memoryview | Scatter], *, store: bool = False) -> list[Any]:
         """Runs `fn` over the batch's parts, PARALLEL at a time, results in key order; a
         `store` on idle-priority threads, so it never takes a core from the inference engine."""
         parts = _partition(views)
         if len(parts) == 1:
             inline = sum(v.nbytes for v in views) <= self.inline_bytes
-            return await self._run(fn, keys, views, inline=inline, idle=store)
+            whole: list[Any] = await self._run(fn, keys, views, inline=inline, idle=store)
+            return whole
         results: list[list[Any]] = [[] for _ in parts]
         limiter = trio.CapacityLimiter(PARALLEL)
 
@@ -201,7 +228,7 @@ class ThreadedDriver:
         return [r for rs in results for r in rs]
 
     async def _pumped(self, fn: Callable[[bytes, Any], Any], keys: list[bytes],
-                      views: list[memoryview]) -> list[Any]:
+                      views: list[memoryview | Scatter]) -> list[Any]:
         """fn(key, view) for every block, on the pump's threads, in parts of at most
         PARALLEL * CHUNK_BYTES (a cancel lands between parts, never while a thread writes
         into a caller's buffer)."""
@@ -221,12 +248,13 @@ class ThreadedDriver:
 
     async def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         keys = check_keys(keys)
-        found = await self._run(self._backend.lookup, keys, inline=self.inline_meta)
+        found: list[bool] = await self._run(self._backend.lookup, keys, inline=self.inline_meta)
         self._stats["lookups"] += len(keys)
         self._stats["hits"] += sum(found)
         return found
 
-    async def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[LoadState]:
+    async def load(self, keys: Sequence[bytes],
+                   buffers: Sequence[memoryview | Scatter]) -> list[LoadState]:
         keys, views = check_batch(keys, buffers, writable=True)
         if self.pump_loads and sum(v.nbytes for v in views) > self.inline_bytes:
             states: list[LoadState] = await self._pumped(self._backend.load_one, keys, views)
