@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucm.trace import Record, TraceWarning, read_trace
+from ucm.trace import ReadBudget, Record, TraceWarning, read_trace
 
 
 @dataclass
@@ -187,10 +187,11 @@ def build(records: Iterable[Record]) -> Trace:
                  skipped)
 
 
-def load(source: str | os.PathLike) -> Trace:
-    """The trace at `source`; what cannot be read is skipped, warned about and counted."""
+def load(source: str | os.PathLike, budget: ReadBudget | None = None) -> Trace:
+    """The trace at `source`, its records streamed within `budget` (one per command: default
+    limits when None); what cannot be read is skipped, warned about and counted."""
     counts: Counter[str] = Counter()
-    trace = build(read_trace(source, counts=counts))
+    trace = build(read_trace(source, counts=counts, budget=budget))
     counts.update(trace.skipped)
     trace.skipped = {k: v for k, v in sorted(counts.items()) if v}
     return trace

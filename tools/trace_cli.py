@@ -9,18 +9,31 @@
     ucm-trace diff A B                     latency and hit-rate changes
 
 TRACE is a trace directory or one segment file.
+
+Nothing in a trace is trusted: records stream, and what one command reads is bounded
+(`ucm.trace.ReadLimits`): records and decompressed bytes per segment (--max-segment-records,
+--max-segment-bytes) and in all (--max-records, --max-bytes; `diff`: both traces together;
+`follow`: per poll), and at most 8 malformed frames per segment. A segment past a limit is cut
+there and a command past one stops, each with a warning naming the file; `summary` counts
+what was skipped. The defaults read a full default trace directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from ucm.trace import ReadBudget, ReadLimits
+
 from ._trace_model import Event, Trace, diff, load, summarize
+
+_DEFAULTS = ReadLimits()
+_SIZE = re.compile(r"(\d+)\s*([kmg]?)(i?)b?", re.IGNORECASE)
 
 
 def _ms(seconds: float | None) -> str:
@@ -134,8 +147,31 @@ def _record_line(r: Any) -> str:
     return f"{r.t / 1e9:.6f} {r.pid}:{r.event_id} {r.phase} {fields}"
 
 
+def _count(text: str) -> int:
+    """A count or size of at least 1: 4096, 64MiB, 2GiB, 10M (k, M, G: powers of 1000)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None or (m.group(3) and not m.group(2)):
+        raise argparse.ArgumentTypeError(f"not a count or size: {text!r}")
+    number, prefix, binary = m.groups()
+    value = int(number) * int((1024 if binary else 1000) ** " KMG".index(prefix.upper() or " "))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def _limits(args: argparse.Namespace) -> ReadLimits:
+    return ReadLimits(segment_records=args.max_segment_records,
+                      segment_bytes=args.max_segment_bytes, records=args.max_records,
+                      bytes=args.max_bytes, bad_frames=_DEFAULTS.bad_frames)
+
+
+def _budget(args: argparse.Namespace) -> ReadBudget:
+    """One budget for everything the command reads."""
+    return ReadBudget(_limits(args))
+
+
 def cmd_summary(args: argparse.Namespace) -> int:
-    s = summarize(load(args.trace), slowest=args.slowest)
+    s = summarize(load(args.trace, _budget(args)), slowest=args.slowest)
     if args.json:
         json.dump(s, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -145,7 +181,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    trace = load(args.trace)
+    trace = load(args.trace, _budget(args))
     events = _select(trace, args)
     if args.limit:
         events = events[: args.limit]
@@ -157,7 +193,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from ._trace_perfetto import to_chrome
 
-    doc = to_chrome(load(args.trace))
+    doc = to_chrome(load(args.trace, _budget(args)))
     with open(args.output, "w") as f:
         json.dump(doc, f, default=str)
     print(f"wrote {len(doc['traceEvents'])} trace events to {args.output}")
@@ -167,7 +203,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     from ._trace_plot import plot
 
-    plot(load(args.trace), args.output)
+    plot(load(args.trace, _budget(args)), args.output)
     print(f"wrote {args.output}")
     return 0
 
@@ -175,7 +211,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_follow(args: argparse.Namespace) -> int:
     from ucm.trace import Follower
 
-    follower = Follower(args.trace, from_start=args.from_start)
+    follower = Follower(args.trace, from_start=args.from_start, limits=_limits(args))
     end = None if args.duration is None else time.monotonic() + args.duration
     try:
         while end is None or time.monotonic() < end:
@@ -190,7 +226,8 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    d = diff(summarize(load(args.a)), summarize(load(args.b)))
+    budget = _budget(args)
+    d = diff(summarize(load(args.a, budget)), summarize(load(args.b, budget)))
     if args.json:
         json.dump(d, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
@@ -217,18 +254,47 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ucm-trace", description="Read the event traces the ucm "
-                                "kernel writes (trace: {path: DIR} or UCM_TRACE=DIR).")
-    sub = p.add_subparsers(dest="command", required=True)
+def _limit_options() -> argparse.ArgumentParser:
+    """The read limits every command takes (counts and sizes: 4096, 64MiB, 2GiB)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("read limits (a trace is not trusted: see ucm-trace --help)")
+    g.add_argument("--max-records", type=_count, default=_DEFAULTS.records, metavar="N",
+                   help=f"records read in all (default {_DEFAULTS.records})")
+    g.add_argument("--max-bytes", type=_count, default=_DEFAULTS.bytes, metavar="SIZE",
+                   help=f"decompressed bytes read in all (default {_DEFAULTS.bytes >> 30} GiB)")
+    g.add_argument("--max-segment-records", type=_count, default=_DEFAULTS.segment_records,
+                   metavar="N", help="records read from one segment file (default "
+                   f"{_DEFAULTS.segment_records})")
+    g.add_argument("--max-segment-bytes", type=_count, default=_DEFAULTS.segment_bytes,
+                   metavar="SIZE", help="decompressed bytes read from one segment file "
+                   f"(default {_DEFAULTS.segment_bytes >> 20} MiB)")
+    return p
 
-    s = sub.add_parser("summary", help="figures per event type, driver and tier")
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ucm-trace", description="Read the event traces the ucm kernel writes (trace: "
+        "{path: DIR} or UCM_TRACE=DIR).", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Nothing in a trace is trusted: records stream, and what one command reads is "
+        "bounded:\n  records and decompressed bytes per segment file (--max-segment-records, "
+        f"default {_DEFAULTS.segment_records};\n  --max-segment-bytes, default "
+        f"{_DEFAULTS.segment_bytes >> 20} MiB) and in all (--max-records, default "
+        f"{_DEFAULTS.records};\n  --max-bytes, default {_DEFAULTS.bytes >> 30} GiB; diff: both "
+        "traces together; follow: per poll),\n  and at most "
+        f"{_DEFAULTS.bad_frames} malformed frames per segment. A segment past a limit is cut "
+        "there,\n  a command past one stops; each says so in a warning naming the file.")
+    sub = p.add_subparsers(dest="command", required=True)
+    limits = [_limit_options()]
+
+    s = sub.add_parser("summary", parents=limits,
+                       help="figures per event type, driver and tier")
     s.add_argument("trace")
     s.add_argument("--slowest", type=int, default=10, help="slowest events to list")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_summary)
 
-    s = sub.add_parser("show", help="events, one per line, filtered")
+    s = sub.add_parser("show", parents=limits,
+                       help="events, one per line, filtered")
     s.add_argument("trace")
     s.add_argument("--request-id")
     s.add_argument("--key-prefix", help="hex prefix of the event's first key")
@@ -241,18 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int)
     s.set_defaults(fn=cmd_show)
 
-    s = sub.add_parser("export", help="Chrome trace-event JSON for ui.perfetto.dev")
+    s = sub.add_parser("export", parents=limits,
+                       help="Chrome trace-event JSON for ui.perfetto.dev")
     s.add_argument("trace")
     s.add_argument("--format", choices=["perfetto", "chrome"], default="perfetto")
     s.add_argument("-o", "--output", required=True)
     s.set_defaults(fn=cmd_export)
 
-    s = sub.add_parser("plot", help="timeline and latency histograms (PNG)")
+    s = sub.add_parser("plot", parents=limits,
+                       help="timeline and latency histograms (PNG)")
     s.add_argument("trace")
     s.add_argument("-o", "--output", required=True)
     s.set_defaults(fn=cmd_plot)
 
-    s = sub.add_parser("follow", help="print records as a running process writes them")
+    s = sub.add_parser("follow", parents=limits,
+                       help="print records as a running process writes them")
     s.add_argument("trace", help="the trace directory")
     s.add_argument("--duration", type=float, help="stop after this many seconds")
     s.add_argument("--interval", type=float, default=0.2)
@@ -260,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-id")
     s.set_defaults(fn=cmd_follow)
 
-    s = sub.add_parser("diff", help="latency and hit-rate changes from trace A to trace B")
+    s = sub.add_parser("diff", parents=limits,
+                       help="latency and hit-rate changes from trace A to trace B")
     s.add_argument("a")
     s.add_argument("b")
     s.add_argument("--json", action="store_true")

@@ -230,14 +230,15 @@ def test_ucm_serve_arguments():
     from ucm.vllm_hook.serve import server_argv
 
     args = server_argv(["M", "--port", "1"])
-    assert args[:4] == ["--model", "M", "--port", "1"] and args[4] == "--kv-transfer-config"
-    kvt = json.loads(args[5])
+    assert args[:6] == ["--model", "M", "--port", "1", "--host", "127.0.0.1"]
+    assert args[6] == "--kv-transfer-config"
+    kvt = json.loads(args[7])
     assert kvt["kv_connector"] == "UCMConnector" and kvt["kv_connector_extra_config"] == {}
     args = server_argv(["--model", "M", "--ucm-config", "u.yaml"])
     assert json.loads(args[-1])["kv_connector_extra_config"] == {
         "ucm_config_file": os.path.abspath("u.yaml")}
     assert server_argv(["M", "--kv-transfer-config", "{}"]) == [
-        "--model", "M", "--kv-transfer-config", "{}"]
+        "--model", "M", "--kv-transfer-config", "{}", "--host", "127.0.0.1"]
     with pytest.raises(SystemExit):
         server_argv(["M", "--ucm-config", "u.yaml", "--kv-transfer-config", "{}"])
 

@@ -22,8 +22,12 @@ Layout of `<shm_dir>/<namespace>.arena` (little-endian):
 
 Writers serialize on a lock that is a `flock` on `<arena>.lock` (plus a thread lock in the
 process): the kernel drops it when a holder dies, so a killed process never leaves the arena
-locked. Under the lock a store takes pages and, after copying outside it, publishes the entry;
-a delete clears entries. Pages are taken round the arena like a ring: the cursor moves on
+locked. A live holder can keep it (any member of a sharing group can), so no wait for it is
+unbounded: a call waits until its deadline (`until`: the event's), else `lock_wait` seconds,
+then fails with TimeoutError (a store then stores nothing; open fails naming the lock file).
+Pages a failed store had taken are given back at this process's next turn with the lock.
+Under the lock a store takes pages and, after copying outside it, publishes the entry; a
+delete clears entries. Pages are taken round the arena like a ring: the cursor moves on
 from the last allocation, and the blocks whose pages it reaches are evicted (oldest written
 first, as a FIFO cache). A bucket with no free way evicts its oldest entry. So a store never
 fails for want of room unless other stores hold the pages in flight.
@@ -50,7 +54,10 @@ import mmap
 import os
 import struct
 import threading
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -95,6 +102,8 @@ _SEQ_AT, _CURSOR_AT = 512, 520  # the mutable words (u64 each), outside the chec
 _ENTRY_MAGIC = 0x41534355  # "UCSA"; an entry's word: pages, its place: the first page
 _U64 = struct.Struct("<Q")
 IN_FLIGHT = 0x8000_0000  # owners value: IN_FLIGHT | pid of the writer
+DEFAULT_LOCK_WAIT = 10.0  # seconds a call with no deadline waits for the arena's lock
+T = TypeVar("T")
 def _pages(length: int) -> int:
     return -(-length // PAGE)
 
@@ -116,14 +125,22 @@ class ShmArena(Backend):
     """One arena file mapped into this process. Thread-safe; see the module docstring."""
 
     def __init__(self, path: str, *, namespace: str, codec: Codec,
-                 layouts: KVLayouts | None = None) -> None:
+                 layouts: KVLayouts | None = None,
+                 lock_wait: float = DEFAULT_LOCK_WAIT) -> None:
+        if not lock_wait > 0:
+            raise ConfigError(f"lock_wait: must be > 0 seconds, not {lock_wait!r}")
         self.path = path
         self.namespace = namespace
         self._ns = namespace.encode()  # what a loaded header must name
         self.codec = codec
         self.layouts = layouts
+        self.lock_wait = float(lock_wait)
         self._pid = os.getpid()
         self._thread_lock = threading.Lock()
+        self._calls = threading.local()  # the deadline of the call this thread runs
+        # Page runs (first, pages) of stores that failed without the lock to give them back.
+        self._orphans: list[tuple[int, int]] = []
+        self.lock_timeouts = 0  # waits for the lock that reached their deadline
         self._fd = self._lock_fd = -1
         self._mm: mmap.mmap | None = None
         self.recovered_dropped = 0  # torn or stale entries cleared at open
@@ -134,14 +151,36 @@ class ShmArena(Backend):
     @classmethod
     def open(cls, path: str, *, size: int, namespace: str, codec: Codec,
              layouts: KVLayouts | None = None, populate: bool = True,
-             sharing: Sharing = PRIVATE) -> ShmArena:
-        arena = cls(path, namespace=namespace, codec=codec, layouts=layouts)
+             sharing: Sharing = PRIVATE, lock_wait: float = DEFAULT_LOCK_WAIT,
+             deadline: float | None = None) -> ShmArena:
+        """Opens (creating if absent) the arena at `path`. Its locks are waited for until
+        `deadline` (time.monotonic()), else for `lock_wait` seconds: TimeoutError past it."""
+        arena = cls(path, namespace=namespace, codec=codec, layouts=layouts, lock_wait=lock_wait)
         try:
-            arena._open(size, populate, sharing)
+            arena.until(deadline, arena._open)(size, populate, sharing)
         except BaseException:
             arena.close()
             raise
         return arena
+
+    def until(self, deadline: float | None, fn: Callable[..., T]) -> Callable[..., T]:
+        """`fn`, whose waits for the arena's locks end at `deadline` (time.monotonic(); None:
+        `lock_wait` seconds after each wait starts)."""
+        calls = self._calls
+
+        def call(*args: Any) -> T:
+            outer = getattr(calls, "deadline", None)
+            calls.deadline = deadline
+            try:
+                return fn(*args)
+            finally:
+                calls.deadline = outer
+
+        return call
+
+    def _deadline(self) -> float:
+        deadline = getattr(self._calls, "deadline", None)
+        return time.monotonic() + self.lock_wait if deadline is None else deadline
 
     def _open(self, size: int, populate: bool, sharing: Sharing) -> None:
         folder, name = os.path.split(os.path.abspath(self.path))
@@ -172,7 +211,8 @@ class ShmArena(Backend):
                 pass
             else:
                 self._recover()
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            # An exclusive holder of the arena file (a recovering opener) is waited for too.
+            _flock_until(self._fd, fcntl.LOCK_SH, self._deadline(), self.path, self._timed_out)
         if populate:
             self._populate()
 
@@ -260,8 +300,33 @@ class ShmArena(Backend):
                              count=self.buckets * WAYS * ENTRY_SIZE // 4,
                              offset=self.table_offset).reshape(-1, ENTRY_SIZE // 4)
 
-    def _locked(self) -> _ArenaLock:
-        return _ArenaLock(self._thread_lock, self._lock_fd)
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The writers' lock, waited for until the call's deadline (TimeoutError past it)."""
+        with _ArenaLock(self._thread_lock, self._lock_fd, self._deadline(), self.path + ".lock",
+                        self._timed_out):
+            while self._orphans:  # a failed store's pages, given back now that we may
+                self._release(*self._orphans.pop())
+            yield
+
+    def _drain(self) -> None:
+        with self._locked():  # gives the orphaned pages back
+            pass
+
+    def _timed_out(self) -> None:
+        self.lock_timeouts += 1
+
+    def _give_back(self, runs: list[tuple[int, int]]) -> None:
+        """Frees a failed store's pages: now if the lock comes before the call's deadline,
+        else at this process's next turn with the lock."""
+        if not runs:
+            return
+        try:
+            with self._locked():
+                for first, npages in runs:
+                    self._release(first, npages)
+        except TimeoutError:
+            self._orphans.extend(runs)
 
     def _find(self, digest: bytes) -> tuple[int, Entry] | None:
         """The slot and entry holding `digest`; lock-free, so a racing writer can hide it."""
@@ -389,27 +454,33 @@ class ShmArena(Backend):
             for key, view in zip(keys, views, strict=True):
                 placed.append(self._place(key, view))
         except BaseException:
-            with self._locked():
-                for item in placed:
-                    if item is not None:
-                        self._release(item[1], item[2])
+            self._give_back([(item[1], item[2]) for item in placed if item is not None])
             raise
-        sizes = []
-        with self._locked():
-            for item in placed:
-                if item is None:
-                    sizes.append(0)
-                    continue
-                digest, first, npages, length = item
-                ok = self._publish(digest, first, npages, length)
-                if not ok:
-                    self._release(first, npages)
-                sizes.append(npages * PAGE if ok else 0)
+        try:
+            with self._locked():  # nothing in it raises TimeoutError: only waiting for it does
+                sizes = self._publish_all(placed)
+        except TimeoutError:  # nothing published: every block of the batch failed
+            self._orphans.extend((item[1], item[2]) for item in placed if item is not None)
+            raise
         if keys and not any(sizes):
             largest = max(view.nbytes for view in views)
             raise OSError(errno.ENOSPC, f"no room for a block of {largest} bytes in the "
                           f"{self.pages * PAGE}-byte arena beside the stores in flight",
                           self.path)
+        return sizes
+
+    def _publish_all(self, placed: list[tuple[bytes, int, int, int] | None]) -> list[int]:
+        """Publishes the placed blocks (with the lock held); the bytes stored of each."""
+        sizes = []
+        for item in placed:
+            if item is None:
+                sizes.append(0)
+                continue
+            digest, first, npages, length = item
+            ok = self._publish(digest, first, npages, length)
+            if not ok:
+                self._release(first, npages)
+            sizes.append(npages * PAGE if ok else 0)
         return sizes
 
     def _place(self, key: bytes, view: memoryview | Scatter,
@@ -437,8 +508,7 @@ class ShmArena(Backend):
             self.view[start:start + PAYLOAD_OFFSET] = encode_header(
                 key, self.namespace, self.codec, payload, view.nbytes, digest=digest)
         except BaseException:
-            with self._locked():
-                self._release(first, npages)
+            self._give_back([(first, npages)])
             raise
         return key_digest(key), first, npages, length
 
@@ -474,9 +544,15 @@ class ShmArena(Backend):
 
     def statistics(self) -> dict[str, Any]:
         return {"arena_bytes": self.pages * PAGE, "evicted": self.evicted,
-                "recovered_dropped": self.recovered_dropped}
+                "recovered_dropped": self.recovered_dropped,
+                "lock_timeouts": self.lock_timeouts}
 
     def close(self) -> None:
+        if self._orphans and self._mm is not None:
+            try:  # one try, no wait: else they are taken back once this process is gone
+                self.until(time.monotonic(), self._drain)()
+            except TimeoutError:
+                pass
         if self._mm is not None:
             self.owners = None  # type: ignore[assignment]  # numpy's export of the mapping
             self.view.release()
@@ -491,18 +567,46 @@ class ShmArena(Backend):
         self._fd = self._lock_fd = -1
 
 
+def _flock_until(fd: int, op: int, deadline: float, path: str,
+                 timed_out: Callable[[], None]) -> None:
+    """flock(fd, op), retried until `deadline` (time.monotonic()); TimeoutError past it.
+    Holders keep the lock for microseconds, so the first retries come soon."""
+    delay = 0.00005
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out()
+                raise TimeoutError(
+                    errno.ETIMEDOUT, "another process held the shared-memory arena's lock "
+                    "past this call's deadline (a process sharing the arena is stuck, or "
+                    "hostile)", path) from None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.01)
+
+
 class _ArenaLock:
-    """The writers' lock: this process's threads, then the other processes (flock)."""
+    """The writers' lock: this process's threads, then the other processes (flock), each
+    waited for until `deadline` at most."""
 
-    __slots__ = ("_fd", "_thread_lock")
+    __slots__ = ("_deadline", "_fd", "_path", "_thread_lock", "_timed_out")
 
-    def __init__(self, thread_lock: threading.Lock, fd: int) -> None:
-        self._thread_lock, self._fd = thread_lock, fd
+    def __init__(self, thread_lock: threading.Lock, fd: int, deadline: float, path: str,
+                 timed_out: Callable[[], None]) -> None:
+        self._thread_lock, self._fd, self._deadline = thread_lock, fd, deadline
+        self._path, self._timed_out = path, timed_out
 
     def __enter__(self) -> None:
-        self._thread_lock.acquire()
+        if not self._thread_lock.acquire(timeout=max(0.0, self._deadline - time.monotonic())):
+            self._timed_out()
+            raise TimeoutError(errno.ETIMEDOUT, "this process's other threads held the "
+                               "shared-memory arena's lock past this call's deadline",
+                               self._path)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            _flock_until(self._fd, fcntl.LOCK_EX, self._deadline, self._path, self._timed_out)
         except BaseException:
             self._thread_lock.release()
             raise

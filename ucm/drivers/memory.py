@@ -7,6 +7,7 @@
       size: 1GiB              # shared mode: the arena's size (sparse: stored blocks use memory)
       group: null             # shared mode: a group whose members share the arena
       mode: null              # shared mode: the arena's file mode; default 0600 (0660: group)
+      lock_wait: null         # shared mode: seconds a call with no deadline waits for the lock
 
 Process-local mode keeps a dict of records (a private copy of the stored bytes plus the
 block header); a store copies the caller's bytes and a load copies them back and verifies the
@@ -23,13 +24,17 @@ The arena is private to its user: the default directory is per user and mode 070
 files 0600, and a directory or file that another user owns or can write is refused, not
 adopted (`_shm_trust`). To share an arena between users on purpose, name their `group`: the
 directory (default `/dev/shm/ucm-group-<gid>`) and files then belong to it and are writable
-by its members, and by nobody else.
+by its members, and by nobody else. Any of them can hold the arena's lock: a store, delete or
+open waits for it until the event's deadline (`lock_wait` seconds for work with none, and for
+open), then fails; docs/trust.md says what members can do to each other.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -47,7 +52,7 @@ from ucm.block import (
     encode_payload,
     stored_codec,
 )
-from ucm.drivers._shm_arena import ShmArena
+from ucm.drivers._shm_arena import DEFAULT_LOCK_WAIT, ShmArena
 from ucm.drivers._shm_trust import (
     DEFAULT_GROUP_MODE,
     DEFAULT_MODE,
@@ -64,6 +69,7 @@ from ucm.drivers.kit import (
     ScatterStoring,
     ThreadedDriver,
     Workers,
+    check_keys,
     os_error,
     parse_codec,
     safe_dir_name,
@@ -162,6 +168,10 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
         mode: int | None = Field(
             default=None, description="shared mode: the arena files' mode (e.g. 0o640 or "
             "\"0660\"); default 0600, or 0660 with a group; never writable by others")
+        lock_wait: float | None = Field(
+            default=None, gt=0, description="shared mode: seconds a store or delete with no "
+            "event deadline (background copies), and open, wait for the arena's lock, which "
+            f"any process sharing it can hold; then the call fails. Default {DEFAULT_LOCK_WAIT:g}")
 
         @field_validator("mode", mode="before")
         @classmethod
@@ -207,7 +217,7 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
             options = cls.Options.model_validate(options)
         codec_value = parse_codec(codec)
         if not options.shared:
-            for key in ("shm_dir", "size", "group", "mode"):
+            for key in ("shm_dir", "size", "group", "mode", "lock_wait"):
                 if getattr(options, key) is not None:
                     raise ConfigError(f"{key}: applies to shared mode only (shared: true)")
             await trio.lowlevel.checkpoint()
@@ -217,13 +227,30 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
         root = os.path.abspath(options.shm_dir or default_shm_dir(sharing.gid))
         path = os.path.join(root, safe_dir_name(namespace) + ".arena")
         size = int(options.size or DEFAULT_ARENA_BYTES)
+        lock_wait = options.lock_wait or DEFAULT_LOCK_WAIT
+        deadline = _call_deadline()
         try:
             arena = await trio.to_thread.run_sync(lambda: ShmArena.open(
                 path, size=size, namespace=namespace, codec=codec_value, layouts=layouts,
-                sharing=sharing))
+                sharing=sharing, lock_wait=lock_wait, deadline=deadline))
         except OSError as exc:
             raise os_error(exc, name) from exc
         return cls(arena, name=name, workers=workers)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, inline: bool = False,
+                   idle: bool = False) -> Any:
+        if self.shared:  # the arena's lock is waited for until the event's deadline at most
+            fn = self.arena.until(_call_deadline(), fn)
+        return await super()._run(fn, *args, inline=inline, idle=idle)
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        if not self.shared:
+            return await super().delete(keys)
+        keys = check_keys(keys)
+        # Off the trio thread: a wait for the arena's lock must not stop every other event.
+        await self._run(self.backend.delete, keys)
+        self._stats["deletes"] += len(keys)
+        return None
 
     async def list_blocks(self) -> AsyncIterator[tuple[bytes, int]]:
         if not self.shared:
@@ -247,3 +274,11 @@ class MemoryDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
         if isinstance(self.backend, ShmArena):
             return with_counters(stats, self.backend.statistics())
         return stats
+
+
+def _call_deadline() -> float | None:
+    """The current trio deadline as a time.monotonic() instant (for threads); None if none."""
+    deadline = trio.current_effective_deadline()
+    if math.isinf(deadline):
+        return None
+    return time.monotonic() + max(0.0, deadline - trio.current_time())

