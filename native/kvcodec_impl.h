@@ -437,7 +437,8 @@ static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *ds
     float *x = scratch, *gmin = scratch + n, *gmax = scratch + n + ng;
     uint8_t *order = (uint8_t *)(scratch + n + 2 * ng); /* int4 codes before packing */
     int levels = (1 << bits) - 1;
-    int plain = !p->c_major && p->ti == 1 && p->ci == 1;
+    /* int4 rows of odd length do not start on a byte: those parts pack through `order` */
+    int plain = !p->c_major && p->ti == 1 && p->ci == 1 && !(bits == 4 && channels % 2);
     if (plain) {
         for (size_t i = 0; i < n; i++)
             x[i] = KV_FN(kv_load)(in, i, dtype);
@@ -565,9 +566,12 @@ static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *ds
                 o[c] = (uint8_t)((uint8_t)q[2 * c] | ((uint8_t)q[2 * c + 1] << 4));
         }
     }
-    if (!plain && bits == 4)
+    if (!plain && bits == 4) {
         for (size_t i = 0; i < n / 2; i++)
             codes[i] = (uint8_t)(order[2 * i] | (order[2 * i + 1] << 4));
+        if (n % 2) /* an odd count: the last code alone in the low nibble */
+            codes[n / 2] = order[n - 1];
+    }
     return 0;
 }
 

@@ -8,14 +8,23 @@ into the caller's buffer, bounded by the raw size the header declares.
 
 The header's codec byte says what a block holds: a quantizing tier's blocks that could not be
 quantized say shuffle_zstd (or zstd), so loads never guess.
+
+Stored bytes are untrusted. `check_params` (from `decode_header`) checks a header's parameters
+against its raw size and payload length by arithmetic over their packed runs, expanding
+nothing; decoding builds anything only for a header whose raw size equals the caller's buffer.
+Any error while checking or decoding a stored block is `BlockCorrupt` (a per-key miss): one
+that is not already is counted in `decode_errors` by its type and logged once per type with its
+traceback, since it names a check that is missing.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -24,8 +33,8 @@ from ucm.codecs.layout import (
     KVLayout,
     layout_for,
     pack,
+    parsed,
     register_layout,
-    unpack,
     unregister_layout,
 )
 from ucm.errors import BlockCorrupt
@@ -33,13 +42,39 @@ from ucm.errors import BlockCorrupt
 if TYPE_CHECKING:
     from ucm.block import BlockHeader, Codec, Scatter
 
-__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_into", "decode_verified", "encode",
-           "layout_for", "register_layout", "stats", "unregister_layout"]
+__all__ = ["DEFAULT_GROUP", "Encoded", "KVLayout", "decode_errors", "decode_into",
+           "decode_verified", "encode", "layout_for", "register_layout", "stats",
+           "unregister_layout"]
 
 log = logging.getLogger("ucm.codecs")
 
 # Blocks a quantizing tier stored losslessly, by reason; a warning is logged the first time.
 stats: Counter[str] = Counter()
+# Stored blocks whose checks or decoding raised something other than BlockCorrupt, by type.
+decode_errors: Counter[str] = Counter()
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _stored_bytes(fn: Callable[P, R]) -> Callable[P, R]:
+    """Runs `fn` over a stored block's bytes: whatever it raises is BlockCorrupt, and what was
+    not BlockCorrupt already is counted and logged once. MemoryError, and BufferError (the
+    caller's buffers, not the block's bytes), stay themselves."""
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (BlockCorrupt, MemoryError, BufferError):
+            raise
+        except Exception as exc:
+            name = type(exc).__name__
+            if not decode_errors[name]:
+                log.warning("a stored block failed a check with %s: a corrupt miss (counted "
+                            "in ucm.codecs.decode_errors[%r])", name, name, exc_info=True)
+            decode_errors[name] += 1
+            raise BlockCorrupt(f"the block does not decode ({name}: {exc})") from None
+    return checked
 
 _SHUFFLE = struct.Struct("<B")  # shuffle_zstd parameters: the element size
 
@@ -97,9 +132,11 @@ def _compress(data: bytes) -> bytes:
     return bytes(_compressor().compress(data))
 
 
+@_stored_bytes
 def check_params(header: BlockHeader) -> None:
     """Raises BlockCorrupt unless the header's parameters fit its codec and lengths (called
-    by decode_header, before anything is allocated for the payload)."""
+    by decode_header, before anything is allocated for the payload). Quantized parameters are
+    checked run by run, in time bounded by their length: nothing is expanded."""
     from ucm.block import Codec
 
     if header.codec is Codec.SHUFFLE_ZSTD:
@@ -109,33 +146,14 @@ def check_params(header: BlockHeader) -> None:
         if itemsize not in (1, 2, 4, 8) or header.raw_len % itemsize:
             raise BlockCorrupt("shuffle element size does not fit the block")
         return
-    bits = 8 if header.codec is Codec.INT8 else 4
-    if _unpacked(header.params, header.raw_len, bits)[2] != header.payload_len:
+    packed = parsed(header.params)
+    if packed.raw_bytes != header.raw_len:
+        raise BlockCorrupt("codec parameters do not describe the block's raw size")
+    if packed.payload_bytes(8 if header.codec is Codec.INT8 else 4) != header.payload_len:
         raise BlockCorrupt("quantized payload length does not match its layout")
 
 
-# (layout, group, payload length) by (parameters, raw size, bits): every block of a store has
-# the same few, and expanding one costs more than decoding a block. Bounded, and only small
-# layouts (a forged header may describe MAX_PARTS parts) are kept.
-_UNPACKED: dict[tuple[bytes, int, int], tuple[KVLayout, int, int]] = {}
-_UNPACKED_MAX, _UNPACKED_PARTS = 64, 8192
-
-
-def _unpacked(params: bytes, raw_len: int, bits: int) -> tuple[KVLayout, int, int]:
-    key = (bytes(params), raw_len, bits)
-    found = _UNPACKED.get(key)
-    if found is None:
-        from ucm.codecs.quant import payload_bytes
-
-        layout, group = unpack(params, raw_len)
-        found = (layout, group, payload_bytes(layout, group, bits))
-        if len(layout.parts) <= _UNPACKED_PARTS:
-            if len(_UNPACKED) >= _UNPACKED_MAX:
-                _UNPACKED.clear()
-            _UNPACKED[key] = found
-    return found
-
-
+@_stored_bytes
 def decode_verified(header: BlockHeader, stored: memoryview, out: memoryview | Scatter) -> bool:
     """An int8/int4 payload decoded straight into `out` (or each piece of a Scatter) in one
     pass that also takes its xxh3-64: True once it matches the header's checksum; BlockCorrupt
@@ -154,8 +172,8 @@ def decode_verified(header: BlockHeader, stored: memoryview, out: memoryview | S
     else:
         target = out
     bits = 8 if header.codec is Codec.INT8 else 4
-    layout, group, _ = _unpacked(header.params, header.raw_len, bits)
-    digest = quant.decode_hashed(layout, group, bits, stored, target)
+    packed = parsed(header.params)
+    digest = quant.decode_hashed(packed, packed.group, bits, stored, target)
     if digest is None:
         return False
     if digest != header.checksum:
@@ -163,6 +181,7 @@ def decode_verified(header: BlockHeader, stored: memoryview, out: memoryview | S
     return True
 
 
+@_stored_bytes
 def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> None:
     """out (uint8, header.raw_len bytes) = the raw bytes of a verified payload."""
     from ucm.block import Codec
@@ -188,5 +207,5 @@ def decode_into(header: BlockHeader, stored: memoryview, out: np.ndarray) -> Non
     from ucm.codecs import quant
 
     bits = 8 if header.codec is Codec.INT8 else 4
-    layout, group, _ = _unpacked(header.params, header.raw_len, bits)
-    quant.decode_into(layout, group, bits, stored, out)
+    packed = parsed(header.params)
+    quant.decode_into(packed, packed.group, bits, stored, out)
