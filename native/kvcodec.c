@@ -60,10 +60,10 @@ static kv_part_t *check_plan(const Py_buffer *plan, size_t raw_len, size_t paylo
                 goto bad_parts;
             continue;
         }
-        if ((kind == 1 ? t % g : c % g) || (bits == 4 && c % 2))
-            goto bad_parts; /* int4: whole bytes per row, and an even count */
+        if (kind == 1 ? t % g : c % g)
+            goto bad_parts;
         size_t count = (size_t)t * (size_t)c, ng = kv_groups(p);
-        size_t need = 4 + 2 * ng + (bits == 8 ? count : count / 2);
+        size_t need = 4 + 2 * ng + (bits == 8 ? count : (count + 1) / 2); /* int4: 2 a byte */
         if (count > raw_len / itemsize || count * itemsize > raw_len - (size_t)oo ||
             need > payload_len - (size_t)po)
             goto bad_parts;

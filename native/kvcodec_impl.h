@@ -134,6 +134,9 @@ static inline uint16_t kv_float_to_half_sw(float f)
 
 static inline int kv_half_finite(uint16_t h) { return (h & 0x7c00) != 0x7c00; }
 
+/* A 16-bit element stored at any address: a piece of a Scatter may start at an odd byte. */
+static inline void kv_put16(char *p, uint16_t v) { memcpy(p, &v, 2); }
+
 /* The float16 next to h toward -inf (down) or +inf (up), as numpy's nextafter. */
 static inline uint16_t kv_half_next(uint16_t h, int up)
 {
@@ -207,33 +210,34 @@ static inline void KV_FN(kv_store_row)(const float *row, char *out, size_t n, in
         memcpy(out + 4 * i, row + i, (n - i) * 4);
         return;
     }
-    uint16_t *o = (uint16_t *)out;
     if (dtype == 1) {
 #if defined(__AVX2__) && defined(__F16C__)
-        for (; stream && i < n && ((uintptr_t)(o + i) & 15); i++)
-            o[i] = KV_FN(kv_float_to_half)(row[i]);
+        for (; stream && i < n && ((uintptr_t)(out + 2 * i) & 15); i++)
+            kv_put16(out + 2 * i, KV_FN(kv_float_to_half)(row[i]));
         for (; i + 8 <= n; i += 8)
-            KV_PUT(o + i, _mm256_cvtps_ph(_mm256_loadu_ps(row + i), _MM_FROUND_TO_NEAREST_INT));
+            KV_PUT(out + 2 * i, _mm256_cvtps_ph(_mm256_loadu_ps(row + i),
+                                                _MM_FROUND_TO_NEAREST_INT));
 #endif
         for (; i < n; i++)
-            o[i] = KV_FN(kv_float_to_half)(row[i]);
+            kv_put16(out + 2 * i, KV_FN(kv_float_to_half)(row[i]));
         return;
     }
     const uint32_t *u = (const uint32_t *)row;
 #if defined(__AVX2__)
-    for (; stream && i < n && ((uintptr_t)(o + i) & 15); i++)
-        o[i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
+    for (; stream && i < n && ((uintptr_t)(out + 2 * i) & 15); i++)
+        kv_put16(out + 2 * i, (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16));
     const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
     for (; i + 8 <= n; i += 8) {
         __m256i x = _mm256_loadu_si256((const __m256i *)(u + i));
         __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), one);
         __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, half), lsb), 16);
-        KV_PUT(o + i, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+        KV_PUT(out + 2 * i, _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                             _mm256_extracti128_si256(r, 1)));
     }
 #undef KV_PUT
 #endif
     for (; i < n; i++) /* bf16: round to nearest even (the values are finite) */
-        o[i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
+        kv_put16(out + 2 * i, (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16));
 }
 
 /* block[off, off + n elements) = row in `dtype`: straight into the piece that holds it, else
@@ -437,7 +441,8 @@ static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *ds
     float *x = scratch, *gmin = scratch + n, *gmax = scratch + n + ng;
     uint8_t *order = (uint8_t *)(scratch + n + 2 * ng); /* int4 codes before packing */
     int levels = (1 << bits) - 1;
-    int plain = !p->c_major && p->ti == 1 && p->ci == 1;
+    /* int4 rows of odd length do not start on a byte: those parts pack through `order` */
+    int plain = !p->c_major && p->ti == 1 && p->ci == 1 && !(bits == 4 && channels % 2);
     if (plain) {
         for (size_t i = 0; i < n; i++)
             x[i] = KV_FN(kv_load)(in, i, dtype);
@@ -565,9 +570,12 @@ static int KV_FN(kv_encode_part)(const kv_part_t *p, const char *in, uint8_t *ds
                 o[c] = (uint8_t)((uint8_t)q[2 * c] | ((uint8_t)q[2 * c + 1] << 4));
         }
     }
-    if (!plain && bits == 4)
+    if (!plain && bits == 4) {
         for (size_t i = 0; i < n / 2; i++)
             codes[i] = (uint8_t)(order[2 * i] | (order[2 * i + 1] << 4));
+        if (n % 2) /* an odd count: the last code alone in the low nibble */
+            codes[n / 2] = order[n - 1];
+    }
     return 0;
 }
 

@@ -45,7 +45,7 @@ native_missing() {  # buildable here, yet not built (a checkout from before it e
     [ -f /usr/include/xxhash.h ] && ! compgen -G "ucm/_hostcopy*.so" >/dev/null
 }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] ||
-        [ -n "$(find native -name 'hostcopy*' -newer "$stamp")" ] || native_missing; then
+        [ -n "$(find native -type f -newer "$stamp")" ] || native_missing; then
     echo "[setup] installing ucm[$extras] into .venv"
     .venv/bin/pip install --quiet --upgrade pip
     .venv/bin/pip install --quiet -e ".[$extras]"

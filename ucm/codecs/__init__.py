@@ -11,25 +11,34 @@ a checked payload back into the caller's buffer, bounded by the raw size the hea
 The header's codec byte says what a block holds: a quantizing tier's blocks that could not be
 quantized say shuffle_zstd (or zstd), so loads never guess; the layout a block was quantized
 with travels in its header's parameters, so a load needs nothing but the block.
+
+Stored bytes are untrusted. `check_params` (from `decode_header`) checks a header's parameters
+against its raw size and payload length by arithmetic over their packed runs, expanding
+nothing; decoding builds anything only for a header whose raw size equals the caller's buffer.
+Any error while checking or decoding a stored block is `BlockCorrupt` (a per-key miss): one
+that is not already is counted in `decode_errors` by its type and logged once per type with its
+traceback, since it names a check that is missing.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import struct
 from collections import Counter
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 from ucm.codecs import zstd
-from ucm.codecs.layout import DEFAULT_GROUP, KVLayout, KVLayouts, pack, unpack
+from ucm.codecs.layout import DEFAULT_GROUP, KVLayout, KVLayouts, pack, parsed
 from ucm.errors import BlockCorrupt, InvalidRequest
 
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["DEFAULT_GROUP", "Codec", "Encoded", "Header", "KVLayout", "KVLayouts",
-           "check_params", "decode_into", "decode_verified", "encode", "stats"]
+           "check_params", "decode_errors", "decode_into", "decode_verified", "encode", "stats"]
 
 log = logging.getLogger("ucm.codecs")
 
@@ -78,6 +87,31 @@ class Header(Protocol):
 
 # Blocks a quantizing tier stored losslessly, by reason; a warning is logged the first time.
 stats: Counter[str] = Counter()
+# Stored blocks whose checks or decoding raised something other than BlockCorrupt, by type.
+decode_errors: Counter[str] = Counter()
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _stored_bytes(fn: Callable[P, R]) -> Callable[P, R]:
+    """Runs `fn` over a stored block's bytes: whatever it raises is BlockCorrupt, and what was
+    not BlockCorrupt already is counted and logged once. MemoryError, and BufferError (the
+    caller's buffers, not the block's bytes), stay themselves."""
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (BlockCorrupt, MemoryError, BufferError):
+            raise
+        except Exception as exc:
+            name = type(exc).__name__
+            if not decode_errors[name]:
+                log.warning("a stored block failed a check with %s: a corrupt miss (counted "
+                            "in ucm.codecs.decode_errors[%r])", name, name, exc_info=True)
+            decode_errors[name] += 1
+            raise BlockCorrupt(f"the block does not decode ({name}: {exc})") from None
+    return checked
 
 _SHUFFLE = struct.Struct("<B")  # shuffle_zstd parameters: the element size
 
@@ -133,9 +167,11 @@ def encode(codec: Codec, raw: memoryview, *, layouts: KVLayouts | None = None,
     return _encoded(payload, Codec.SHUFFLE_ZSTD, _SHUFFLE.pack(itemsize))
 
 
+@_stored_bytes
 def check_params(header: Header) -> None:
     """Raises BlockCorrupt unless the header's parameters fit its codec and lengths (called
-    by decode_header, before anything is allocated for the payload)."""
+    by decode_header, before anything is allocated for the payload). Quantized parameters are
+    checked run by run, in time bounded by their length: nothing is expanded."""
     if header.codec is Codec.SHUFFLE_ZSTD:
         if len(header.params) != _SHUFFLE.size:
             raise BlockCorrupt("shuffle parameters have the wrong length")
@@ -143,33 +179,14 @@ def check_params(header: Header) -> None:
         if itemsize not in (1, 2, 4, 8) or header.raw_len % itemsize:
             raise BlockCorrupt("shuffle element size does not fit the block")
         return
-    bits = 8 if header.codec is Codec.INT8 else 4
-    if _unpacked(header.params, header.raw_len, bits)[2] != header.payload_len:
+    packed = parsed(header.params)
+    if packed.raw_bytes != header.raw_len:
+        raise BlockCorrupt("codec parameters do not describe the block's raw size")
+    if packed.payload_bytes(8 if header.codec is Codec.INT8 else 4) != header.payload_len:
         raise BlockCorrupt("quantized payload length does not match its layout")
 
 
-# (layout, group, payload length) by (parameters, raw size, bits): every block of a store has
-# the same few, and expanding one costs more than decoding a block. Bounded, and only small
-# layouts (a forged header may describe MAX_PARTS parts) are kept.
-_UNPACKED: dict[tuple[bytes, int, int], tuple[KVLayout, int, int]] = {}
-_UNPACKED_MAX, _UNPACKED_PARTS = 64, 8192
-
-
-def _unpacked(params: bytes, raw_len: int, bits: int) -> tuple[KVLayout, int, int]:
-    key = (bytes(params), raw_len, bits)
-    found = _UNPACKED.get(key)
-    if found is None:
-        from ucm.codecs.quant import payload_bytes
-
-        layout, group = unpack(params, raw_len)
-        found = (layout, group, payload_bytes(layout, group, bits))
-        if len(layout.parts) <= _UNPACKED_PARTS:
-            if len(_UNPACKED) >= _UNPACKED_MAX:
-                _UNPACKED.clear()
-            _UNPACKED[key] = found
-    return found
-
-
+@_stored_bytes
 def decode_verified(header: Header, stored: memoryview,
                     out: memoryview | tuple[memoryview, ...]) -> bool:
     """An int8/int4 payload decoded straight into `out` (one buffer, or the pieces of a
@@ -184,8 +201,8 @@ def decode_verified(header: Header, stored: memoryview,
     if isinstance(out, memoryview) and out.readonly:
         return False
     bits = 8 if header.codec is Codec.INT8 else 4
-    layout, group, _ = _unpacked(header.params, header.raw_len, bits)
-    digest = quant.decode_hashed(layout, group, bits, stored, out)
+    packed = parsed(header.params)
+    digest = quant.decode_hashed(packed, packed.group, bits, stored, out)
     if digest is None:
         return False
     if digest != header.checksum:
@@ -193,6 +210,7 @@ def decode_verified(header: Header, stored: memoryview,
     return True
 
 
+@_stored_bytes
 def decode_into(header: Header, stored: memoryview, out: np.ndarray) -> None:
     """out (uint8, header.raw_len bytes) = the raw bytes of a verified payload."""
     if header.codec is Codec.SHUFFLE_ZSTD:
@@ -206,5 +224,5 @@ def decode_into(header: Header, stored: memoryview, out: np.ndarray) -> None:
     from ucm.codecs import quant
 
     bits = 8 if header.codec is Codec.INT8 else 4
-    layout, group, _ = _unpacked(header.params, header.raw_len, bits)
-    quant.decode_into(layout, group, bits, stored, out)
+    packed = parsed(header.params)
+    quant.decode_into(packed, packed.group, bits, stored, out)

@@ -19,15 +19,23 @@ per run: kind u8, tokens u32, channels u32, count u32, c-major u8, ti u16, ci u1
 are the runs expanded, the whole repeated. Parameters of an earlier format (top bits 0: fp16
 scales per group; 0x80: two-level scales, codes in logical order) are refused as corrupt:
 such a block is a miss.
+
+A header's parameters are untrusted: `parse` checks them run by run, in time bounded by their
+length (a header holds at most about 220 runs), and gives a `Packed`, which answers the block's
+raw size, payload length and part count by arithmetic over the runs and yields its parts lazily;
+nothing is expanded until a load has compared the raw size with its buffer. The rules a part
+must meet are the same for a `KVLayout` a kernel is given and for a header.
 """
 
 from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Iterable, Iterator
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from ucm.errors import BlockCorrupt, ConfigError
 
@@ -43,6 +51,8 @@ _RUN = struct.Struct("<BIIIBHH")
 FORMAT = 0xC0
 _FORMAT_MASK = 0xF0
 MAX_PARTS = 1 << 16  # a decoder expands at most this many parts (a forged header gets no more)
+MAX_DIM = 1 << 24  # tokens or channels of a k/v part (native/kvcodec.c checks the same bound)
+MAX_RAW = (1 << 32) - 1  # bytes of a raw part (a u32 in the packed form)
 # Values are grouped per token along up to 64 channels (a head of most models), keys per channel
 # along up to 64 tokens (a vLLM block): two scale bytes a group (figures: docs/compression.md).
 DEFAULT_GROUP = 64
@@ -70,10 +80,10 @@ class KVLayout:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         parts = tuple(_full(p) for p in self.parts)
         object.__setattr__(self, "parts", parts)  # every part with its order
-        for kind, tokens, channels, order in parts:
-            if (kind not in KINDS or tokens < 1 or channels < 1 or not _order_fits(
-                    kind, tokens, channels, order)):
-                raise ValueError(f"bad layout part {(kind, tokens, channels, order)!r}")
+        for part in parts:
+            problem = part_problem(*part)
+            if problem is not None:
+                raise ValueError(f"bad layout part {part!r}: {problem}")
         if not parts or len(parts) > MAX_PARTS:
             raise ValueError(f"a layout has 1 to {MAX_PARTS} parts")
 
@@ -97,11 +107,25 @@ def _full(part: Part) -> Part:
     return (kind, tokens, channels, Order(*order))
 
 
-def _order_fits(kind: str, tokens: int, channels: int, order: Order) -> bool:
-    if kind == "raw":
-        return order == TC
-    return (order.ti >= 1 and order.ci >= 1 and tokens % order.ti == 0
-            and channels % order.ci == 0 and order.ti < 1 << 16 and order.ci < 1 << 16)
+def part_problem(kind: object, tokens: int, channels: int, order: Order) -> str | None:
+    """What is wrong with a part, or None: one rule for the layouts kernels hold and headers."""
+    if kind not in KINDS:
+        return f"kind must be one of {', '.join(KINDS)}"
+    if tokens < 1 or channels < 1:
+        return "tokens and channels must be at least 1"
+    if kind == "raw":  # `tokens` bytes kept as they are: the codecs know no channels there
+        if channels != 1 or order != TC:
+            return "a raw part is (\"raw\", bytes, 1), in plain order"
+        if tokens > MAX_RAW:
+            return f"a raw part holds at most {MAX_RAW} bytes"
+        return None
+    if tokens > MAX_DIM or channels > MAX_DIM:
+        return f"a k or v part has at most {MAX_DIM} tokens and channels"
+    c_major, ti, ci = order
+    if (c_major not in (False, True) or not 1 <= ti < 1 << 16 or not 1 <= ci < 1 << 16
+            or tokens % ti or channels % ci):
+        return "its element order's tile does not divide its tokens and channels"
+    return None
 
 
 def group_for(group: int, n: int) -> int:
@@ -115,6 +139,25 @@ def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
     return a
+
+
+def part_geometry(part: Part, group: int) -> tuple[int, int]:
+    """(group along the quantized axis, number of groups) of a k or v part."""
+    kind, tokens, channels = part[:3]
+    if kind == "k":
+        g = group_for(group, tokens)
+        return g, (tokens // g) * channels
+    g = group_for(group, channels)
+    return g, tokens * (channels // g)
+
+
+def part_payload(part: Part, group: int, bits: int) -> int:
+    """A part's bytes in an int8 (`bits` 8) or int4 payload (ucm.codecs.quant's format)."""
+    kind, tokens, channels = part[:3]
+    if kind == "raw":
+        return tokens
+    n = tokens * channels
+    return 4 + 2 * part_geometry(part, group)[1] + (n if bits == 8 else (n + 1) // 2)
 
 
 @functools.lru_cache(maxsize=64)  # the few layouts a process's kernels hold, packed per block
@@ -135,9 +178,60 @@ def pack(layout: KVLayout, group: int) -> bytes:
     return b"".join(out)
 
 
-def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
-    """(layout, group) from a header's parameters; BlockCorrupt unless they are well formed
-    and describe exactly `raw_len` bytes. Sizes are checked before anything is expanded."""
+class Run(NamedTuple):
+    """`count` parts alike, in a row."""
+
+    kind: str
+    tokens: int
+    channels: int
+    order: Order
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A header's codec parameters, checked (`parse`) but not expanded: the parts are the runs
+    in order, the whole `repeat` times. Sizes come from the runs; `parts` yields the parts one
+    at a time. It stands for a `KVLayout` wherever ucm.codecs.quant decodes."""
+
+    params: bytes
+    dtype: str
+    group: int
+    repeat: int
+    runs: tuple[Run, ...]
+    nparts: int
+    raw_bytes: int
+    payload8: int  # the payload's bytes for int8, and for int4
+    payload4: int
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    def part_bytes(self, part: Part) -> int:
+        kind, tokens, channels = part[:3]
+        return tokens * channels * (1 if kind == "raw" else self.itemsize)
+
+    def payload_bytes(self, bits: int) -> int:
+        return self.payload8 if bits == 8 else self.payload4
+
+    @property
+    def parts(self) -> Iterator[Part]:
+        for _ in range(self.repeat):
+            for kind, tokens, channels, order, count in self.runs:
+                part = (kind, tokens, channels, order)
+                for _ in range(count):
+                    yield part
+
+    def layout(self) -> KVLayout:
+        """The parts as a KVLayout (expanded: up to MAX_PARTS of them)."""
+        return KVLayout(self.dtype, tuple(self.parts))
+
+
+def parse(params: bytes) -> Packed:
+    """The parameters of a header, checked run by run (time bounded by their length, nothing
+    expanded); BlockCorrupt unless they are well formed, every part meets the rules of a
+    `KVLayout` and there are at most MAX_PARTS parts."""
     if len(params) < _HEAD.size:
         raise BlockCorrupt("codec parameters truncated")
     first, group, repeat, nruns = _HEAD.unpack_from(params)
@@ -148,23 +242,100 @@ def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
         raise BlockCorrupt("codec parameters out of range")
     if len(params) != _HEAD.size + nruns * _RUN.size:
         raise BlockCorrupt("codec parameters have the wrong length")
-    dtype = _DTYPE_NAMES[dtype_id]
-    runs, nparts, total = [], 0, 0
+    runs, nparts = [], 0
     for i in range(nruns):
         kind_id, tokens, channels, count, c_major, ti, ci = _RUN.unpack_from(
             params, _HEAD.size + i * _RUN.size)
-        if kind_id not in _KIND_NAMES or tokens < 1 or channels < 1 or count < 1:
+        if kind_id not in _KIND_NAMES or count < 1 or c_major > 1:
             raise BlockCorrupt("codec parameters out of range")
         kind, order = _KIND_NAMES[kind_id], Order(bool(c_major), ti, ci)
-        if c_major > 1 or not _order_fits(kind, tokens, channels, order):
-            raise BlockCorrupt("codec parameters name an element order that does not fit")
-        runs.append((kind, tokens, channels, order, count))
+        problem = part_problem(kind, tokens, channels, order)
+        if problem is not None:
+            raise BlockCorrupt("codec parameters name a part that does not fit (its size or "
+                               f"element order): {problem}")
+        runs.append(Run(kind, tokens, channels, order, count))
         nparts += count
-        total += count * tokens * channels * (1 if kind == "raw" else ITEMSIZE[dtype])
-    if nparts * repeat > MAX_PARTS or total * repeat != raw_len:
+    if nparts * repeat > MAX_PARTS:
+        raise BlockCorrupt(f"codec parameters describe {nparts * repeat} parts, more than "
+                           f"{MAX_PARTS}: not the block's raw size")
+    dtype = _DTYPE_NAMES[dtype_id]
+    itemsize = ITEMSIZE[dtype]
+    raw = sum(r.count * r.tokens * r.channels * (1 if r.kind == "raw" else itemsize)
+              for r in runs)
+    sizes = [sum(r.count * part_payload(r, group, bits) for r in runs) for bits in (8, 4)]
+    return Packed(bytes(params), dtype, group, repeat, tuple(runs), nparts * repeat,
+                  raw * repeat, sizes[0] * repeat, sizes[1] * repeat)
+
+
+def unpack(params: bytes, raw_len: int) -> tuple[KVLayout, int]:
+    """(layout, group) from a header's parameters; BlockCorrupt unless they are well formed
+    and describe exactly `raw_len` bytes. Sizes are checked before anything is expanded."""
+    packed = parse(params)
+    if packed.raw_bytes != raw_len:
         raise BlockCorrupt("codec parameters do not describe the block's raw size")
-    parts = tuple((k, t, c, o) for k, t, c, o, n in runs for _ in range(n)) * repeat
-    return KVLayout(dtype, parts), group
+    return packed.layout(), packed.group
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class ByteBoundedCache(Generic[K, V]):
+    """A thread-safe LRU map whose entries' sizes (as `size_of` counts them) add up to at most
+    `budget` bytes; a value larger than a quarter of it is never kept."""
+
+    def __init__(self, budget: int, size_of: Callable[[K, V], int]) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self._size_of = size_of
+        self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                return None
+            self._entries.move_to_end(key)
+            return found[0]
+
+    def put(self, key: K, value: V) -> None:
+        size = self._size_of(key, value)
+        if size > self.budget // 4:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._entries[key] = (value, size)
+            self.bytes += size
+            while self.bytes > self.budget:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.bytes -= dropped
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
+
+
+# parsed parameters by their bytes: every block of a store has the same few; each entry is a
+# few hundred bytes per run, and a header holds at most about 220 runs
+_PARSED: ByteBoundedCache[bytes, Packed] = ByteBoundedCache(
+    1 << 20, lambda params, packed: 256 + 160 * len(packed.runs) + len(params))
+
+
+def parsed(params: bytes) -> Packed:
+    """`parse`, cached by the parameters' bytes (a refused one raises again, uncached)."""
+    key = bytes(params)
+    found = _PARSED.get(key)
+    if found is None:
+        found = parse(key)
+        _PARSED.put(key, found)
+    return found
 
 
 def _part_text(part: Part) -> str:

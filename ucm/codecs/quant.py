@@ -17,6 +17,11 @@ the codes in the part's stored order (one byte each for int8; two per byte, the 
 in the low nibble, for int4).
 A block that does not fit (non-finite values, a range beyond float16) raises `Unquantizable`,
 and the caller stores it losslessly.
+
+The native loops take a block's plan (`plan`): a row of int64 per part, built from the packed
+parameters with numpy (a header's `Packed` is never expanded in Python for them), raw parts
+over MAX_DIM bytes split into several rows. Plans are cached by parameters and width, at most
+PLAN_CACHE_BYTES of them (a forged header's plan of MAX_PARTS rows is 4.5 MiB).
 """
 
 from __future__ import annotations
@@ -25,7 +30,19 @@ import functools
 
 import numpy as np
 
-from ucm.codecs.layout import DTYPES, TC, KVLayout, Order, Part, group_for
+from ucm.codecs.layout import (
+    DTYPES,
+    MAX_DIM,
+    TC,
+    ByteBoundedCache,
+    KVLayout,
+    Order,
+    Packed,
+    pack,
+    parsed,
+    part_geometry,
+    part_payload,
+)
 from ucm.errors import BlockCorrupt
 
 try:  # native/kvcodec.c: the coding loops outside the GIL (setup.py builds it)
@@ -46,26 +63,11 @@ class Unquantizable(Exception):
     """This block cannot be quantized within the bound (store it losslessly)."""
 
 
-def part_geometry(part: Part, group: int) -> tuple[int, int]:
-    """(group along the quantized axis, number of groups) of a k or v part."""
-    kind, tokens, channels = part[:3]
-    if kind == "k":
-        g = group_for(group, tokens)
-        return g, (tokens // g) * channels
-    g = group_for(group, channels)
-    return g, tokens * (channels // g)
-
-
-def part_payload(part: Part, group: int, bits: int) -> int:
-    kind, tokens, channels = part[:3]
-    if kind == "raw":
-        return tokens
-    n = tokens * channels
-    return 4 + 2 * part_geometry(part, group)[1] + (n if bits == 8 else (n + 1) // 2)
-
-
-def payload_bytes(layout: KVLayout, group: int, bits: int) -> int:
-    """The exact payload length of a block of `layout` quantized with `bits`."""
+def payload_bytes(layout: KVLayout | Packed, group: int, bits: int) -> int:
+    """The exact payload length of a block of `layout` quantized with `bits` (a `Packed`'s
+    from its runs, without expanding them)."""
+    if type(layout) is Packed and group == layout.group:
+        return layout.payload_bytes(bits)
     return sum(part_payload(part, group, bits) for part in layout.parts)
 
 
@@ -222,52 +224,85 @@ def encode_reference(layout: KVLayout, group: int, bits: int, raw: memoryview) -
     return b"".join(out)
 
 
-@functools.lru_cache(maxsize=64)
-def plan(layout: KVLayout, group: int, bits: int) -> bytes | None:
+PLAN_CACHE_BYTES = 16 << 20
+_plans: ByteBoundedCache[tuple[bytes, int], bytes] = ByteBoundedCache(
+    PLAN_CACHE_BYTES, lambda key, steps: len(key[0]) + len(steps) + 200)
+
+
+def plan(layout: KVLayout | Packed, group: int, bits: int) -> bytes:
     """The native loops' plan of a block (per part: kind, tokens, channels, group, offset in
-    the raw block, offset in the payload, c-major, ti, ci), or None when a part has an odd
-    number of channels for int4 (numpy codes those)."""
-    rows, opos, pos = [], 0, 0
-    for part in layout.parts:
-        kind, tokens, channels, order = part
-        if kind != "raw" and bits == 4 and channels % 2:
-            return None
-        g = part_geometry(part, group)[0] if kind != "raw" else 1
-        rows.append((_KIND_IDS[kind], tokens, channels if kind != "raw" else 1, g, opos, pos,
-                     int(order.c_major), order.ti, order.ci))
-        pos += part_payload(part, group, bits)
-        opos += layout.part_bytes(part)
-    return np.array(rows, np.int64).tobytes()
+    the raw block, offset in the payload, c-major, ti, ci; a raw part over MAX_DIM bytes takes
+    several rows), from the packed parameters (a `Packed` carries its own, and its group)."""
+    params = layout.params if type(layout) is Packed else pack(layout, group)
+    steps = _plans.get((params, bits))
+    if steps is None:
+        steps = _build_plan(parsed(params), bits)
+        _plans.put((params, bits), steps)
+    return steps
 
 
-def decode_into(layout: KVLayout, group: int, bits: int, stored: memoryview,
+def plan_cache_bytes() -> int:
+    """Bytes the cached plans take (at most PLAN_CACHE_BYTES)."""
+    return _plans.bytes
+
+
+def _build_plan(packed: Packed, bits: int) -> bytes:
+    """The rows of each run's part, tiled `count` times, the whole `repeat` times, then the
+    offsets: numpy work proportional to the rows, Python work to the runs."""
+    tables, raw_sizes, payload_sizes = [], [], []
+    for run in packed.runs:
+        kind, tokens, channels, order, count = run
+        if kind == "raw":
+            full, rest = divmod(tokens, MAX_DIM)
+            chunks = [MAX_DIM] * full + ([rest] if rest else [])
+            rows = [(0, n, 1, 1, 0, 0, 0, 1, 1) for n in chunks]
+            sizes = pays = chunks
+        else:
+            rows = [(_KIND_IDS[kind], tokens, channels, part_geometry(run, packed.group)[0], 0,
+                     0, int(order.c_major), order.ti, order.ci)]
+            sizes = [tokens * channels * packed.itemsize]
+            pays = [part_payload(run, packed.group, bits)]
+        tables.append(np.tile(np.array(rows, np.int64), (count, 1)))
+        raw_sizes.append(np.tile(np.array(sizes, np.int64), count))
+        payload_sizes.append(np.tile(np.array(pays, np.int64), count))
+    table = np.tile(np.concatenate(tables), (packed.repeat, 1))
+    for column, sizes in ((4, raw_sizes), (5, payload_sizes)):
+        ends = np.cumsum(np.tile(np.concatenate(sizes), packed.repeat))
+        table[1:, column] = ends[:-1]
+    return table.tobytes()
+
+
+def decode_into(layout: KVLayout | Packed, group: int, bits: int, stored: memoryview,
                 out: np.ndarray) -> None:
     """out (uint8, raw size) = the block `stored` holds; `stored` has the length
     `payload_bytes` gives (checked by the caller)."""
-    steps = plan(layout, group, bits) if _dequantize_block is not None else None
-    if steps is not None:
-        _dequantize_block(out, stored, steps, bits, DTYPES[layout.dtype])
+    if _dequantize_block is not None:
+        _dequantize_block(out, stored, plan(layout, group, bits), bits, DTYPES[layout.dtype])
         return
     decode_reference(layout, group, bits, stored, out)
 
 
-def decode_hashed(layout: KVLayout, group: int, bits: int, stored: memoryview,
+def decode_hashed(layout: KVLayout | Packed, group: int, bits: int, stored: memoryview,
                   out: memoryview | tuple[memoryview, ...]) -> int | None:
     """Decodes `stored` straight into `out` (one writable buffer of the raw size, or pieces
     that add up to it, filled in order) and returns the xxh3-64 of `stored`, taken in the same
     pass; None, with nothing written, when the native loops cannot (not built, built without
-    xxhash.h, an odd int4 part, too many pieces). The caller compares the digest with the
-    header's before the block counts as loaded."""
+    xxhash.h, too many pieces). The caller compares the digest with the header's before the
+    block counts as loaded."""
     if not _HASHES or (type(out) is tuple and len(out) > MAX_PIECES):
         return None
-    steps = plan(layout, group, bits)
-    if steps is None:
-        return None
-    return _dequantize_block(out, stored, steps, bits, DTYPES[layout.dtype])
+    return _dequantize_block(out, stored, plan(layout, group, bits), bits,
+                             DTYPES[layout.dtype])
 
 
-def decode_reference(layout: KVLayout, group: int, bits: int, stored: memoryview,
+def decode_reference(layout: KVLayout | Packed, group: int, bits: int, stored: memoryview,
                      out: np.ndarray) -> None:
+    with np.errstate(all="ignore"):  # a payload of any bytes decodes (its checksum decides)
+        _decode_reference(layout, group, bits, stored, out)
+
+
+def _decode_reference(layout: KVLayout | Packed, group: int, bits: int, stored: memoryview,
+                      out: np.ndarray) -> None:
     data = np.frombuffer(stored, np.uint8)
     levels = (1 << bits) - 1
     pos = opos = 0
