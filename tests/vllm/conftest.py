@@ -28,3 +28,14 @@ def tiny_bf16_model(tmp_path_factory):
 
     spec = ModelSpec(dtype="bfloat16", max_positions=4096, seed=1)
     return str(build_model(tmp_path_factory.mktemp("tiny-bf16"), spec))
+
+
+@pytest.fixture(scope="session")
+def restarted(tiny_model, tmp_path_factory):
+    """One cold and one warm `ucm serve` server on one store, shared by test_server.py's restart
+    test and test_metrics_prometheus.py: each workload's counts are its own
+    (serving_support.restarted_pair)."""
+    pytest.importorskip("openai")
+    from serving_support import restarted_pair
+
+    return restarted_pair(tiny_model, tmp_path_factory.mktemp("restarted"))
