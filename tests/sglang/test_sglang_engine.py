@@ -1,7 +1,11 @@
 """ucm as SGLang's HiCache storage tier, on real SGLang (in .venv-sglang, one process per run):
 a fresh engine loads a stored prefix and answers as the cold one did; the loaded pages are
 really used (noise changes the answer); corrupt pages are recomputed; storage that hangs
-is a miss; a bad config stops the engine at start. Offline (`sglang.Engine`) and over HTTP."""
+is a miss; a bad config stops the engine at start. Offline (`sglang.Engine`) and over HTTP.
+
+The first three checks share one cold engine and one warm engine: three prompts that share no
+page, over one store in which the second prompt's pages hold noise and the third's are corrupt.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ucm.kernel import Delete, Kernel, Store
 pytestmark = [needs_sglang, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = long_prompt()
+NOISY, CORRUPT = long_prompt(2), long_prompt(3)  # their pages: noise, and a flipped byte each
 
 
 def full_hit(result: dict[str, Any]) -> bool:
@@ -37,13 +42,18 @@ def full_hit(result: dict[str, Any]) -> bool:
 
 @pytest.fixture(scope="module")
 def stored(sglang_model: str, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[Path, dict[str, Any]]:
-    """A cold run that computed PROMPT and stored its pages: (store root, its result)."""
+           ) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
+    """A cold run that computed PROMPT, NOISY and CORRUPT and stored their pages: (store root,
+    PROMPT's result, NOISY's and CORRUPT's); each result's "new_pages" are the page files (paths
+    under the root) that its prompt added."""
     root = tmp_path_factory.mktemp("sglang-store")
-    [cold] = run_sglang({"model": sglang_model, "backend": "dynamic",
-                         "extra": ucm_extra(posix(root)), "prompts": [PROMPT], "settle": 5})
-    assert cold["storage_tokens"] == 0
-    return root, cold
+    cold = run_sglang({"model": sglang_model, "backend": "dynamic",
+                       "extra": ucm_extra(posix(root)), "prompts": [PROMPT, NOISY, CORRUPT],
+                       "watch_dir": str(root)})
+    assert [r["storage_tokens"] for r in cold] == [0, 0, 0]
+    pages = [set(r["new_pages"]) for r in cold]
+    assert not (pages[0] & pages[1] or pages[0] & pages[2] or pages[1] & pages[2])
+    return root, cold[0], cold[1:]
 
 
 def copy_store(root: Path, tmp_path: Path) -> Path:
@@ -64,47 +74,59 @@ def page_bytes() -> int:
     return 2 * spec.layers * PAGE_SIZE * spec.kv_heads * (spec.hidden // spec.heads) * 4
 
 
-def warm(model: str, root: Path, **extra: Any) -> dict[str, Any]:
-    [result] = run_sglang({"model": model, "backend": "dynamic",
-                           "extra": ucm_extra(posix(root), **extra), "prompts": [PROMPT]})
-    return result
-
-
-def test_a_fresh_engine_loads_the_stored_prefix_with_the_same_output(sglang_model, stored):
-    root, cold = stored
-    namespace, pages = stored_pages(root)
-    assert "sglang.layer_first.mha" in namespace and "float32" in namespace
-    assert len(pages) >= cold["prompt_tokens"] // PAGE_SIZE  # and the generated tokens' pages
-    result = warm(sglang_model, root)
-    assert full_hit(result), result
-    assert result["details"].get("storage_backend") == "UCMStorage"
-    assert result["text"] == cold["text"]
-
-
-def test_noise_over_the_stored_pages_changes_the_output(sglang_model, stored, tmp_path):
-    root = copy_store(stored[0], tmp_path)
-    namespace, pages = stored_pages(root)
-    keys = [bytes.fromhex(p.stem) for p in pages]
+@pytest.fixture(scope="module")
+def warm(sglang_model: str, stored, tmp_path_factory: pytest.TempPathFactory
+         ) -> dict[str, dict[str, Any]]:
+    """One fresh engine over a copy of the store with NOISY's pages overwritten by noise (valid
+    blocks) and a byte flipped in each of CORRUPT's; it runs PROMPT first (a fresh engine's
+    first request), then NOISY and CORRUPT. The prompts share no page (`stored` checks), so
+    each request meets only its own pages. Its results by prompt."""
+    root, _, (noisy, corrupt) = stored
+    root = copy_store(root, tmp_path_factory.mktemp("sglang-warm"))
+    namespace, _ = stored_pages(root)
+    noise_pages = [root / p for p in noisy["new_pages"]]
+    keys = [bytes.fromhex(p.stem) for p in noise_pages]
     rng = np.random.default_rng(0)
     noise = [rng.standard_normal(page_bytes() // 4).astype(np.float32) for _ in keys]
     with Kernel({**posix(root), "namespace": namespace}) as kernel:
         kernel.submit(Delete(keys)).result(30)
         assert kernel.submit(Store(keys, buffers=noise)).result(30).ok
-    result = warm(sglang_model, root)
-    assert full_hit(result), result  # the noise was loaded as if it were the prefix ...
-    assert result["text"] != stored[1]["text"]  # ... and used
-
-
-def test_corrupt_pages_are_recomputed_with_the_same_output(sglang_model, stored, tmp_path):
-    root = copy_store(stored[0], tmp_path)
-    _, pages = stored_pages(root)
-    for page in pages:  # one flipped byte in each page's payload: its checksum fails
+    for page in (root / p for p in corrupt["new_pages"]):  # the payload's checksum fails
         data = bytearray(page.read_bytes())
         data[-100] ^= 0xFF
         page.write_bytes(bytes(data))
-    result = warm(sglang_model, root)
+    results = run_sglang({"model": sglang_model, "backend": "dynamic",
+                          "extra": ucm_extra(posix(root)), "prompts": [PROMPT, NOISY, CORRUPT]})
+    return dict(zip(("fresh", "noise", "corrupt"), results, strict=True))
+
+
+def test_a_fresh_engine_loads_the_stored_prefix_with_the_same_output(stored, warm):
+    root, cold, _ = stored
+    namespace, pages = stored_pages(root)
+    assert "sglang.layer_first.mha" in namespace and "float32" in namespace
+    # PROMPT's pages, and the generated tokens' pages
+    assert len(cold["new_pages"]) >= cold["prompt_tokens"] // PAGE_SIZE
+    assert {str(p.relative_to(root)) for p in pages} >= set(cold["new_pages"])
+    result = warm["fresh"]
+    assert full_hit(result), result
+    assert result["details"].get("storage_backend") == "UCMStorage"
+    assert result["text"] == cold["text"]
+
+
+def test_noise_over_the_stored_pages_changes_the_output(stored, warm):
+    [noisy, _] = stored[2]
+    assert len(noisy["new_pages"]) >= noisy["prompt_tokens"] // PAGE_SIZE
+    result = warm["noise"]
+    assert full_hit(result), result  # the noise was loaded as if it were the prefix ...
+    assert result["text"] != noisy["text"]  # ... and used
+
+
+def test_corrupt_pages_are_recomputed_with_the_same_output(stored, warm):
+    [_, corrupt] = stored[2]
+    assert len(corrupt["new_pages"]) >= corrupt["prompt_tokens"] // PAGE_SIZE
+    result = warm["corrupt"]
     assert not full_hit(result), result
-    assert result["text"] == stored[1]["text"]
+    assert result["text"] == corrupt["text"]
 
 
 def test_storage_that_hangs_is_a_miss_not_a_hang(sglang_model, stored, tmp_path):

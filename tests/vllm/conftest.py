@@ -1,9 +1,12 @@
-"""Fixtures for the tests on real vLLM: tiny random models built into tmp dirs, and engines
-run in fresh processes (`ucm.bench.engines.run_in_subprocess`)."""
+"""Fixtures for the tests on real vLLM: tiny random models built into tmp dirs, engines run in
+fresh processes (`ucm.bench.engines.run_in_subprocess`), two of them at a time where a module
+starts them ahead (`engine_pool`)."""
 
 from __future__ import annotations
 
+import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -29,3 +32,32 @@ def tiny_bf16_model(tmp_path_factory):
     # bf16 whatever the CPU (not native_dtype()): its one user tests bf16 blocks of 128 tokens
     spec = ModelSpec(dtype="bfloat16", max_positions=4096, seed=1)
     return str(build_model(tmp_path_factory.mktemp("tiny-bf16"), spec))
+
+
+@pytest.fixture(scope="session")
+def restarted(tiny_model, tmp_path_factory):
+    """One cold and one warm `ucm serve` server on one store, shared by test_server.py's restart
+    test and test_metrics_prometheus.py: each workload's counts are its own
+    (serving_support.restarted_pair)."""
+    pytest.importorskip("openai")
+    from serving_support import restarted_pair
+
+    return restarted_pair(tiny_model, tmp_path_factory.mktemp("restarted"))
+
+
+@pytest.fixture(scope="session")
+def engine_pool():
+    """Runs engine processes two at a time (one on a one-CPU machine). Most of an engine's
+    start is Python importing vLLM and torch, one core's work: on two cores two independent
+    engines take about the time of one. A module submits the runs its tests read, at its
+    start; a run that needs another's store waits for that run's future."""
+    pool = ThreadPoolExecutor(max_workers=max(1, min(2, len(os.sched_getaffinity(0)))))
+    yield pool
+    pool.shutdown(cancel_futures=True)  # runs no test is left to read
+
+
+def selected(request: pytest.FixtureRequest) -> set[str]:
+    """The names of the requesting module's test functions that this session runs: a module
+    starts ahead only the runs that those read."""
+    return {getattr(item, "originalname", item.name) for item in request.session.items
+            if getattr(item, "module", None) is request.module}

@@ -4,6 +4,12 @@ One module-scoped scenario runs a baseline (no connector), a cold engine that st
 warm engine that loads, over: a single prompt, concurrent requests sharing a document prefix,
 a batch big enough to preempt, and 8K and 32K-token prompts; the cold and warm engines use
 chunked prefill. The fault tests then reuse the store the cold engine wrote.
+
+The module's engines start ahead, at its start (`runs`), two at a time (`engine_pool`), and
+the tests read their results. Each run stays an engine of its own: it has a config of its own
+(a faulty tier, layerwise, a shared memory tier, another model), or it must meet a store as it
+was when it started (a copy made noisy or corrupt, layers corrupted or deleted between two
+engines), or it is the second engine that a warm run means.
 """
 
 from __future__ import annotations
@@ -11,13 +17,18 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from conftest import prompt
+from conftest import prompt, selected
 
-pytestmark = pytest.mark.slow
+# A test waits for its runs and for the runs queued before them (`runs`).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 engines = pytest.importorskip("ucm.bench.engines")
 EngineSpec, Phase, run_in_subprocess = (engines.EngineSpec, engines.Phase,
@@ -52,19 +63,59 @@ def _spec(model: str, **kw) -> EngineSpec:
 
 
 @pytest.fixture(scope="module")
-def scenario(tiny_model, tmp_path_factory):
+def runs(request, tiny_model, tmp_path_factory, engine_pool) -> dict[str, Future]:
+    """The engine runs that this session's tests of the module read, started ahead: the
+    cold and then the warm engine in one slot, the baseline and then the longest other chain
+    (layerwise, four engines) in the other meanwhile; then the bf16 engines, the fault runs
+    (which wait for the warm engine, as their tests did) and the shared-memory ones."""
     root = tmp_path_factory.mktemp("scenario")
-    store = str(root / "store")
-    log = str(root / "engines.log")
-    base = run_in_subprocess(EngineSpec(model=tiny_model, max_model_len=4096,
-                                        kv_cache_bytes=KV_BYTES), _phases(long=False),
-                             log_path=log)
-    cold = run_in_subprocess(_spec(tiny_model, connector="ucm", ucm=_ucm(store)),
-                             _phases(long=True), log_path=log)
-    warm = run_in_subprocess(_spec(tiny_model, connector="ucm", ucm=_ucm(store)),
-                             _phases(long=True), log_path=log)
-    return {"base": base, "cold": cold, "warm": warm, "store": store, "root": root,
-            "model": tiny_model, "log": log}
+    paths = {"store": str(root / "store"), "root": root, "model": tiny_model,
+             "log": str(root / "engines.log")}
+    tests = selected(request)
+    submit = engine_pool.submit
+    out = {"paths": _done(paths)}
+    if tests - {"test_bf16_with_block_size_128"}:  # every other test reads the scenario
+        out["scenario"] = submit(_cold_warm, paths)
+        out["base"] = submit(run_in_subprocess, EngineSpec(model=tiny_model, max_model_len=4096,
+                                                           kv_cache_bytes=KV_BYTES),
+                             _phases(long=False), log_path=paths["log"])
+    if "test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer" in tests:
+        out["layerwise"] = submit(_layerwise_runs, paths)
+    if "test_bf16_with_block_size_128" in tests:
+        model = request.getfixturevalue("tiny_bf16_model")
+        bf16_root = tmp_path_factory.mktemp("bf16")
+        out["bf16_base"] = submit(run_in_subprocess, EngineSpec(**_bf16_spec(model)), BF16_PHASES)
+        out["bf16"] = submit(_bf16_cold_warm, model, bf16_root)
+    for name, (test, run) in FAULT_RUNS.items():
+        if test in tests:
+            out[name] = submit(_after, out["scenario"], run, paths)
+    if "test_shared_memory_tier_serves_a_second_engine" in tests:
+        out["shm"] = submit(_shm_runs, paths)
+    return out
+
+
+def _cold_warm(paths: dict) -> tuple[dict, dict]:
+    spec = _spec(paths["model"], connector="ucm", ucm=_ucm(paths["store"]))
+    cold = run_in_subprocess(spec, _phases(long=True), log_path=paths["log"])
+    return cold, run_in_subprocess(spec, _phases(long=True), log_path=paths["log"])
+
+
+def _after(first: Future, run: Callable[..., Any], *args: Any) -> Any:
+    """`run(*args)` once `first` is done; its failure fails this run too."""
+    first.result()
+    return run(*args)
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+@pytest.fixture(scope="module")
+def scenario(runs) -> dict:
+    cold, warm = runs["scenario"].result()
+    return {**runs["paths"].result(), "base": runs["base"].result(), "cold": cold, "warm": warm}
 
 
 def _phase(result: dict, name: str) -> dict:
@@ -129,9 +180,9 @@ def test_long_prompts_load_each_hit_block_once_in_loads_started_early(scenario):
     assert len(bytes_per_block) == 1 and bytes_per_block.pop() > 0  # 4x the blocks, 4x bytes
 
 
-def _copy_store(scenario, name: str) -> str:
-    dst = str(scenario["root"] / name)
-    shutil.copytree(scenario["store"], dst)
+def _copy_store(paths: dict, name: str) -> str:
+    dst = str(paths["root"] / name)
+    shutil.copytree(paths["store"], dst)
     return dst
 
 
@@ -139,17 +190,17 @@ def _block_files(store: str) -> list[str]:
     return sorted(glob.glob(os.path.join(store, "**", "*.blk"), recursive=True))
 
 
-def _run_single(scenario, ucm: dict, **extra) -> dict:
-    spec = _spec(scenario["model"], connector="ucm", ucm=ucm, extra=extra,
+def _run_single(paths: dict, ucm: dict, **extra) -> dict:
+    spec = _spec(paths["model"], connector="ucm", ucm=ucm, extra=extra,
                  max_model_len=4096)
     return run_in_subprocess(spec, [Phase([SINGLE], max_tokens=8, name="single")],
-                             log_path=scenario["log"])
+                             log_path=paths["log"])
 
 
-def test_noise_in_stored_kv_changes_output(scenario):
+def _noise_run(paths: dict) -> dict:
     from ucm.block import PAYLOAD_OFFSET, Codec, decode_header, encode_header
 
-    store = _copy_store(scenario, "noise")
+    store = _copy_store(paths, "noise")
     rng = np.random.default_rng(0)
     for path in _block_files(store):
         with open(path, "rb") as f:
@@ -158,14 +209,18 @@ def test_noise_in_stored_kv_changes_output(scenario):
         with open(path, "wb") as f:  # a valid block whose KV is noise
             f.write(encode_header(header.key, header.namespace, Codec.NONE, noise, len(noise)))
             f.write(noise)
-    result = _run_single(scenario, _ucm(store))
+    return _run_single(paths, _ucm(store))
+
+
+def test_noise_in_stored_kv_changes_output(scenario, runs):
+    result = runs["noise"].result()
     single = _phase(result, "single")
     assert single["num_cached_tokens"] == [288]
     assert single["tokens"] != _phase(scenario["base"], "single")["tokens"]
 
 
-def test_corrupt_and_truncated_blocks_are_recomputed(scenario):
-    store = _copy_store(scenario, "corrupt")
+def _corrupt_run(paths: dict) -> dict:
+    store = _copy_store(paths, "corrupt")
     for i, path in enumerate(_block_files(store)):  # every block: a flipped byte or cut short
         with open(path, "r+b") as f:
             if i % 2:
@@ -175,27 +230,37 @@ def test_corrupt_and_truncated_blocks_are_recomputed(scenario):
                 byte = f.read(1)
                 f.seek(5000)
                 f.write(bytes([byte[0] ^ 0xFF]))
-    result = _run_single(scenario, _ucm(store))
+    return _run_single(paths, _ucm(store))
+
+
+def test_corrupt_and_truncated_blocks_are_recomputed(scenario, runs):
+    result = runs["corrupt"].result()
     assert _phase(result, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
     worker = result["stats"]["worker"]
     assert worker["load_error_blocks"] == 9
     assert worker["load_corrupt"] >= 1, worker  # counted, not silently dropped
 
 
+def _hanging_run(listing: str) -> Callable[[dict], dict]:
+    def run(paths: dict) -> dict:
+        ops = ["lookup", "load", "store"] + (["list_blocks"] if listing == "hangs" else [])
+        ucm = {"tiers": [{"driver": "faulty", "hang": True, "ops": ops,
+                          "inner": {"driver": "posix", "path": paths["store"]}}],
+               "deadline": 1.0}
+        # A spared listing finishes soon: the long bound only waits out a loaded machine (the
+        # worker serving before the index is built would hang its lookup instead of its load).
+        return _run_single(paths, ucm, index_wait=10.0 if listing == "spared" else 0.5)
+    return run
+
+
 @pytest.mark.parametrize("listing", ["spared", "hangs"])
-def test_hanging_storage_completes_by_recompute(scenario, listing):
+def test_hanging_storage_completes_by_recompute(scenario, runs, listing):
     """The tier opens, then every lookup, load and store hangs. With its listing spared, the
     worker starts once the stored blocks are indexed, so the lookup hits from the index and
     the hanging load is what fails (by the 1 s deadline): its 9 blocks are recomputed. With
     the listing hanging too, the worker serves after index_wait and the lookup itself hangs
     until it counts as a miss."""
-    ops = ["lookup", "load", "store"] + (["list_blocks"] if listing == "hangs" else [])
-    ucm = {"tiers": [{"driver": "faulty", "hang": True, "ops": ops,
-                      "inner": {"driver": "posix", "path": scenario["store"]}}],
-           "deadline": 1.0}
-    # A spared listing finishes soon: the long bound only waits out a loaded machine (the
-    # worker serving before the index is built would hang its lookup instead of its load).
-    result = _run_single(scenario, ucm, index_wait=10.0 if listing == "spared" else 0.5)
+    result = runs[f"hang-{listing}"].result()
     single = _phase(result, "single")
     assert single["tokens"] == _phase(scenario["base"], "single")["tokens"]
     worker = result["stats"]["worker"]
@@ -207,44 +272,84 @@ def test_hanging_storage_completes_by_recompute(scenario, listing):
         assert worker.get("load_blocks", 0) == 0
 
 
-def test_failing_loads_are_recomputed(scenario):
+def _failing_run(paths: dict) -> dict:
     ucm = {"tiers": [{"driver": "faulty", "error_rate": 1.0, "ops": ["load"],
-                      "inner": {"driver": "posix", "path": scenario["store"]}}]}
-    result = _run_single(scenario, ucm)
+                      "inner": {"driver": "posix", "path": paths["store"]}}]}
+    return _run_single(paths, ucm)
+
+
+def test_failing_loads_are_recomputed(scenario, runs):
+    result = runs["failing"].result()
     assert _phase(result, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
     assert result["stats"]["worker"]["load_error_blocks"] == 9
 
 
-def test_bf16_with_block_size_128(tiny_bf16_model, tmp_path):
-    store = str(tmp_path / "store")
-    prompts = [prompt(700, 7), prompt(700, 7)[:400] + prompt(300, 8)]
-    phases = [Phase(prompts, max_tokens=8, name="bf16")]
-    spec = {"model": tiny_bf16_model, "dtype": "bfloat16", "block_size": 128,
-            "max_model_len": 2048, "kv_cache_bytes": 32 * 2**20}
-    base = run_in_subprocess(EngineSpec(**spec), phases)
-    cold = run_in_subprocess(EngineSpec(**spec, connector="ucm", ucm=_ucm(store)), phases)
-    warm = run_in_subprocess(EngineSpec(**spec, connector="ucm", ucm=_ucm(store)), phases)
+BF16_PHASES = [Phase([prompt(700, 7), prompt(700, 7)[:400] + prompt(300, 8)], max_tokens=8,
+                   name="bf16")]
+
+
+def _bf16_spec(model: str) -> dict:
+    return {"model": model, "dtype": "bfloat16", "block_size": 128, "max_model_len": 2048,
+            "kv_cache_bytes": 32 * 2**20}
+
+
+def _bf16_cold_warm(model: str, root: Path) -> tuple[dict, dict]:
+    store = str(root / "store")
+    spec = EngineSpec(**_bf16_spec(model), connector="ucm", ucm=_ucm(store))
+    return run_in_subprocess(spec, BF16_PHASES), run_in_subprocess(spec, BF16_PHASES)
+
+
+def test_bf16_with_block_size_128(runs):
+    base = runs["bf16_base"].result()
+    cold, warm = runs["bf16"].result()
     assert cold["phases"][0]["tokens"] == base["phases"][0]["tokens"]
     assert warm["phases"][0]["tokens"] == base["phases"][0]["tokens"]
     assert warm["phases"][0]["num_cached_tokens"] == [640, 640]  # 5 of 6 blocks each
 
 
-def test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer(scenario):
+LAYERWISE_PHASES = [Phase([SINGLE], max_tokens=8, name="single"),
+                    Phase(SHARED, max_tokens=8, name="shared")]
+LAYER1 = b"/L\x01\x00".hex() + ".blk"  # <digest hex><"/L" + layer, 2 bytes LE, hex>.blk
+
+
+def _layerwise_runs(paths: dict) -> dict:
+    """A cold and a warm layerwise engine; then layer 1 of every block corrupt, an engine;
+    then the last layer of every block gone, an engine. Also the block files after warm."""
+    store = str(paths["root"] / "layerwise")
+    spec = _spec(paths["model"], connector="ucm", ucm=_ucm(store),
+                 extra={"layerwise": True}, max_model_len=4096)
+    single = [Phase([SINGLE], max_tokens=8, name="single")]
+    out = {"cold": run_in_subprocess(spec, LAYERWISE_PHASES, log_path=paths["log"]),
+           "warm": run_in_subprocess(spec, LAYERWISE_PHASES, log_path=paths["log"])}
+    out["files"] = files = _block_files(store)
+    for path in (p for p in files if os.path.basename(p).endswith(LAYER1)):
+        with open(path, "r+b") as f:
+            f.seek(5000)
+            byte = f.read(1)
+            f.seek(5000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    out["bad"] = run_in_subprocess(spec, single, log_path=paths["log"])
+    last = max(int.from_bytes(bytes.fromhex(os.path.basename(p)[-8:-4]), "little")
+               for p in _block_files(store))
+    for path in _block_files(store):
+        if os.path.basename(path).endswith(b"/L".hex() + last.to_bytes(2, "little").hex()
+                                           + ".blk"):
+            os.unlink(path)
+    out["gone"] = run_in_subprocess(spec, single, log_path=paths["log"])
+    return out
+
+
+def test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer(scenario, runs):
     """Layerwise: each layer of each block is stored as a block of its own; a second engine
     loads them layer by layer (vLLM waits for each on entry to that attention layer) with
     output identical to the baseline, and a corrupt layer makes its blocks recompute."""
-    store = str(scenario["root"] / "layerwise")
-    phases = [Phase([SINGLE], max_tokens=8, name="single"),
-              Phase(SHARED, max_tokens=8, name="shared")]
-    spec = _spec(scenario["model"], connector="ucm", ucm=_ucm(store),
-                 extra={"layerwise": True}, max_model_len=4096)
-    cold = run_in_subprocess(spec, phases, log_path=scenario["log"])
-    warm = run_in_subprocess(spec, phases, log_path=scenario["log"])
+    run = runs["layerwise"].result()
+    cold, warm = run["cold"], run["warm"]
     for name in ("single", "shared"):
         assert _phase(cold, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
         assert _phase(warm, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
     assert _phase(warm, "single")["num_cached_tokens"] == [288]
-    files = _block_files(store)
+    files = run["files"]
     by_block: dict[str, set[str]] = {}
     for path in files:  # <digest hex><"/L" + layer, 2 bytes LE, hex>.blk
         name = os.path.basename(path)[:-len(".blk")]
@@ -255,53 +360,46 @@ def test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer(scenario)
     loaded = warm["stats"]["worker"]
     assert loaded["loaded_blocks"] >= 9 and not loaded.get("load_error_blocks")
 
-    layer1 = [p for p in files if os.path.basename(p).endswith(b"/L\x01\x00".hex() + ".blk")]
+    # layer 1 of every block corrupt (_layerwise_runs): every block is recomputed
+    layer1 = [p for p in files if os.path.basename(p).endswith(LAYER1)]
     assert len(layer1) == len(by_block)
-    for path in layer1:  # layer 1 of every block corrupt: every block is recomputed
-        with open(path, "r+b") as f:
-            f.seek(5000)
-            byte = f.read(1)
-            f.seek(5000)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    bad = run_in_subprocess(spec, [Phase([SINGLE], max_tokens=8, name="single")],
-                            log_path=scenario["log"])
+    bad = run["bad"]
     assert _phase(bad, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
     worker = bad["stats"]["worker"]
     assert worker["load_error_blocks"] == 9 and worker["load_corrupt"] >= 1, worker
 
     # The last layer of every block gone: the scheduler looks up every layer, so it claims
     # nothing (before, layer 0 stood for the block: 9 blocks claimed, then 9 failed loads).
-    last = max(int.from_bytes(bytes.fromhex(os.path.basename(p)[-8:-4]), "little")
-               for p in _block_files(store))
-    for path in _block_files(store):
-        if os.path.basename(path).endswith(b"/L".hex() + last.to_bytes(2, "little").hex()
-                                           + ".blk"):
-            os.unlink(path)
-    gone = run_in_subprocess(spec, [Phase([SINGLE], max_tokens=8, name="single")],
-                             log_path=scenario["log"])
+    gone = run["gone"]
     assert _phase(gone, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
     assert _phase(gone, "single")["num_cached_tokens"] == [0]
     assert not gone["stats"]["worker"].get("load_error_blocks"), gone["stats"]["worker"]
 
 
-def test_shared_memory_tier_serves_a_second_engine(scenario):
-    """The memory tier shared through /dev/shm (one arena every process maps): a second
-    engine process hits what the first stored, with output identical to the baseline."""
+def _shm_runs(paths: dict) -> tuple[dict, dict]:
+    """A cold and a warm engine on the memory tier shared through /dev/shm."""
     shm = f"/dev/shm/ucm-test-{os.getpid()}-engine"
     ucm = {"tiers": [{"driver": "memory", "shared": True, "shm_dir": shm, "size": "256MiB"}]}
     phases = [Phase([SINGLE], max_tokens=8, name="single"),
               Phase(SHARED, max_tokens=8, name="shared")]
-    spec = _spec(scenario["model"], connector="ucm", ucm=ucm, max_model_len=4096)
+    spec = _spec(paths["model"], connector="ucm", ucm=ucm, max_model_len=4096)
     # The warm engine with vLLM's own prefix cache on, as `ucm bench vllm`'s hit engines:
     # the prompt again is vLLM's own hit, and after vLLM empties that cache, a load again.
     warm_phases = [*phases, Phase([SINGLE], max_tokens=8, name="again"),
                    Phase([SINGLE], max_tokens=8, name="reloaded", reset_prefix_cache=True)]
     try:
-        cold = run_in_subprocess(spec, phases, log_path=scenario["log"])
+        cold = run_in_subprocess(spec, phases, log_path=paths["log"])
         warm = run_in_subprocess(replace(spec, prefix_caching=True), warm_phases,
-                                 log_path=scenario["log"])
+                                 log_path=paths["log"])
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+    return cold, warm
+
+
+def test_shared_memory_tier_serves_a_second_engine(scenario, runs):
+    """The memory tier shared through /dev/shm (one arena every process maps): a second
+    engine process hits what the first stored, with output identical to the baseline."""
+    cold, warm = runs["shm"].result()
     for name in ("single", "shared"):
         assert _phase(cold, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
         assert _phase(warm, name)["tokens"] == _phase(scenario["base"], name)["tokens"]
@@ -314,3 +412,13 @@ def test_shared_memory_tier_serves_a_second_engine(scenario):
         assert result["tokens"] == _phase(scenario["base"], "single")["tokens"], name
         assert result["num_cached_tokens"] == [288], name
         assert result["worker_delta"].get("loaded_blocks", 0) == loaded, name
+
+
+# The fault runs: (the test that reads it, the run), each over the scenario's store.
+FAULT_RUNS: dict[str, tuple[str, Callable[[dict], dict]]] = {
+    "noise": ("test_noise_in_stored_kv_changes_output", _noise_run),
+    "corrupt": ("test_corrupt_and_truncated_blocks_are_recomputed", _corrupt_run),
+    "hang-spared": ("test_hanging_storage_completes_by_recompute", _hanging_run("spared")),
+    "hang-hangs": ("test_hanging_storage_completes_by_recompute", _hanging_run("hangs")),
+    "failing": ("test_failing_loads_are_recomputed", _failing_run),
+}

