@@ -204,9 +204,9 @@ def forge(codec: int, params: bytes, payload_len: int, raw_len: int, version: in
     (3, layout.pack(kv_layout("fp16"), 32), 10, kv_layout("fp16").raw_bytes, 2, "length"),
     (3, layout.pack(kv_layout("fp16"), 32) + b"x", 10, 100, 2, "wrong length"),
     (3, b"\x01\x20\x00\xff\xff\xff\xff\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\xff\xff"
-        b"\xff\xff", 10, 2**40, 2, "earlier format"),
+        b"\xff\xff", 10, 2**40, 2, "another parameter format"),
     (3, b"\x82" + layout.pack(kv_layout("bf16"), 32)[1:], 10, kv_layout("bf16").raw_bytes, 2,
-     "earlier format"),
+     "another parameter format"),
     (3, b"\xc1\x20\x00\xff\xff\xff\xff\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\xff\xff"
         b"\xff\xff\x00\x01\x00\x01\x00", 10, 2**40, 2, "raw size"),
     (3, b"\xc1\x20\x00\x01\x00\x00\x00\x01\x00\x01\x10\x00\x00\x00\x10\x00\x00\x00\x01\x00"

@@ -1,6 +1,6 @@
 """Hypothesis over int8/int4 layouts, parameters and payloads (issue 32): blocks forged with
 valid checksums around parameters of any shape (mis-sized raw parts, tiles that do not divide,
-unknown kinds and dtypes, earlier formats, many parts) and payloads of random or real bytes,
+unknown kinds and dtypes, other parameter formats, many parts) and payloads of random or real bytes,
 through the block decoder into buffers and Scatters, and through the kernel's real load path on
 a posix tier (real files) and a redis tier whose server lies (tests/_hostile.py).
 

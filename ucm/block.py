@@ -19,7 +19,7 @@ A stored block is a 4 KiB header followed by the payload, so the payload starts 
     44      .     key bytes, then namespace bytes, then (version 2) the codec parameters'
                   length (u16) and bytes, then zero padding up to 4096
 
-Codecs none and zstd write version 1, byte for byte as before; the codecs of `ucm.codecs`
+Codecs none and zstd write version 1 (they have no parameters); the codecs of `ucm.codecs`
 (shuffle_zstd, int8, int4) keep their parameters (element size, KV layout, group size) in the
 header and write version 2.
 

@@ -16,7 +16,7 @@ the block.
 
 Packed (little-endian): format u8 (FORMAT | dtype) | group u16 | repeat u32 | runs u16 |
 per run: kind u8, tokens u32, channels u32, count u32, c-major u8, ti u16, ci u16. The parts
-are the runs expanded, the whole repeated. Parameters of an earlier format (top bits 0: fp16
+are the runs expanded, the whole repeated. Parameters whose top bits are not FORMAT's (0: fp16
 scales per group; 0x80: two-level scales, codes in logical order) are refused as corrupt:
 such a block is a miss.
 
@@ -236,7 +236,7 @@ def parse(params: bytes) -> Packed:
         raise BlockCorrupt("codec parameters truncated")
     first, group, repeat, nruns = _HEAD.unpack_from(params)
     if first & _FORMAT_MASK != FORMAT:
-        raise BlockCorrupt("quantized block of an earlier format (no longer read)")
+        raise BlockCorrupt("quantized block of another parameter format (not 0xC0)")
     dtype_id = first & ~_FORMAT_MASK
     if dtype_id not in _DTYPE_NAMES or group < 1 or repeat < 1 or nruns < 1:
         raise BlockCorrupt("codec parameters out of range")
