@@ -249,3 +249,31 @@ def test_limits_must_be_positive_integers():
     for bad in ({"records": 0}, {"segment_bytes": -1}, {"bad_frames": 1.5}):
         with pytest.raises(ValueError, match="trace read limit"):
             ReadLimits(**bad)
+
+
+def test_a_record_of_empty_containers_is_malformed_not_gigabytes(tmp_path):
+    """An empty msgpack array is one byte and ~60 bytes of Python: a record holding 4 M of
+    them (a 4 MiB frame that compresses to a few KiB) would build ~250 MB. The reader stops
+    it at MAX_RECORD_CELLS containers and entries: a malformed record, and the rest of its
+    frame is lost. A large legitimate record (a batch's keys_hex) reads."""
+    import tracemalloc
+
+    keys = [0, 5, "start", 2, {"type": "Load", "keys_hex": ["ab" * 8] * 100_000}]
+    bomb = [0, 9, "start", 3, {"x": [[]] * (4 << 20)}]
+    payload = b"".join(msgpack.packb(r) for r in (GOOD, keys, bomb, GOOD))
+    path = tmp_path / _name()
+    path.write_bytes(_segment(_frame(payload)))
+    assert path.stat().st_size < 64 << 10
+    counts: Counter[str] = Counter()
+    tracemalloc.start()
+    try:
+        (_, records), messages = _caught(lambda: read_segment(path, counts=counts))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [(r.t, r.phase) for r in records] == [(100, "start"), (5, "start")]
+    assert len(records[1].fields["keys_hex"]) == 100_000
+    assert counts == Counter({"records": 1})
+    assert messages == [f"{path}: skipped 1 malformed records"]
+    # the 1 M cells the bound allows, not the 4 M containers the record holds
+    assert peak < (_reader.MAX_RECORD_CELLS * 64 + len(payload)) * 3 // 2

@@ -139,16 +139,38 @@ def _record(item: Any, pid: int) -> Record | None:
     return Record(t, phase, event_id, fields, pid)
 
 
+# Containers and their entries one record may build: a record is a few dozen, a batch's keys_hex
+# one per key. An empty array or map is one byte of msgpack but ~60 bytes of Python: without a
+# bound, one forged 64 MiB frame would build gigabytes.
+MAX_RECORD_CELLS = 1 << 20
+
+
+class _TooBig(Exception):
+    pass
+
+
 def _items(payload: bytes, pid: int) -> Iterator[Record | None]:
     """The payload's records one at a time; None for each that is malformed."""
+    cells = 0
+
+    def counted(container: Any) -> Any:  # msgpack builds inner containers first
+        nonlocal cells
+        cells += len(container) + 1
+        if cells > MAX_RECORD_CELLS:
+            raise _TooBig
+        return container
+
     # Limits at the payload's size: no declared length can make the unpacker allocate more.
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False,
-                                max_buffer_size=max(len(payload), 1))
+                                max_buffer_size=max(len(payload), 1),
+                                max_array_len=MAX_RECORD_CELLS, max_map_len=MAX_RECORD_CELLS,
+                                list_hook=counted, object_hook=counted)
     unpacker.feed(payload)
     try:
         for item in unpacker:
+            cells = 0
             yield _record(item, pid)
-    except Exception:  # garbage msgpack: the rest of this payload is lost
+    except Exception:  # garbage msgpack, or a record past its cells: the rest is lost
         yield None
         return
     if unpacker.tell() < len(payload):  # a record cut off inside the payload
