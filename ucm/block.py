@@ -476,6 +476,10 @@ def _copy(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
 
 
+@overload
+def as_buffer_view(buf: Buffer) -> memoryview: ...
+@overload
+def as_buffer_view(buf: Buffer | Scatter) -> memoryview | Scatter: ...
 def as_buffer_view(buf: Buffer | Scatter) -> memoryview | Scatter:
     """A Scatter as it is, anything else as a flat byte view (see `as_byte_view`)."""
     return buf if type(buf) is Scatter else as_byte_view(buf)
