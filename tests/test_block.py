@@ -242,7 +242,6 @@ def test_the_native_copy_helper_is_built():
     verified load reads its block twice (see native/hostcopy.c for the figures)."""
     assert native_copy_available(), "ucm._hostcopy is missing: rerun scripts/setup.sh"
     from ucm._hostcopy import hash_copy
-
     from ucm.block import HASH_COPY_MAX_PIECES as most  # the C side's limit, mirrored
 
     data = bytes(range(256)) * 17

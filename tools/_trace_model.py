@@ -37,7 +37,7 @@ class Event:
     pid: int
     event_id: int
     type: str = "?"
-    request_id: str | None = None
+    request_id: str | int | None = None  # as the engine's hook gave it
     key: str | None = None
     keys: int = 0
     submit: int | None = None
@@ -109,8 +109,8 @@ def _opt_str(value: Any) -> str | None:
     raise _Malformed(value)
 
 
-def _request_id(value: Any) -> str | None:
-    if value is None or type(value) in (str, int):
+def _request_id(value: Any) -> str | int | None:
+    if value is None or type(value) is str or type(value) is int:
         return value
     raise _Malformed(value)
 
@@ -187,7 +187,7 @@ def build(records: Iterable[Record]) -> Trace:
                  skipped)
 
 
-def load(source: str | os.PathLike, budget: ReadBudget | None = None) -> Trace:
+def load(source: str | os.PathLike[str], budget: ReadBudget | None = None) -> Trace:
     """The trace at `source`, its records streamed within `budget` (one per command: default
     limits when None); what cannot be read is skipped, warned about and counted."""
     counts: Counter[str] = Counter()
@@ -263,7 +263,7 @@ def summarize(trace: Trace, *, slowest: int = 10) -> dict[str, Any]:
         "evictions": evictions_by_tier(trace),
         "slowest": [_event_row(e) for e in sorted(
             (e for e in trace.events if e.seconds is not None),
-            key=lambda e: e.seconds, reverse=True)[:slowest]],
+            key=lambda e: e.seconds or 0.0, reverse=True)[:slowest]],  # never None here
     }
 
 

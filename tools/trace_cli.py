@@ -25,7 +25,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from ucm.trace import ReadBudget, ReadLimits
@@ -340,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    fn: Callable[[argparse.Namespace], int] = args.fn  # a cmd_* (set_defaults)
     try:
-        return args.fn(args)
+        return fn(args)
     except FileNotFoundError as exc:
         print(f"ucm-trace: {exc}", file=sys.stderr)
         return 2

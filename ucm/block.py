@@ -35,9 +35,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, final, overload
 
 import xxhash
 
@@ -47,7 +47,7 @@ from ucm.codecs import KVLayouts as KVLayouts
 from ucm.errors import BlockCorrupt, InvalidRequest
 
 if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations only
-    from collections.abc import Buffer
+    from typing_extensions import Buffer
 
 MAGIC = b"UCMB"
 FORMAT_VERSION = 1
@@ -104,6 +104,7 @@ NATIVE_MIN = 64 * 1024  # smaller copies: a ctypes call costs more than the GIL 
 
 HASH_COPY_MAX_PIECES = 4096  # MAX_PIECES in native/hostcopy.c
 
+_hash_copy: Callable[[memoryview | tuple[memoryview, ...], Buffer], int] | None
 try:  # native/hostcopy.c: copy + xxh3 in one pass over the source (setup.py builds it)
     from ucm._hostcopy import hash_copy as _hash_copy
 except ImportError:  # pragma: no cover - a host without a C compiler or xxhash.h
@@ -157,7 +158,7 @@ def checksum(data: Buffer | Scatter) -> int:
 
 
 def encode_header(
-    key: bytes, namespace: str, codec: Codec, payload: Buffer, raw_len: int, *,
+    key: bytes, namespace: str, codec: Codec, payload: Buffer | Scatter, raw_len: int, *,
     digest: int | None = None,
 ) -> bytes:
     """Builds the 4 KiB header for `payload` (the bytes as stored, after the codec);
@@ -169,8 +170,9 @@ def encode_header(
     # a Scatter payload: codec NONE, stored piece after piece (its checksum covers them all)
     nbytes = payload.nbytes if type(payload) is Scatter else memoryview(payload).nbytes
     params = b""
-    if codec > Codec.ZSTD:
-        codec, params = _encoded_as(memoryview(payload).obj)
+    if codec > Codec.ZSTD:  # a Scatter is no Encoded payload: _encoded_as refuses it
+        codec, params = _encoded_as(payload if type(payload) is Scatter
+                                    else memoryview(payload).obj)
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION_PARAMS if params else FORMAT_VERSION, int(codec), 0, len(key),
         len(ns), PAYLOAD_OFFSET, nbytes, raw_len,
@@ -256,6 +258,11 @@ def decode_header(data: Buffer, *, expect_key: bytes | None = None,
     return header
 
 
+@overload
+def encode_payload(codec: Codec, raw: Buffer, layouts: KVLayouts | None = None) -> Buffer: ...
+@overload
+def encode_payload(codec: Codec, raw: Buffer | Scatter, layouts: KVLayouts | None = None,
+                   ) -> Buffer | Scatter: ...
 def encode_payload(codec: Codec, raw: Buffer | Scatter, layouts: KVLayouts | None = None,
                    ) -> Buffer | Scatter:
     """The bytes to store for `raw`. For codec NONE this is `raw` itself (no copy, a Scatter
@@ -469,6 +476,10 @@ def _copy(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
 
 
+@overload
+def as_buffer_view(buf: Buffer) -> memoryview: ...
+@overload
+def as_buffer_view(buf: Buffer | Scatter) -> memoryview | Scatter: ...
 def as_buffer_view(buf: Buffer | Scatter) -> memoryview | Scatter:
     """A Scatter as it is, anything else as a flat byte view (see `as_byte_view`)."""
     return buf if type(buf) is Scatter else as_byte_view(buf)

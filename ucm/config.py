@@ -251,7 +251,7 @@ def format_errors(exc: ValidationError, *, root: str = "",
     return "; ".join(lines)
 
 
-def load_config(source: UCMConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+def load_config(source: UCMConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
                 ) -> UCMConfig:
     """Builds a UCMConfig from a config object, a dict, a .yaml/.yml/.json path, or None."""
     if isinstance(source, UCMConfig):

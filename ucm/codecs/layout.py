@@ -35,7 +35,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 from ucm.errors import BlockCorrupt, ConfigError
 
@@ -67,13 +67,17 @@ class Order(NamedTuple):
 
 
 TC = Order()
-Part = tuple  # (kind, tokens, channels[, order]); KVLayout keeps (kind, tokens, channels, order)
+OrderedPart = tuple[str, int, int, Order]  # (kind, tokens, channels, order): what KVLayout keeps
+Part = tuple[str, int, int] | OrderedPart  # (kind, tokens, channels[, order]): what it is given
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     dtype: str  # fp16 | bf16 | fp32
-    parts: tuple[Part, ...]
+    parts: tuple[OrderedPart, ...]
+
+    if TYPE_CHECKING:  # given parts may leave out their order: __post_init__ adds it
+        def __init__(self, dtype: str, parts: tuple[Part, ...]) -> None: ...
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -100,7 +104,7 @@ class KVLayout:
         return sum(self.part_bytes(p) for p in self.parts)
 
 
-def _full(part: Part) -> Part:
+def _full(part: Part) -> OrderedPart:
     if len(part) == 3:
         return (*part, TC)
     kind, tokens, channels, order = part
@@ -141,7 +145,7 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def part_geometry(part: Part, group: int) -> tuple[int, int]:
+def part_geometry(part: Part | Run, group: int) -> tuple[int, int]:
     """(group along the quantized axis, number of groups) of a k or v part."""
     kind, tokens, channels = part[:3]
     if kind == "k":
@@ -151,7 +155,7 @@ def part_geometry(part: Part, group: int) -> tuple[int, int]:
     return g, tokens * (channels // g)
 
 
-def part_payload(part: Part, group: int, bits: int) -> int:
+def part_payload(part: Part | Run, group: int, bits: int) -> int:
     """A part's bytes in an int8 (`bits` 8) or int4 payload (ucm.codecs.quant's format)."""
     kind, tokens, channels = part[:3]
     if kind == "raw":
@@ -179,13 +183,13 @@ def pack(layout: KVLayout, group: int) -> bytes:
 
 
 class Run(NamedTuple):
-    """`count` parts alike, in a row."""
+    """`copies` parts alike, in a row."""
 
     kind: str
     tokens: int
     channels: int
     order: Order
-    count: int
+    copies: int  # a field named `count` would hide tuple.count
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +220,7 @@ class Packed:
         return self.payload8 if bits == 8 else self.payload4
 
     @property
-    def parts(self) -> Iterator[Part]:
+    def parts(self) -> Iterator[OrderedPart]:
         for _ in range(self.repeat):
             for kind, tokens, channels, order, count in self.runs:
                 part = (kind, tokens, channels, order)
@@ -260,9 +264,9 @@ def parse(params: bytes) -> Packed:
                            f"{MAX_PARTS}: not the block's raw size")
     dtype = _DTYPE_NAMES[dtype_id]
     itemsize = ITEMSIZE[dtype]
-    raw = sum(r.count * r.tokens * r.channels * (1 if r.kind == "raw" else itemsize)
+    raw = sum(r.copies * r.tokens * r.channels * (1 if r.kind == "raw" else itemsize)
               for r in runs)
-    sizes = [sum(r.count * part_payload(r, group, bits) for r in runs) for bits in (8, 4)]
+    sizes = [sum(r.copies * part_payload(r, group, bits) for r in runs) for bits in (8, 4)]
     return Packed(bytes(params), dtype, group, repeat, tuple(runs), nparts * repeat,
                   raw * repeat, sizes[0] * repeat, sizes[1] * repeat)
 
@@ -338,7 +342,7 @@ def parsed(params: bytes) -> Packed:
     return found
 
 
-def _part_text(part: Part) -> str:
+def _part_text(part: OrderedPart) -> str:
     kind, tokens, channels, order = part
     tiles = "" if order == TC else f" {'c' if order.c_major else 't'}-major {order.ti}x{order.ci}"
     return f"{kind} {tokens}x{channels}{tiles}"

@@ -27,6 +27,8 @@ PLAN_CACHE_BYTES of them (a forged header's plan of MAX_PARTS rows is 4.5 MiB).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -45,6 +47,12 @@ from ucm.codecs.layout import (
 )
 from ucm.errors import BlockCorrupt
 
+if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations only
+    from typing_extensions import Buffer
+
+_dequantize_block: Callable[[np.ndarray | memoryview | tuple[memoryview, ...], Buffer, bytes,
+                             int, int], int | None] | None
+_quantize_block: Callable[[bytearray, Buffer, bytes, int, int], int] | None
 try:  # native/kvcodec.c: the coding loops outside the GIL (setup.py builds it)
     from ucm._kvcodec import HASHES as _HASHES
     from ucm._kvcodec import dequantize_block as _dequantize_block
@@ -117,7 +125,7 @@ def to_stored(x: np.ndarray, order: Order) -> np.ndarray:
 
 # -- scales ---------------------------------------------------------------------------------------
 
-def _f16_toward(value: np.ndarray, direction: float) -> np.ndarray:
+def _f16_toward(value: np.ndarray | np.float32, direction: float) -> np.ndarray:
     cast = np.asarray(value, _F32).astype(np.float16)
     wide = cast.astype(_F32)
     wrong = wide > value if direction < 0 else wide < value
@@ -129,9 +137,10 @@ def _f16_toward(value: np.ndarray, direction: float) -> np.ndarray:
 
 def grid(lo_value: np.float32, hi_value: np.float32) -> tuple[np.float16, np.float16]:
     """(M, S): M <= every value, M + 255*S >= every value in float32."""
-    m = _f16_toward(lo_value, -np.inf)[()]
+    # x[()] of a 0-d array is its scalar; numpy's stubs, blind to the shape, say an array
+    m = cast(np.float16, _f16_toward(lo_value, -np.inf)[()])
     span = (hi_value - _F32(m)) / _F32(GRID)
-    s = _f16_toward(span if span > 0 else _F32(1), np.inf)[()]
+    s = cast(np.float16, _f16_toward(span if span > 0 else _F32(1), np.inf)[()])
     while _F32(m) + _F32(GRID) * _F32(s) < hi_value:  # float32 rounding of the top line
         s = np.nextafter(s, np.float16(np.inf))
         if not np.isfinite(s):
@@ -198,7 +207,7 @@ _registered_payload_bytes = functools.lru_cache(maxsize=64)(payload_bytes)
 
 def encode(layout: KVLayout, group: int, bits: int, raw: memoryview) -> bytes:
     steps = plan(layout, group, bits) if _quantize_block is not None else None
-    if steps is not None:
+    if steps is not None and _quantize_block is not None:
         out = bytearray(_registered_payload_bytes(layout, group, bits))
         status = _quantize_block(out, raw, steps, bits, DTYPES[layout.dtype])
         if status:
@@ -266,8 +275,8 @@ def _build_plan(packed: Packed, bits: int) -> bytes:
         raw_sizes.append(np.tile(np.array(sizes, np.int64), count))
         payload_sizes.append(np.tile(np.array(pays, np.int64), count))
     table = np.tile(np.concatenate(tables), (packed.repeat, 1))
-    for column, sizes in ((4, raw_sizes), (5, payload_sizes)):
-        ends = np.cumsum(np.tile(np.concatenate(sizes), packed.repeat))
+    for column, column_sizes in ((4, raw_sizes), (5, payload_sizes)):
+        ends = np.cumsum(np.tile(np.concatenate(column_sizes), packed.repeat))
         table[1:, column] = ends[:-1]
     return table.tobytes()
 
@@ -289,7 +298,8 @@ def decode_hashed(layout: KVLayout | Packed, group: int, bits: int, stored: memo
     pass; None, with nothing written, when the native loops cannot (not built, built without
     xxhash.h, too many pieces). The caller compares the digest with the header's before the
     block counts as loaded."""
-    if not _HASHES or (type(out) is tuple and len(out) > MAX_PIECES):
+    if not _HASHES or _dequantize_block is None or (type(out) is tuple
+                                                    and len(out) > MAX_PIECES):
         return None
     return _dequantize_block(out, stored, plan(layout, group, bits), bits,
                              DTYPES[layout.dtype])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ucm.errors import BlockCorrupt
 
 if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations only
-    from collections.abc import Buffer
+    from typing_extensions import Buffer
 
 LEVEL = 1
 
@@ -51,7 +51,8 @@ def decompress(stored: Buffer, raw_len: int) -> bytes:
     import zstandard
 
     try:
-        declared = zstandard.frame_content_size(stored)
+        # zstandard's stubs name bytes, bytearray and memoryview; it reads any buffer
+        declared = zstandard.frame_content_size(stored)  # type: ignore[arg-type]
         if declared >= 0 and declared != raw_len:
             raise BlockCorrupt(f"zstd frame declares {declared} bytes, header {raw_len}")
         raw = _decompressor().decompress(stored, max_output_size=max(raw_len, 1))

@@ -30,6 +30,7 @@ import random
 import socket
 import stat
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,7 +317,7 @@ class BlockFiles(Backend):
         path = self.layout.path_for(key)
         maps = self.maps
         mapped = None if maps is None else maps.get(key, path)
-        if mapped is not None:
+        if mapped is not None and maps is not None:  # (maps is set whenever mapped is)
             maps.loads += 1
             try:
                 return self._load_mapped(mapped.view, key, view)
@@ -397,7 +398,7 @@ class BlockFiles(Backend):
 
     # store
 
-    def store(self, keys: list[bytes], views: list[memoryview | Scatter]) -> list[int]:
+    def store(self, keys: list[bytes], views: Sequence[memoryview | Scatter]) -> list[int]:
         sizes = []
         error: OSError | None = None
         for key, view in zip(keys, views, strict=True):

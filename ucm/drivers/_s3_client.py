@@ -23,6 +23,7 @@ from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call, ConnectionPool
 from ucm.errors import ConfigError, StorageUnavailable
 
 if TYPE_CHECKING:
+    import httpx
     from pydantic import SecretStr
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -117,11 +118,11 @@ class S3Client:
 
     async def request(self, method: str, object_key: str = "", *, query: str = "",
                       headers: dict[str, str] | None = None, content: Any = None,
-                      expect: tuple[int, ...] = (200,)) -> Any:
+                      expect: tuple[int, ...] = (200,)) -> httpx.Response:
         """Sends a request with retries; returns the (read) response for statuses in expect."""
         url = self.target.url(object_key, query)
 
-        async def attempt() -> Any:
+        async def attempt() -> httpx.Response:
             signed = self._signed_headers(method, url, headers or {})
             try:
                 async with self._slots:
@@ -134,7 +135,8 @@ class S3Client:
             error = _status_error(method, response)
             raise Retryable(error.args[0]) if response.status_code in _RETRY_STATUS else error
 
-        return await self.retried(method, attempt)
+        response: httpx.Response = await self.retried(method, attempt)
+        return response
 
     async def retried(self, method: str, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args), again after a backoff while it raises Retryable, max_attempts in all."""
@@ -259,6 +261,7 @@ def resolve(options: Location) -> tuple[Target, Any, str]:
                   or os.environ.get("AWS_REGION") or "us-east-1")
     except Exception as exc:  # botocore.exceptions.ProfileNotFound and kin
         raise ConfigError(f"profile: {exc}") from None
+    credentials: Credentials | None
     if options.access_key_id or options.secret_access_key:
         if not (options.access_key_id and options.secret_access_key):
             raise ConfigError("access_key_id and secret_access_key must be given together")

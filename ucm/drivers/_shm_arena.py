@@ -55,7 +55,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -255,6 +255,7 @@ class ShmArena(Backend):
                       data: int) -> None:
         self.pages, self.buckets = pages, buckets
         self.table_offset, self.data_offset = table, data
+        assert self._mm is not None, "_map first"
         self.owners = np.frombuffer(self._mm, dtype=np.uint32, count=pages, offset=owners)
         self._table = SlotTable(self.view, table, _ENTRY_MAGIC)
 
@@ -296,6 +297,7 @@ class ShmArena(Backend):
 
     def _table_words(self) -> np.ndarray:
         """The table as one row of 16 u32 words per entry (word 0: the magic)."""
+        assert self._mm is not None, "the arena is closed"
         return np.frombuffer(self._mm, dtype=np.uint32,
                              count=self.buckets * WAYS * ENTRY_SIZE // 4,
                              offset=self.table_offset).reshape(-1, ENTRY_SIZE // 4)
@@ -345,7 +347,7 @@ class ShmArena(Backend):
     # -- allocation (with the lock held) ----------------------------------------------------
 
     def _next_seq(self) -> int:
-        seq = _U64.unpack_from(self.view, _SEQ_AT)[0] + 1
+        seq: int = _U64.unpack_from(self.view, _SEQ_AT)[0] + 1
         _U64.pack_into(self.view, _SEQ_AT, seq)
         return seq
 
@@ -365,7 +367,7 @@ class ShmArena(Backend):
         if npages > self.pages:
             return None
         owners, mine = self.owners, IN_FLIGHT | self._pid
-        cursor = _U64.unpack_from(self.view, _CURSOR_AT)[0]
+        cursor: int = _U64.unpack_from(self.view, _CURSOR_AT)[0]
         moved = 0
         while moved <= self.pages + npages:
             if cursor + npages > self.pages:
@@ -448,7 +450,7 @@ class ShmArena(Backend):
         # Unchanged entry: its pages were never free during the copy, so they held the block.
         return state if self._table.seq(slot) == seq else LoadState.MISSING
 
-    def store(self, keys: list[bytes], views: list[memoryview | Scatter]) -> list[int]:
+    def store(self, keys: list[bytes], views: Sequence[memoryview | Scatter]) -> list[int]:
         placed: list[tuple[bytes, int, int, int] | None] = []
         try:
             for key, view in zip(keys, views, strict=True):

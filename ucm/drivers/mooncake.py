@@ -375,8 +375,7 @@ def _connect(options: MooncakeDriver.Options, *, name: str, namespace: str,
 def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: str) -> Any:
     """A set-up store client with `pool` registered; errors name the master and the cause."""
     try:
-        # mooncake-transfer-engine ships no type information
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+        from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         raise ConfigError(f"mooncake driver needs the mooncake extra ({exc}); install it "
                           "with: pip install 'ucm[mooncake]'") from exc

@@ -71,7 +71,7 @@ from ucm.drivers._s3_client import (
     xml_text,
 )
 from ucm.drivers._threaded_http import TRANSPORT_ERRORS, Call
-from ucm.drivers.contract import DriverOptions
+from ucm.drivers.contract import DriverOptions, DriverStatistics
 from ucm.drivers.kit import (
     LoadState,
     Workers,
@@ -85,6 +85,7 @@ from ucm.drivers.kit import (
     safe_dir_name,
     wrong_size,
 )
+from ucm.drivers.kit._threaded import with_counters
 from ucm.errors import BlockCorrupt, StorageUnavailable
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,14 @@ def _check_into(header: BlockHeader, stored: memoryview, out: memoryview) -> Non
         verify_payload(header, out)
     else:
         decode_payload_into(header, stored, out)
+
+
+class S3Statistics(DriverStatistics):
+    """The contract's counters and the S3 driver's own."""
+
+    multipart_puts: int  # blocks stored in a multipart upload
+    ranged_gets: int  # loads that needed ranged GETs past the first part
+    etag_races: int  # ranged GETs that found the block replaced (the load restarts)
 
 
 class S3Driver:
@@ -139,13 +148,13 @@ class S3Driver:
         prefix = options.prefix.strip("/")
         self.key_prefix = (f"{prefix}/" if prefix else "") + safe_dir_name(namespace) + "/"
         self._closed = False
-        self._stats: dict[str, int] = {**new_statistics(), "multipart_puts": 0,
-                                       "ranged_gets": 0, "etag_races": 0}
+        self._stats: S3Statistics = {**new_statistics(), "multipart_puts": 0,
+                                     "ranged_gets": 0, "etag_races": 0}
 
     # -- opening ----------------------------------------------------------------------------
 
     @classmethod
-    async def open(cls, options: Options | dict, *, name: str = "s3", namespace: str,
+    async def open(cls, options: Options | dict[str, Any], *, name: str = "s3", namespace: str,
                    codec: str = "none", layouts: KVLayouts | None = None,
                    workers: Workers | None = None) -> Self:
         if not isinstance(options, cls.Options):
@@ -221,8 +230,10 @@ class S3Driver:
         failures: list[str] = []
 
         async def one(i: int, key: bytes) -> LoadState:
+            view = views[i]
+            assert type(view) is memoryview, "a Scatter goes to ScatterLoads drivers only"
             try:
-                return await self._load_one(key, views[i])
+                return await self._load_one(key, view)
             except BlockCorrupt:
                 return LoadState.CORRUPT
             except S3Error as exc:
@@ -245,8 +256,10 @@ class S3Driver:
         failures: list[str] = []
 
         async def one(i: int, key: bytes) -> int:
+            view = views[i]
+            assert type(view) is memoryview, "check_batch keeps a Scatter only with scatter=True"
             try:
-                return await self._store_one(key, views[i])
+                return await self._store_one(key, view)
             except S3Error as exc:
                 failures.append(str(exc))
                 return 0
@@ -306,8 +319,8 @@ class S3Driver:
             await self.client.aclose()
         await trio.lowlevel.checkpoint()
 
-    def statistics(self) -> dict[str, int | float]:
-        return {**self._stats, "retries": self.client.retries}
+    def statistics(self) -> DriverStatistics:
+        return with_counters(self._stats, {"retries": self.client.retries})
 
     # -- one block ----------------------------------------------------------------------------
 
@@ -369,7 +382,8 @@ class S3Driver:
     async def _load_one(self, key: bytes, out: memoryview) -> LoadState:
         """GET the block (its first part by range, the rest in parallel ranged GETs pinned to
         the first answer's ETag) and verify it. A block replaced meanwhile restarts the load."""
-        return await self.client.retried("GET", self._get_once, key, out)
+        state: LoadState = await self.client.retried("GET", self._get_once, key, out)
+        return state
 
     async def _get_once(self, key: bytes, out: memoryview) -> LoadState:
         name = self.object_key(key)
@@ -385,8 +399,8 @@ class S3Driver:
                 await trio.to_thread.run_sync(_check_into, header, target, out)
         return LoadState.OK
 
-    def _get_first(self, call: Call, name: str, key: bytes,
-                   out: memoryview) -> LoadState | tuple[BlockHeader, str, memoryview]:
+    def _get_first(self, call: Call, name: str, key: bytes, out: memoryview,
+                   ) -> Literal[LoadState.MISSING] | tuple[BlockHeader, str, memoryview]:
         """Worker thread: the block's header and first part, read into the caller's buffer
         (or, for a compressed block, a buffer of its own); a block in one part is checked
         here too. Returns the header, the ETag and where the payload went."""

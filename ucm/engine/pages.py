@@ -19,12 +19,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ucm.block import Scatter
 from ucm.drivers import LoadState
 from ucm.errors import UCMError
 from ucm.kernel import Load, LoadResult, Lookup, LookupResult, Store, StoreResult
+
+if TYPE_CHECKING:  # collections.abc.Buffer is new in Python 3.12; annotations only
+    from typing_extensions import Buffer
 
 log = logging.getLogger("ucm.engine")
 
@@ -207,7 +210,7 @@ class PageIO:
             tuple(keys), prefix=prefix, request_id=request_id,
             deadline=self._deadline(deadline)), keys, request_id)
 
-    def start_load(self, keys: Sequence[bytes], buffers: Sequence[memoryview | Scatter], *,
+    def start_load(self, keys: Sequence[bytes], buffers: Sequence[Buffer | Scatter], *,
                    request_id: str | None = None, deadline: Any = DEFAULT) -> PendingPages:
         """Starts reading each page into its buffer; its result is True per page that arrived
         whole and verified (its `states`, each page's LoadState)."""
@@ -261,7 +264,7 @@ class PageIO:
         """How many of `keys`, from the first, are stored (0 on any failure)."""
         return int(self.start_lookup(keys, request_id=request_id).result())
 
-    def load(self, keys: Sequence[bytes], buffers: Sequence[memoryview | Scatter], *,
+    def load(self, keys: Sequence[bytes], buffers: Sequence[Buffer | Scatter], *,
              request_id: str | None = None) -> list[bool]:
         """Reads each page into its buffer; True where the page arrived whole and verified."""
         return list(self.start_load(keys, buffers, request_id=request_id).result())

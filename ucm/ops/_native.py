@@ -52,8 +52,7 @@ def kernel_source(name: str) -> str:
 def cupy_unavailable_reason() -> str | None:
     """None when CuPy can run kernels here, else a short reason (for skips and errors)."""
     try:
-        # CuPy is optional and ships no type information
-        import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]
+        import cupy
     except ImportError:
         return "cupy is not installed (pip install 'ucm[cupy]')"
     try:

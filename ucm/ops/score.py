@@ -56,8 +56,7 @@ def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _scores_cupy(name: str, q: Any, reps: tuple[Any, ...]) -> Any:
-    # CuPy is optional and ships no type information
-    import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]
+    import cupy
 
     hkv, nb, d = reps[0].shape
     hq = q.shape[0]

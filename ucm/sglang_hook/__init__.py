@@ -25,10 +25,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name not in _built:
         try:
-            # SGLang lives in its own venv (.venv-sglang), not the one mypy runs in
-            from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found, unused-ignore]
-                HiCacheStorage,
-            )
+            from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
         except ImportError:  # no SGLang here: the class without SGLang's base, for tests
             _built[name] = UCMStorageBase
         else:

@@ -84,7 +84,7 @@ class Record(NamedTuple):
     t: int  # monotonic ns in the writing process
     phase: str
     event_id: int
-    fields: dict
+    fields: dict[str, Any]  # an event's fields as msgpack decodes them
     pid: int
 
 
@@ -323,7 +323,7 @@ def _open_regular(path: Path, counts: Counter[str]) -> tuple[IO[bytes], int] | N
     return os.fdopen(fd, "rb"), st.st_size
 
 
-def trace_files(source: str | os.PathLike) -> list[Path]:
+def trace_files(source: str | os.PathLike[str]) -> list[Path]:
     """The segments of a trace: a segment file itself, or every segment in a directory."""
     path = Path(source)
     if path.is_dir():
@@ -338,7 +338,7 @@ def _new_segment(path: Path) -> _Segment:
     return _Segment(path, parsed[0] if parsed else 0)
 
 
-def iter_segment(path: str | os.PathLike, *, counts: Counter[str] | None = None,
+def iter_segment(path: str | os.PathLike[str], *, counts: Counter[str] | None = None,
                  budget: ReadBudget | None = None, header: list[dict[str, Any]] | None = None,
                  ) -> Iterator[Record]:
     """The records of one segment, one at a time, within `budget` (default limits when
@@ -362,7 +362,7 @@ def iter_segment(path: str | os.PathLike, *, counts: Counter[str] | None = None,
             yield from records
 
 
-def read_segment(path: str | os.PathLike, *, counts: Counter[str] | None = None,
+def read_segment(path: str | os.PathLike[str], *, counts: Counter[str] | None = None,
                  budget: ReadBudget | None = None,
                  ) -> tuple[dict[str, Any] | None, list[Record]]:
     """(header, records) of one segment, at most `budget.limits.segment_records` of them;
@@ -372,7 +372,7 @@ def read_segment(path: str | os.PathLike, *, counts: Counter[str] | None = None,
     return (header[0] if header else None), records
 
 
-def read_header(path: str | os.PathLike) -> dict[str, Any] | None:
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The header of one segment (its first frame alone is read); None when unreadable."""
     seg = _new_segment(Path(path))
     counts: Counter[str] = Counter()
@@ -387,7 +387,7 @@ def read_header(path: str | os.PathLike) -> dict[str, Any] | None:
     return seg.header
 
 
-def read_trace(source: str | os.PathLike, *, counts: Counter[str] | None = None,
+def read_trace(source: str | os.PathLike[str], *, counts: Counter[str] | None = None,
                budget: ReadBudget | None = None) -> Iterator[Record]:
     """Every record of a trace file or directory, segment by segment (per process, in
     order), streamed, within `budget` (default `ReadLimits` when None). What cannot be
@@ -405,7 +405,7 @@ def read_trace(source: str | os.PathLike, *, counts: Counter[str] | None = None,
         yield from iter_segment(path, counts=counts, budget=budget)
 
 
-def trace_headers(source: str | os.PathLike) -> dict[int, dict[str, Any]]:
+def trace_headers(source: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     """The first segment header per pid (wall and monotonic clocks at its start)."""
     headers: dict[int, dict[str, Any]] = {}
     for path in trace_files(source):
@@ -430,7 +430,7 @@ class Follower:
     over its life; each poll reads about `limits.records` and `limits.bytes` at most
     (whole frames: the rest waits for the next poll)."""
 
-    def __init__(self, directory: str | os.PathLike, *, from_start: bool = False,
+    def __init__(self, directory: str | os.PathLike[str], *, from_start: bool = False,
                  limits: ReadLimits | None = None) -> None:
         self.directory = Path(directory)
         self.limits = limits if limits is not None else ReadLimits()

@@ -8,7 +8,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,6 +18,9 @@ from ucm.vllm_hook.keys import layer_key
 from ucm.vllm_hook.metadata import BlockTransfer
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from ucm.block import Scatter
     from ucm.engine.pages import PageIO
     from ucm.vllm_hook.layout import BlockLayout
     from ucm.vllm_hook.settings import HookSettings
@@ -86,13 +89,15 @@ class LayerwiseLoad:
         pending = None
         try:
             keys = [layer_key(k, i) for k in self.keys]
+            buffers: list[Scatter] | list[np.ndarray]
             if self.staging is None:
                 buffers = [layout.scatter_layer(b, name) for b in self.block_ids]
             else:
                 off, nbytes = layout.layer_span(name)
                 buffers = [self.staging[r, off:off + nbytes].numpy()
                            for r in range(len(self.keys))]
-            pending = self.worker.pages.start_load(keys, buffers,
+            # numpy's stubs give ndarray the buffer protocol (__buffer__) only from Python 3.12
+            pending = self.worker.pages.start_load(keys, buffers,  # type: ignore[arg-type]
                                                    request_id=self.transfers[0].req_id)
             if not pending.submitted:
                 log.warning("ucm: load of layer %s not submitted (%s); recomputing", name,
@@ -104,7 +109,7 @@ class LayerwiseLoad:
         if pending is not None and pending.completion is not None:
             pending.completion.add_done_callback(self._done)
 
-    def _done(self, _: concurrent.futures.Future) -> None:
+    def _done(self, _: concurrent.futures.Future[Any]) -> None:
         try:  # on the kernel's trio thread: must not raise
             self._submit_next()
         except Exception:  # pragma: no cover

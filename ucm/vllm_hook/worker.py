@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,14 @@ from ucm.vllm_hook.layerwise import LayerwiseLoad
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import HookSettings, SharedKernel, kernels, wait_running
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ucm.block import Scatter
+
+# which blocks a step loads where, for which requests (request id, block ids, digests)
+_Plan = tuple[tuple[str, tuple[int, ...], tuple[bytes, ...]], ...]
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -63,7 +71,7 @@ class WorkerSide:
         self._load_staging: torch.Tensor | None = None
         self._layerwise: LayerwiseLoad | None = None
         self._pages: PageIO | None = None
-        self._early: tuple[tuple, PendingPages] | None = None  # load_early's
+        self._early: tuple[_Plan, PendingPages] | None = None  # load_early's
         self._load_errors: set[int] = set()
         self._save_staging: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # snapshot buffers whose stores have ended
@@ -196,7 +204,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         pending = self.pages.start_load(keys, buffers, request_id=req_id)
 
-        def done(_: concurrent.futures.Future) -> None:  # on the thread that resolved it
+        def done(_: concurrent.futures.Future[Any]) -> None:  # on the thread that resolved it
             self.stats["load_ns"] += int((time.perf_counter() - t0) * 1e9)
 
         if pending.completion is not None:
@@ -233,6 +241,7 @@ class WorkerSide:
             self._layerwise = LayerwiseLoad(self, self.layout, meta.loads, keys)
             self.stats["load_blocks"] += n
             return
+        buffers: list[Scatter] | list[np.ndarray]
         if self.settings.direct_loads and self.layout.scatters:
             staging = None
             buffers = [self.layout.scatter(b) for t in meta.loads for b in t.block_ids]
@@ -295,6 +304,7 @@ class WorkerSide:
         """Counts a step's loads (states by row, None: the whole load failed) and marks each
         request's blocks from its first failed one on for recompute (prefix semantics).
         Returns (transfer, first row, rows loaded) per request."""
+        assert self.layout is not None, "register_kv_caches first"
         ok_rows = []
         row = 0
         for t in transfers:
@@ -341,6 +351,7 @@ class WorkerSide:
         self._save_layers_done.add(layer_name)
 
     def _begin_snapshot(self, meta: UCMConnectorMetadata) -> None:
+        assert self.layout is not None, "register_kv_caches first"
         n = sum(len(t.block_ids) for t in meta.saves)
         nbytes = n * self.layout.block_bytes
         with self._lock:
@@ -360,6 +371,7 @@ class WorkerSide:
         self._save_staging, self._save_rows, self._save_layers_done = None, [], set()
         if staging is None:
             return
+        assert self.layout is not None, "register_kv_caches first"  # it made the staging
         self.layout.synchronize()
         keys = [self._key(d) for t, _ in rows for d in t.digests]
         buffers = [staging[i].numpy() for i in range(len(keys))]
@@ -386,7 +398,7 @@ class WorkerSide:
         completion.add_done_callback(self._store_done)
         self.stats["save_blocks"] += len(keys) // per_block
 
-    def _store_done(self, completion: concurrent.futures.Future) -> None:
+    def _store_done(self, completion: concurrent.futures.Future[Any]) -> None:
         # Runs on the kernel's trio thread (or here if already done): must not raise.
         try:
             with self._lock:
@@ -416,6 +428,7 @@ class WorkerSide:
             best = min(fits, key=lambda i: self._spare[i].shape[0]) if fits else None
             base = self._spare.pop(best) if best is not None else None
         if base is None:
+            assert self.layout is not None, "register_kv_caches first"
             base = self.layout.new_staging(n_blocks)
         view = base[:n_blocks]
         self._snapshot_bases[id(view)] = base
@@ -454,6 +467,7 @@ class WorkerSide:
         self._drop_early()
         if not self.wait_for_stores(60.0):
             log.warning("ucm: stores still running at shutdown; closing the kernel anyway")
+        assert self._shared is not None  # set with the kernel
         kernels.release(self._shared)
         try:
             self._kernel.close(timeout=30.0)
@@ -462,6 +476,6 @@ class WorkerSide:
         self._kernel = self._shared = None
 
 
-def _plan(loads: list[BlockTransfer]) -> tuple:
+def _plan(loads: list[BlockTransfer]) -> _Plan:
     """What identifies a step's loads: which blocks go where, for which requests."""
     return tuple((t.req_id, tuple(t.block_ids), tuple(t.digests)) for t in loads)

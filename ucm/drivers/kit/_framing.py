@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 from ucm.block import (
     PAYLOAD_OFFSET,
@@ -30,6 +30,12 @@ from ucm.drivers.contract import LoadState
 from ucm.errors import BlockCorrupt
 
 
+@overload
+def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview,
+                layouts: KVLayouts | None = None) -> tuple[bytes, memoryview]: ...
+@overload
+def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview | Scatter,
+                layouts: KVLayouts | None = None) -> tuple[bytes, memoryview | Scatter]: ...
 def frame_block(key: bytes, namespace: str, codec: Codec, raw: memoryview | Scatter,
                 layouts: KVLayouts | None = None) -> tuple[bytes, memoryview | Scatter]:
     """A block as stored: its header (PAYLOAD_OFFSET bytes) and its payload (`raw` encoded
