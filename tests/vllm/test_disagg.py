@@ -9,7 +9,13 @@ in front of the pair answers as the consumer does. Two engine starts for the who
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +26,7 @@ from serving_support import (
     BLOCK,
     Server,
     block_files,
+    free_port,
     metric_sum,
     stream,
     wait_stored,
@@ -108,3 +115,162 @@ def test_a_prompt_no_producer_stored_is_recomputed_after_a_bounded_wait(pair):
     missing = "ucm_connector_consumer_missing_blocks_total"
     assert metric_sum(after, missing) - metric_sum(before, missing) == full
     assert stored_blocks(after) == 0 and len(block_files(store)) == files
+
+
+class Proxy:
+    """`ucm proxy` in a process of its own."""
+
+    def __init__(self, root: Path, name: str, prefill: str, decode: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = root / f"{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ucm.cli", "proxy", "--prefill", prefill, "--decode",
+             decode, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
+        end = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > end:
+                    self.stop()
+                    raise RuntimeError(f"ucm proxy did not start:\n"
+                                       f"{self.log_path.read_text()}") from None
+                time.sleep(0.2)
+
+    def post(self, path: str, body: dict) -> tuple[int, dict, dict]:
+        """Status, headers and JSON answer of a POST to the proxy."""
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=300) as resp:
+                return resp.status, dict(resp.headers), json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers), json.loads(err.read())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def proxies(pair, tmp_path_factory):
+    """(proxy, proxy whose one prefill instance is down) in front of the pair's consumer."""
+    producer, consumer, _store = pair
+    root = tmp_path_factory.mktemp("proxy")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    front = Proxy(root, "proxy", f"http://127.0.0.1:{producer.port}",
+                  f"http://127.0.0.1:{consumer.port}")
+    try:
+        lone = Proxy(root, "proxy-dead-prefill", dead, f"http://127.0.0.1:{consumer.port}")
+    except BaseException:
+        front.stop()
+        raise
+    yield front, lone
+    front.stop()
+    lone.stop()
+
+
+def ask(client, model: str, kind: str, content: str, *, streamed: bool) -> dict:
+    """One greedy request, streamed or not: its text, token ids and cached prompt tokens."""
+    if streamed:
+        return stream(client, model, kind, content)
+    common = {"model": model, "max_tokens": 8, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}
+    if kind == "chat":
+        out = client.chat.completions.create(
+            messages=[{"role": "system", "content": content},
+                      {"role": "user", "content": "summarize"}], logprobs=True, **common)
+        choice = out.choices[0]
+        text, tokens = choice.message.content or "", [t.token for t in choice.logprobs.content]
+    else:
+        out = client.completions.create(prompt=content, logprobs=0, **common)
+        choice = out.choices[0]
+        text, tokens = choice.text, list(choice.logprobs.tokens)
+    details = out.usage.prompt_tokens_details
+    return {"text": text, "tokens": tokens, "prompt_tokens": out.usage.prompt_tokens,
+            "cached": int(details.cached_tokens or 0) if details is not None else 0}
+
+
+@pytest.mark.parametrize("kind,streamed", [("completion", False), ("completion", True),
+                                           ("chat", False), ("chat", True)])
+def test_the_proxy_answers_as_the_consumer_from_blocks_the_producer_stored(
+        pair, proxies, kind, streamed):
+    import openai
+
+    _producer, consumer, _store = pair
+    front, _lone = proxies
+    doc = words(350, 50 + 2 * ["completion", "chat"].index(kind) + streamed)
+    client = openai.OpenAI(base_url=front.url + "/v1", api_key="none", timeout=300)
+    loaded = "ucm_connector_blocks_total"
+    before = consumer.metrics()
+    proxied = ask(client, consumer.model, kind, doc, streamed=streamed)
+    full = (proxied["prompt_tokens"] - 1) // BLOCK
+    assert full >= 8 and len(proxied["tokens"]) == 8
+    assert proxied["cached"] == full * BLOCK  # the consumer loaded every full block from ucm
+    direct = ask(consumer.client, consumer.model, kind, doc, streamed=streamed)  # a ucm hit
+    assert direct["cached"] == full * BLOCK
+    assert proxied["tokens"] == direct["tokens"] and proxied["text"] == direct["text"]
+    ok = metric_sum(before, loaded, op="load", result="ok")
+    after = settled(consumer, loaded, ok + 2 * full, op="load", result="ok")
+    assert metric_sum(after, loaded, op="load", result="ok") - ok == 2 * full
+    assert stored_blocks(after) == 0
+
+
+def test_the_proxy_names_the_instances_it_used(pair, proxies):
+    producer, consumer, _store = pair
+    front, _lone = proxies
+    status, headers, answer = front.post("/v1/completions", {
+        "model": consumer.model, "prompt": words(100, 60), "max_tokens": 2,
+        "temperature": 0})
+    assert status == 200 and answer["choices"][0]["text"] is not None
+    marks = {k.lower(): v for k, v in headers.items()}
+    assert marks["x-ucm-prefill"] == f"http://127.0.0.1:{producer.port}"
+    assert marks["x-ucm-decode"] == f"http://127.0.0.1:{consumer.port}"
+
+
+def test_an_upstream_error_passes_through_with_its_status(pair, proxies):
+    _producer, consumer, _store = pair
+    front, _lone = proxies
+    statuses = []
+    for path, body in [
+            ("/v1/completions", {"model": "no-such-model", "prompt": "hello"}),  # prefill's
+            ("/v1/completions", {"model": consumer.model, "prompt": "hello",
+                                 "max_tokens": -3}),  # the decode instance's (prefill: 1)
+            ("/v1/chat/completions", {"model": consumer.model, "messages": "not a list"})]:
+        status, _headers, answer = front.post(path, body)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{consumer.port}{path}", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as direct:
+            urllib.request.urlopen(request, timeout=60)
+        assert status == direct.value.code, (status, answer)
+        assert answer == json.loads(direct.value.read())
+        statuses.append(status)
+    assert all(400 <= s < 500 for s in statuses), statuses
+
+
+def test_a_dead_prefill_instance_falls_back_to_the_decode_instance(pair, proxies):
+    _producer, consumer, store = pair
+    _front, lone = proxies
+    waits = "ucm_connector_consumer_waits_total"
+    before = consumer.metrics()
+    files = len(block_files(store))
+    status, headers, answer = lone.post("/v1/completions", {
+        "model": consumer.model, "prompt": words(300, 61), "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    assert {k.lower(): v for k, v in headers.items()}["x-ucm-prefill"] == "unavailable"
+    expired = metric_sum(before, waits, outcome="expired")
+    after = settled(consumer, waits, expired + 1, outcome="expired")
+    assert metric_sum(after, waits, outcome="expired") - expired == 1  # recomputed, counted
+    assert len(block_files(store)) == files
+    with urllib.request.urlopen(lone.url + "/health", timeout=10) as resp:
+        assert json.loads(resp.read())["prefill_unavailable"] == 1
