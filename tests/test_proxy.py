@@ -41,6 +41,12 @@ def test_the_command_refuses_what_it_cannot_do(capsys):
     with pytest.raises(SystemExit):
         main(["--prefill", "localhost:1", "--decode", "http://127.0.0.1:2"])
     assert "is not an http(s)://HOST[:PORT] URL" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+              "--prefill-timeout", "0"])
+    assert "--prefill-timeout must be more than 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="route"):
         Proxy(["http://a"], ["http://b"], route="random")
+    with pytest.raises(ValueError, match="prefill_timeout"):
+        Proxy(["http://a"], ["http://b"], prefill_timeout=-1)
     assert DEFAULT_HOST == "127.0.0.1"

@@ -1,7 +1,7 @@
 """`ucm proxy`: an OpenAI-compatible front for prefill/decode disaggregation through ucm.
 
     ucm proxy --prefill URL[,URL...] --decode URL[,URL...] [--host 127.0.0.1] [--port 8000]
-              [--route roundrobin]
+              [--route roundrobin] [--prefill-timeout 600]
 
 Each POST to /v1/completions or /v1/chat/completions goes first to a prefill instance (`ucm
 serve --kv-role producer`) with `max_tokens` 1 and streaming off: it computes the prompt's KV
@@ -11,10 +11,11 @@ serve --kv-role consumer`), which loads those blocks from ucm (waiting up to its
 streamed chunk by chunk when the request streams. Instances are taken in turn (round robin).
 
 Errors: a prefill or decode instance's error answer (a status of 400 or more) is passed to the
-client with its status and body. A prefill instance that cannot be reached is skipped for the
-next one; when none can be reached the request goes to the decode instance alone, which
-recomputes the prompt (after its bounded wait, counted in its metrics): an answer rather than
-an outage, marked in the `x-ucm-prefill: unavailable` response header. A decode instance that
+client with its status and body. A prefill instance that cannot be reached, or has not answered
+within `--prefill-timeout` seconds (a hung instance), is skipped for the next one; when none
+answers the request goes to the decode instance alone, which recomputes the prompt (after its
+bounded wait, counted in its metrics): an answer rather than an outage, marked in the
+`x-ucm-prefill: unavailable` response header. A decode instance that
 cannot be reached is skipped for the next one; when none can be reached the answer is 502 with
 an error naming them. GET /v1/models is a decode instance's, GET /health the proxy's own.
 
@@ -26,6 +27,7 @@ installed wherever `ucm serve` runs; elsewhere the `proxy` extra installs them.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
@@ -48,6 +50,7 @@ DEFAULT_PORT = 8000
 ROUTES = ("roundrobin",)
 CONNECT_TIMEOUT = 5.0  # seconds to reach an instance before trying the next one
 READ_TIMEOUT = 600.0  # seconds an instance may take between two bytes of its answer
+PREFILL_TIMEOUT = 600.0  # seconds a prefill answer may take in all, by default
 # Request headers passed on to the instances (vLLM's --api-key reads Authorization).
 _FORWARDED = ("authorization", "x-request-id")
 
@@ -105,12 +108,16 @@ def _passed(response: httpx.Response, headers: dict[str, str]) -> Response:
 
 class Proxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str],
-                 route: str = "roundrobin") -> None:
+                 route: str = "roundrobin", prefill_timeout: float = PREFILL_TIMEOUT) -> None:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, not {route!r}")
+        if not prefill_timeout > 0:
+            raise ValueError(f"prefill_timeout must be more than 0 s, not {prefill_timeout}")
+        self.prefill_timeout = prefill_timeout
         self.prefill, self.decode = RoundRobin(prefill), RoundRobin(decode)
         self.client: httpx.AsyncClient | None = None
         self.counts: dict[str, int] = {"requests": 0, "prefill_unavailable": 0,
+                                       "prefill_timeouts": 0,
                                        "decode_unavailable": 0, "upstream_errors": 0}
 
     @asynccontextmanager
@@ -168,10 +175,16 @@ class Proxy:
         prefilled = "unavailable"
         for url in self.prefill.order():
             try:
-                answer = await self.client.post(url + path, json=prefill_body(body),
-                                                headers=headers)
+                answer = await asyncio.wait_for(self.client.post(
+                    url + path, json=prefill_body(body), headers=headers),
+                    self.prefill_timeout)
             except httpx.TransportError as exc:
-                log.warning("ucm proxy: prefill instance %s: %s", url, exc)
+                log.warning("ucm proxy: prefill instance %s: %r", url, exc)
+                continue
+            except TimeoutError:  # a hung instance: the request moves on without it
+                self.counts["prefill_timeouts"] += 1
+                log.warning("ucm proxy: prefill instance %s did not answer in %g s", url,
+                            self.prefill_timeout)
                 continue
             if answer.status_code >= 400:  # the decode instance would refuse it the same
                 self.counts["upstream_errors"] += 1
@@ -237,6 +250,9 @@ def main(argv: Sequence[str]) -> int:
                         help="port to listen on (default: %(default)s)")
     parser.add_argument("--route", choices=ROUTES, default="roundrobin",
                         help="how instances are picked (default: %(default)s)")
+    parser.add_argument("--prefill-timeout", type=float, default=PREFILL_TIMEOUT,
+                        metavar="SECONDS", help="a prefill instance that has not answered in "
+                        "this long is skipped (default: %(default)s)")
     args = parser.parse_args(list(argv))
     try:
         prefill = parse_urls(args.prefill, "--prefill")
@@ -253,8 +269,10 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(f"ucm proxy on http://{args.host}:{args.port}: prefill {', '.join(prefill)}; "
           f"decode {', '.join(decode)}", flush=True)
-    uvicorn.run(Proxy(prefill, decode, args.route).app(), host=args.host, port=args.port,
-                log_level="warning")
+    if not args.prefill_timeout > 0:
+        parser.error("--prefill-timeout must be more than 0")
+    proxy = Proxy(prefill, decode, args.route, args.prefill_timeout)
+    uvicorn.run(proxy.app(), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -4,12 +4,16 @@ store, started once for the module. The consumer loads the full blocks of a prom
 producer computed, answers as a colocated ucm hit does (the producer's own ucm hit of the same
 prompt: ucm hit against ucm hit, since a cold prefill takes another numeric path), and stores
 nothing; a prompt no producer stored is recomputed after a bounded wait, counted. `ucm proxy`
-in front of the pair answers as the consumer does. Two engine starts for the whole module."""
+in front of the pair answers as the consumer does, passes errors through, and falls back to the
+consumer alone when the prefill instance is down, hung (stopped with SIGSTOP, then resumed) or
+killed (the last test, which kills the producer). Two engine starts for the whole module."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -120,14 +124,15 @@ def test_a_prompt_no_producer_stored_is_recomputed_after_a_bounded_wait(pair):
 class Proxy:
     """`ucm proxy` in a process of its own."""
 
-    def __init__(self, root: Path, name: str, prefill: str, decode: str) -> None:
+    def __init__(self, root: Path, name: str, prefill: str, decode: str,
+                 extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = root / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ucm.cli", "proxy", "--prefill", prefill, "--decode",
-             decode, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
+             decode, "--port", str(self.port), *extra], stdout=self._log, stderr=subprocess.STDOUT)
         end = time.monotonic() + 120
         while True:
             try:
@@ -274,3 +279,64 @@ def test_a_dead_prefill_instance_falls_back_to_the_decode_instance(pair, proxies
     assert len(block_files(store)) == files
     with urllib.request.urlopen(lone.url + "/health", timeout=10) as resp:
         assert json.loads(resp.read())["prefill_unavailable"] == 1
+
+
+def _proxied(front: Proxy, consumer: Server, prompt: str) -> tuple[int, dict, dict]:
+    status, headers, answer = front.post("/v1/completions", {
+        "model": consumer.model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})
+    return status, {k.lower(): v for k, v in headers.items()}, answer
+
+
+def test_a_hung_prefill_instance_is_given_up_after_the_prefill_timeout(pair, tmp_path):
+    producer, consumer, _store = pair
+    hung = Proxy(tmp_path, "proxy-hung-prefill", f"http://127.0.0.1:{producer.port}",
+                 f"http://127.0.0.1:{consumer.port}", extra=("--prefill-timeout", "3"))
+    waits = "ucm_connector_consumer_waits_total"
+    before = consumer.metrics()
+    os.killpg(producer.proc.pid, signal.SIGSTOP)  # it accepts connections, answers nothing
+    try:
+        status, headers, answer = _proxied(hung, consumer, words(300, 62))
+    finally:
+        os.killpg(producer.proc.pid, signal.SIGCONT)
+        with urllib.request.urlopen(hung.url + "/health", timeout=10) as resp:
+            health = json.loads(resp.read())
+        hung.stop()
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+    assert headers["x-ucm-prefill"] == "unavailable"
+    assert health["prefill_timeouts"] == 1 and health["prefill_unavailable"] == 1
+    expired = metric_sum(before, waits, outcome="expired")
+    after = settled(consumer, waits, expired + 1, outcome="expired")
+    assert metric_sum(after, waits, outcome="expired") - expired == 1
+
+
+def test_a_killed_prefill_instance_leaves_the_decode_instance_to_recompute(pair, proxies):
+    """Kills the module's producer: defined last, so it runs last in the module."""
+    producer, consumer, store = pair
+    front, _lone = proxies
+    os.killpg(producer.proc.pid, signal.SIGKILL)
+    producer.proc.wait()
+    waits, missing = ("ucm_connector_consumer_waits_total",
+                      "ucm_connector_consumer_missing_blocks_total")
+    before = consumer.metrics()
+    files = len(block_files(store))
+    prompt = words(300, 63)
+    status, headers, proxied = _proxied(front, consumer, prompt)
+    assert status == 200 and headers["x-ucm-prefill"] == "unavailable", proxied
+    full = (proxied["usage"]["prompt_tokens"] - 1) // BLOCK
+    # The same request straight to the consumer: recomputed the same way, after the same wait
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{consumer.port}/v1/completions", headers={
+            "Content-Type": "application/json"}, data=json.dumps({
+                "model": consumer.model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True,
+            }).encode())
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        direct = json.loads(resp.read())
+    assert proxied["choices"][0]["logprobs"]["tokens"] == \
+        direct["choices"][0]["logprobs"]["tokens"]
+    expired = metric_sum(before, waits, outcome="expired")
+    after = settled(consumer, waits, expired + 2, outcome="expired")
+    assert metric_sum(after, waits, outcome="expired") - expired == 2
+    assert metric_sum(after, missing) - metric_sum(before, missing) == 2 * full
+    assert len(block_files(store)) == files
