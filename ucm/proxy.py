@@ -267,6 +267,7 @@ def main(argv: Sequence[str]) -> int:
         raise SystemExit(f"ucm proxy needs httpx, starlette and uvicorn ({exc}): "
                          "pip install 'ucm[proxy]' (vLLM's server brings them too)") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
     print(f"ucm proxy on http://{args.host}:{args.port}: prefill {', '.join(prefill)}; "
           f"decode {', '.join(decode)}", flush=True)
     if not args.prefill_timeout > 0:
