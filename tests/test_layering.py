@@ -19,7 +19,7 @@ TOOLS = ROOT.parent / "tools"  # shipped inside the package as ucm.tools
 ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 PRODUCT = ("kernel", "drivers", "engine", "vllm_hook", "sglang_hook", "sparse", "trace", "ops",
            "codecs", "autotune", "testing", "__init__.py", "_version.py", "block.py",
-           "config.py", "errors.py")
+           "config.py", "errors.py", "proxy.py")
 # A string that is a bench module path: kv_connector_module_path values, import_module names.
 BENCH_PATH = re.compile(r"ucm\.bench(\.\w+)*")
 
@@ -32,7 +32,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     2: ("ucm.drivers", "ucm.config"),
     3: ("ucm.kernel", "ucm.trace"),
     4: ("ucm.engine", "ucm.vllm_hook", "ucm.sglang_hook", "ucm.autotune", "ucm.sparse",
-        "ucm.testing", "ucm.cli", "ucm.tools"),
+        "ucm.testing", "ucm.proxy", "ucm.cli", "ucm.tools"),
     5: ("ucm.bench",),
 }
 # The one import that runs up a layer: the `ucm` command dispatches to the benchmarks, lazily

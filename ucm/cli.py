@@ -2,6 +2,8 @@
 
     ucm demo [...]          stored KV reused by a second vLLM engine (ucm.bench.demo)
     ucm serve MODEL [...]   vLLM's OpenAI server with the connector (ucm.vllm_hook.serve)
+    ucm proxy [...]         prefill/decode disaggregation: an OpenAI-compatible front over
+                            prefill and decode instances (ucm.proxy)
     ucm bench vllm [...]    TTFT on vLLM: recompute, floor, ExampleConnector, ucm (ucm.bench.vllm)
     ucm bench sglang [...]  TTFT on SGLang: recompute, host-memory floor, file backend, ucm
                             (ucm.bench.sglang)
@@ -32,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the ucm connector: "
                    "`ucm serve MODEL [vLLM options]`", add_help=False)
+    sub.add_parser("proxy", help="OpenAI-compatible front over prefill and decode instances: "
+                   "`ucm proxy --prefill URL[,URL...] --decode URL[,URL...]`", add_help=False)
     sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|serve|"
@@ -48,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from ucm.vllm_hook.serve import main as serve_main
 
         return int(serve_main(rest) or 0)
+    if command == "proxy":
+        from ucm.proxy import main as proxy_main
+
+        return int(proxy_main(rest) or 0)
     if command == "tune":
         from ucm.autotune._cli import main as tune_main
 

@@ -141,3 +141,72 @@ def test_storage_that_hangs_is_all_misses_and_never_stalls_the_step(tmp_path):
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again later
     assert _answer(side, req) == (0, False)  # then a miss
     assert side.stats["lookup_timeouts"] + side.stats["lookup_kernel_not_ready"] == 1
+
+
+def _step(rid: str, block_ids: list[int], tokens: int) -> SimpleNamespace:
+    """A scheduler output that schedules `tokens` of a new request `rid`."""
+    new = SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=0)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={rid: tokens})
+
+
+@pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])
+def test_a_consumer_plans_no_saves(role):
+    settings = _settings({"tiers": [{"driver": "memory"}]}, role=role, consumer_wait=0.0)
+    shared = kernels.acquire(settings.ucm_config, None)
+    kernel = _wait_running(shared.kernel)
+    try:
+        side = SchedulerSide(settings)
+        tokens = list(range(100, 116))
+        assert _answer(side, _request("a", tokens)) == (0, False)  # nothing stored
+        side.update_state_after_alloc(_request("a", tokens), None, 0)
+        meta = side.build_connector_meta(_step("a", [0, 1, 2, 3], len(tokens)))
+        saved = sum(len(t.block_ids) for t in meta.saves)
+        assert saved == (0 if role == "kv_consumer" else 4)
+    finally:
+        kernels.release(shared)
+        kernel.close()
+
+
+def test_a_consumer_waits_for_blocks_being_stored_then_loads_them():
+    settings = _settings({"tiers": [{"driver": "memory"}]}, role="kv_consumer",
+                         consumer_wait=60.0)
+    shared = kernels.acquire(settings.ucm_config, None)
+    kernel = _wait_running(shared.kernel)
+    try:
+        tokens = list(range(200, 216))  # 3 full blocks the consumer may load
+        _store(kernel, tokens, 1)  # the prefill instance has stored one so far
+        side = SchedulerSide(settings)
+        req = _request("a", tokens)
+        assert _answer(side, req, wait=0.3) == (None, False)  # waits for the others
+        _store(kernel, tokens, 3)
+        assert _answer(side, req, wait=30) == (12, False)
+        assert side.stats["consumer_waits_complete"] == 1
+        assert side.stats["consumer_waits_expired"] == 0
+        # A producer or a colocated instance never waits: storage's answer stands.
+        both = SchedulerSide(_settings({"tiers": [{"driver": "memory"}]}))
+        assert _answer(both, _request("b", list(range(300, 316)))) == (0, False)
+    finally:
+        kernels.release(shared)
+        kernel.close()
+
+
+def test_a_consumer_wait_is_bounded_and_the_missing_blocks_are_counted():
+    settings = _settings({"tiers": [{"driver": "memory"}]}, role="kv_consumer",
+                         consumer_wait=0.2)
+    shared = kernels.acquire(settings.ucm_config, None)
+    kernel = _wait_running(shared.kernel)
+    try:
+        tokens = list(range(400, 416))
+        _store(kernel, tokens, 1)  # its prefill instance died after one block
+        side = SchedulerSide(settings)
+        assert _answer(side, _request("a", tokens), wait=30) == (4, False)
+        assert side.stats["consumer_waits_expired"] == 1
+        assert side.stats["consumer_missing_blocks"] == 2
+        assert _answer(side, _request("b", list(range(500, 516))), wait=30) == (0, False)
+        assert side.stats["consumer_waits_expired"] == 2
+        assert side.stats["consumer_missing_blocks"] == 5
+    finally:
+        kernels.release(shared)
+        kernel.close()

@@ -163,10 +163,12 @@ class UCMConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> UCMConnectorStats | None:
         if self.worker is not None:
             return self._stats.take(side_stats=self.worker.stats, kernel=self.worker.kernel)
-        if self.scheduler is not None and self.scheduler.owns_kernel:
-            stats = self._stats.take()
+        if self.scheduler is not None:
+            # Its own lookup kernel's counts (in one process the worker side reports the
+            # kernel they share, this sink gets nothing) and its consumer counters
+            stats = self._stats.take(scheduler_stats=self.scheduler.stats)
             return None if stats.is_empty() else stats
-        return None  # one process: the worker side reports the kernel they share
+        return None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,

@@ -46,6 +46,8 @@ class _RequestState:
     saved_blocks: int = 0  # leading blocks already stored (or being stored)
     pending_load: BlockTransfer | None = None
     external_tokens: int = 0
+    waiting_since: float | None = None  # a consumer's wait for blocks not stored yet
+    looked_up_at: float = 0.0
 
 
 class SchedulerSide:
@@ -126,10 +128,17 @@ class SchedulerSide:
             st.hit_blocks = st.hit_blocks or 0
             return 0, False
         if st.hit_blocks is None or st.looked_up_blocks < n_full:
+            if (self.settings.consumer and st.lookup is None
+                    and time.monotonic() - st.looked_up_at < _RELOOK_EVERY):
+                return None, False  # a consumer waiting: the next lookup a little later
             hit = self._poll_lookup(st, tokens, n_full)
             if hit is None:
                 return None, False
             st.hit_blocks, st.looked_up_blocks = hit, n_full
+            st.looked_up_at = time.monotonic()
+            if self.settings.consumer and self._wait_for_blocks(st, n_full):
+                st.hit_blocks = None  # looked up again at a later call
+                return None, False
         n_external = max(0, st.hit_blocks * self.block_size - num_computed_tokens)
         return n_external, False
 
@@ -178,6 +187,27 @@ class SchedulerSide:
         hits, n = lookup.hits, n_full * self.layers
         per_rank = [hits[r * n:(r + 1) * n] for r in range(self.settings.tp_size)]
         return min(_leading(h) for h in per_rank) // self.layers
+
+    def _wait_for_blocks(self, st: _RequestState, n_full: int) -> bool:
+        """A consumer's request whose prompt's full blocks are not all stored: whether it
+        waits on (its prefill instance may still be writing them). Bounded by consumer_wait;
+        then the missing blocks are recomputed, counted in `consumer_missing_blocks`."""
+        assert st.hit_blocks is not None
+        now = time.monotonic()
+        if st.hit_blocks >= n_full:
+            if st.waiting_since is not None:
+                self.stats["consumer_waits_complete"] += 1
+            return False
+        if st.waiting_since is None:
+            st.waiting_since = now
+        if now - st.waiting_since < self.settings.consumer_wait:
+            return True
+        self.stats["consumer_waits_expired"] += 1
+        self.stats["consumer_missing_blocks"] += n_full - st.hit_blocks
+        log.info("ucm: %s: %d of %d prompt blocks not stored after %.1f s; recomputed",
+                 st.request.request_id, n_full - st.hit_blocks, n_full,
+                 self.settings.consumer_wait)
+        return False
 
     def _lookup_failed(self, st: _RequestState) -> int:
         lookup, st.lookup = st.lookup, None
@@ -247,6 +277,8 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, st: _RequestState, computed_after: int) -> BlockTransfer | None:
+        if not self.settings.stores:  # a kv_consumer loads only
+            return None
         request = st.request
         tokens = request.all_token_ids
         limit = len(tokens) if self.settings.save_generated else len(request.prompt_token_ids)
@@ -279,6 +311,9 @@ class SchedulerSide:
             except UCMError as exc:
                 log.warning("ucm: kernel close: %s", exc)
         self._kernel = self._shared = self._pages = None
+
+
+_RELOOK_EVERY = 0.02  # seconds between a waiting consumer's lookups
 
 
 def _leading(hits: Any) -> int:

@@ -100,6 +100,11 @@ class HookOptions(BaseModel):
     save_generated: bool = Field(
         default=True, description="also save the blocks of generated tokens (a chat's next "
         "turn reuses them)")
+    consumer_wait: float = Field(
+        default=5.0, ge=0, description="kv_consumer only (a decode instance): seconds a request "
+        "whose prompt's full blocks are not all stored yet waits for them (its prefill "
+        "instance may still be writing them), looking up again; then the missing blocks are "
+        "recomputed and counted")
     load_failure: Literal["recompute", "fail"] = Field(
         default="recompute", description="vLLM's kv_load_failure_policy: recompute a block "
         "that does not load, or fail its request")
@@ -170,6 +175,18 @@ class HookSettings:
     save_generated: bool = _DEFAULTS.save_generated
     load_failure: str = _DEFAULTS.load_failure
     sparse: SparseConfig | None = None
+    role: str = "kv_both"  # vLLM's kv_role: kv_producer, kv_consumer or kv_both
+    consumer_wait: float = _DEFAULTS.consumer_wait
+
+    @property
+    def stores(self) -> bool:
+        """Whether this instance stores what it computes (a kv_consumer never does)."""
+        return self.role != "kv_consumer"
+
+    @property
+    def consumer(self) -> bool:
+        """A kv_consumer (a decode instance): it loads what prefill instances stored."""
+        return self.role == "kv_consumer"
 
 
 def settings_from_vllm(vllm_config: Any) -> HookSettings:
@@ -224,6 +241,8 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         save_generated=options.save_generated,
         load_failure=options.load_failure,
         sparse=options.sparse,
+        role=str(getattr(kvt, "kv_role", None) or "kv_both"),
+        consumer_wait=options.consumer_wait,
     )
 
 

@@ -39,6 +39,12 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                          "corrupt, failed; dropped: a save over max_store_bytes)",
                          ("op", "result")),
     "busy_rejections": ("Events refused: inbox full", ()),
+    "connector_consumer_waits": ("kv_consumer requests whose prompt's full blocks were not "
+                                 "all stored at their first lookup: complete (all came "
+                                 "within consumer_wait), expired (the rest recomputed)",
+                                 ("outcome",)),
+    "connector_consumer_missing_blocks": ("Prompt blocks a kv_consumer recomputed: not stored "
+                                          "when its wait expired", ()),
     "connector_early_loads": ("Step loads started before start_load_kv (when the scheduler "
                               "planned the step, or when a worker process received it); "
                               "unused: the step did not ask for them", ("outcome",)),
@@ -60,6 +66,12 @@ _OUTCOMES: dict[str, tuple[str, ...]] = {
        for s in LoadState if s is not LoadState.OK}}
 _EARLY: dict[str, tuple[str, ...]] = {"early_loads": ("started",),
                                       "early_loads_unused": ("unused",)}
+# SchedulerSide.stats counters -> (series, labels)
+_SCHEDULER: dict[str, tuple[str, tuple[str, ...]]] = {
+    "consumer_waits_complete": ("connector_consumer_waits", ("complete",)),
+    "consumer_waits_expired": ("connector_consumer_waits", ("expired",)),
+    "consumer_missing_blocks": ("connector_consumer_missing_blocks", ()),
+}
 _PARTS = ("counters", "histograms", "gauges")
 
 
@@ -112,11 +124,16 @@ class SideStats:
         self._last: dict[str, float] = {}
         self._occupancy_at = 0.0
 
-    def take(self, *, side_stats: Any = None, kernel: Any = None) -> UCMConnectorStats:
+    def take(self, *, side_stats: Any = None, kernel: Any = None,
+             scheduler_stats: Any = None) -> UCMConnectorStats:
         """The kernel's counts since the last take; with `side_stats` (WorkerSide.stats) the
-        connector's block outcomes; with `kernel` its occupancy (at most once a second)."""
+        connector's block outcomes; with `kernel` its occupancy (at most once a second); with
+        `scheduler_stats` (SchedulerSide.stats) a consumer's waits."""
         data = self.sink.take()
         counters = data["counters"]
+        if scheduler_stats is not None:
+            for stat, (series, labels) in _SCHEDULER.items():
+                self._delta(counters, series, labels, stat, scheduler_stats.get(stat, 0))
         if side_stats is not None:
             for stat, labels in _OUTCOMES.items():
                 self._delta(counters, "connector_blocks", labels, stat, side_stats.get(stat, 0))

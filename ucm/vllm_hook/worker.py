@@ -134,7 +134,8 @@ class WorkerSide:
         which would slow the first prompt that saves (figures: docs/performance.md, Snapshot
         buffer reserved at start)."""
         step, layout = self.settings.step_tokens, self.layout
-        if not step or layout is None or self.settings.max_store_bytes <= 0:
+        if not step or layout is None or self.settings.max_store_bytes <= 0 \
+                or not self.settings.stores:  # a kv_consumer snapshots nothing
             return
         limit = min(_SPARE_SNAPSHOT_BYTES, self.settings.max_store_bytes) // layout.block_bytes
         n = min(-(-step // self.settings.block_size), limit)
@@ -339,7 +340,7 @@ class WorkerSide:
 
     # -- saves -----------------------------------------------------------------------------------
     def save_kv_layer(self, meta: UCMConnectorMetadata, layer_name: str) -> None:
-        if not meta.saves or self.layout is None:
+        if not meta.saves or self.layout is None or not self.settings.stores:
             return
         if self._save_staging is None and not self._save_layers_done:
             self._begin_snapshot(meta)
