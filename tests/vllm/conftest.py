@@ -46,6 +46,19 @@ def restarted(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tp2_served(tiny_model, tmp_path_factory, engine_pool):
+    """One cold and one warm TP=2 `ucm serve` server on one store, and a TP=2 engine with no
+    connector, shared by test_server.py's TP=2 test and test_tp.py: each workload's counts are
+    its own (serving_support.tp2_pair)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("TP=2 on CPU needs two CPUs to bind its two workers to")
+    pytest.importorskip("openai")
+    from serving_support import tp2_pair
+
+    return tp2_pair(tiny_model, tmp_path_factory.mktemp("tp2"), engine_pool)
+
+
+@pytest.fixture(scope="session")
 def engine_pool():
     """Runs engine processes two at a time (one on a one-CPU machine). Most of an engine's
     start is Python importing vLLM and torch, one core's work: on two cores two independent

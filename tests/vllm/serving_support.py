@@ -1,7 +1,8 @@
 """The vLLM OpenAI server as `ucm serve` starts it, for the server tests: `Server` (one server
 in its own session), streamed requests through the official `openai` client, /metrics parsing,
-a Prometheus that scrapes a server, and `restarted_pair`: the one cold and one warm server that
-test_server.py's restart test and test_metrics_prometheus.py share (tests/vllm/conftest.py)."""
+a Prometheus that scrapes a server, `restarted_pair`: the one cold and one warm server that
+test_server.py's restart test and test_metrics_prometheus.py share, and `tp2_pair`: the TP=2
+servers that test_server.py's TP=2 test and test_tp.py share (tests/vllm/conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +118,7 @@ def metric_sum(samples: dict, name: str, **labels: str) -> float:
                if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
 
 
-def stream(client, model: str, kind: str, content: str) -> dict:
+def stream(client, model: str, kind: str, content: str | list[int]) -> dict:
     """One streamed greedy request: its text and token ids (a random model's text may be
     empty), TTFT as the client sees it (the first chunk with a token), and its usage."""
     common = {"model": model, "max_tokens": 8, "temperature": 0, "stream": True,
@@ -265,8 +267,6 @@ class Prometheus:
         self.log.close()
 
 
-
-
 # The Prometheus workload: three documents, the first one's blocks corrupt before the warm
 # server loads them, and new prompts that miss.
 DOCS = [words(400, 21 + i) for i in range(3)]
@@ -328,3 +328,54 @@ def restarted_pair(model: str, root: Path) -> dict[str, Any]:
     return {"restart": {"cold": cold, "warm": warm, "samples": samples, "full": full},
             "prometheus": {"warm": observed, "samples": prom_samples, "results": results,
                            "before": samples}}
+
+
+TP_PROMPT = prompt(600, 7)  # token ids: test_tp.py's prompt, sharing no block with REQUESTS
+
+
+def token_ids(result: dict) -> list[int]:
+    """A streamed result's tokens as ids (the server returns them as "token_id:N")."""
+    return [int(t.rsplit(":", 1)[1]) for t in result["tokens"]]
+
+
+def tp2_pair(model: str, root: Path, pool: Executor) -> dict[str, Any]:
+    """A cold and then a warm TP=2 `ucm serve` server (vLLM's multiprocess executor, the two
+    workers bound to two CPUs) on one posix store, each serving two workloads that share no
+    block, and a TP=2 engine with no connector meanwhile (in `pool`):
+
+    - the rank-shards workload (TP_PROMPT; test_tp.py): the cold server stores it first, alone,
+      and the store's files are listed once they have settled; the warm server asks for it last,
+      after /metrics has been read; the engine with no connector gives the baseline tokens;
+    - the restart workload (REQUESTS; test_server.py): the cold server stores it, the warm one
+      loads it; /metrics is read after it and before anything else reaches the warm server.
+
+    One pair of TP=2 server starts for both tests."""
+    from ucm.bench import engines
+
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}  # vLLM's NUMA autobind needs
+    # one NUMA node per worker; bind by hand instead
+    spec = engines.EngineSpec(model=model, max_model_len=2048, kv_cache_bytes=64 * 2**20,
+                              tensor_parallel_size=2, multiprocess=True)
+    base = pool.submit(engines.run_in_subprocess, spec,
+                       [engines.Phase([TP_PROMPT], max_tokens=8, name="p")], env=env,
+                       log_path=str(root / "base.log"))
+    store = root / "store"
+    config = {"tiers": [{"driver": "posix", "path": str(store)}]}
+    extra = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+    blocks = (len(TP_PROMPT) - 1) // BLOCK
+    with Server(model, root, config, extra=extra, env=env, name="cold") as server:
+        cold_tp = stream(server.client, server.model, "completion", TP_PROMPT)
+        wait_stored(store, 2 * blocks)
+        tp_files = block_files(store)
+        cold = run_requests(server, "cold")
+        full = [(r["prompt_tokens"] - 1) // BLOCK for r in cold]
+        stored = wait_stored(store, len(tp_files) + 2 * sum(full))
+    with Server(model, root, config, extra=extra, env=env, name="warm") as server:
+        warm = run_requests(server, "warm")
+        samples = settled_metrics(server, "ucm_lookup_hits_total", sum(full))
+        warm_tp = stream(server.client, server.model, "completion", TP_PROMPT)
+    return {"restart": {"cold": cold, "warm": warm, "samples": samples, "full": full,
+                        "stored": stored - len(tp_files)},
+            "shards": {"base": base.result()["phases"][0], "cold": cold_tp, "warm": warm_tp,
+                       "files": tp_files, "blocks": blocks}}

@@ -3,13 +3,13 @@ chat's and a completion's prompts, a fresh server on the same store loads their 
 and answers with the same greedy text; with TP=2 through vLLM's multiprocess executor too.
 Requests go through the official `openai` client, streaming, so the TTFT printed is a
 client's. The TP=1 pair of servers is the session's `restarted` one (tests/vllm/conftest.py),
-which test_metrics_prometheus.py reads too; helpers: serving_support.py."""
+which test_metrics_prometheus.py reads too; the TP=2 pair is the session's `tp2_served` one,
+which test_tp.py reads too; helpers: serving_support.py."""
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -19,27 +19,8 @@ pytest.importorskip("vllm")
 from serving_support import (  # noqa: E402
     BLOCK,
     REQUESTS,
-    Server,
     metric_sum,
-    run_requests,
-    settled_metrics,
-    wait_stored,
 )
-
-
-def cold_then_warm(model: str, tmp_path: Path, *, ranks: int = 1, extra: list[str] = (),
-                   warm_extra: list[str] = (), env: dict[str, str] | None = None) -> None:
-    store = tmp_path / "store"
-    config = {"tiers": [{"driver": "posix", "path": str(store)}]}
-    with Server(model, tmp_path, config, extra=extra, env=env, name="cold") as server:
-        cold = run_requests(server, "cold")
-        full = [(r["prompt_tokens"] - 1) // BLOCK for r in cold]
-        assert wait_stored(store, ranks * sum(full)) >= ranks * sum(full)
-    with Server(model, tmp_path, config, extra=[*extra, *warm_extra], env=env,
-                name="warm") as server:
-        warm = run_requests(server, "warm")
-        samples = settled_metrics(server, "ucm_lookup_hits_total", sum(full))
-    check_restart(cold, warm, samples, full, ranks=ranks)
 
 
 def check_restart(cold: list[dict], warm: list[dict], samples: dict, full: list[int], *,
@@ -151,10 +132,7 @@ def test_async_scheduling_on_vllm_cpu(tiny_model, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_server_tp2_multiprocess_executor(tiny_model, tmp_path):
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("TP=2 on CPU needs two CPUs to bind its two workers to")
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}  # as tests/vllm/test_tp.py
-    cold_then_warm(tiny_model, tmp_path, ranks=2, env=env,
-                   extra=["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"])
+def test_server_tp2_multiprocess_executor(tp2_served):
+    run = tp2_served["restart"]
+    assert run["stored"] >= 2 * sum(run["full"])  # one shard per rank per block
+    check_restart(run["cold"], run["warm"], run["samples"], run["full"], ranks=2)
