@@ -30,6 +30,13 @@ def sglang_missing() -> str | None:
 needs_sglang = pytest.mark.skipif(sglang_missing() is not None, reason=str(sglang_missing()))
 
 
+def selected(request: pytest.FixtureRequest) -> set[str]:
+    """The names of the requesting module's test functions that this session runs: a module
+    starts ahead only the runs that those read."""
+    return {getattr(item, "originalname", item.name) for item in request.session.items
+            if getattr(item, "module", None) is request.module}
+
+
 def ucm_extra(ucm: Any, **more: Any) -> dict[str, Any]:
     """The HiCache extra config that loads ucm as the storage backend (zero-copy interface)."""
     return {"backend_name": "ucm", "module_path": "ucm.sglang_hook", "class_name": "UCMStorage",

@@ -5,12 +5,20 @@ is a miss; a bad config stops the engine at start. Offline (`sglang.Engine`) and
 
 The first three checks share one cold engine and one warm engine: three prompts that share no
 page, over one store in which the second prompt's pages hold noise and the third's are corrupt.
+
+The module's runs start ahead, at its start (`runs`), two at a time: most of a run is one
+core's imports and the tiny model's steps, so on two cores two runs take about the time of one.
+Each run stays an SGLang process of its own (a config of its own, or a store as it was when it
+started); the tests read their results.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +31,7 @@ from sglang_support import (
     needs_sglang,
     posix,
     run_sglang,
+    selected,
     ucm_extra,
 )
 
@@ -40,13 +49,60 @@ def full_hit(result: dict[str, Any]) -> bool:
     return result["storage_tokens"] >= 0.9 * result["prompt_tokens"]
 
 
+BAD_CONFIGS = {
+    "unknown-driver": ({"tiers": [{"driver": "no-such-driver"}]}, {}, "no-such-driver"),
+    "bad-timeout": ({"tiers": [{"driver": "memory"}]}, {"timeout": -1}, "timeout"),
+    "unknown-key": ({"tiers": [{"driver": "memory"}]}, {"tiemout": 3}, "tiemout"),
+}
+
+
 @pytest.fixture(scope="module")
-def stored(sglang_model: str, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
+def runs(request: pytest.FixtureRequest, sglang_model: str,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    """The SGLang runs that this session's tests of the module read, started ahead, two at a
+    time: the cold run and then the warm one (which waits for it) in one slot, the HTTP pair in
+    the other meanwhile; then the hanging-storage run and the bad configs."""
+    tests = selected(request)
+    model = sglang_model
+    pool = ThreadPoolExecutor(max_workers=max(1, min(2, len(os.sched_getaffinity(0)))))
+    submit = pool.submit
+    out: dict[str, Future[Any]] = {}
+    uses_store = {"test_a_fresh_engine_loads_the_stored_prefix_with_the_same_output",
+                  "test_noise_over_the_stored_pages_changes_the_output",
+                  "test_corrupt_pages_are_recomputed_with_the_same_output",
+                  "test_storage_that_hangs_is_a_miss_not_a_hang"}
+    if tests & uses_store:
+        out["stored"] = submit(_stored, model, tmp_path_factory.mktemp("sglang-store"))
+    if "test_the_http_server_stores_and_a_restarted_one_loads" in tests:
+        out["http"] = submit(_http_pair, model, tmp_path_factory.mktemp("sglang-http"))
+    if tests & (uses_store - {"test_storage_that_hangs_is_a_miss_not_a_hang"}):
+        out["warm"] = submit(_after, out["stored"], _warm, model,
+                             tmp_path_factory.mktemp("sglang-warm"))
+    if "test_storage_that_hangs_is_a_miss_not_a_hang" in tests:
+        out["hangs"] = submit(_hangs, model, tmp_path_factory.mktemp("sglang-hangs"))
+    if "test_a_bad_config_stops_the_engine_at_start_with_a_clear_error" in tests:
+        for name, (ucm, extra, _) in BAD_CONFIGS.items():
+            out[name] = submit(run_sglang, {"model": model, "backend": "dynamic",
+                                            "extra": ucm_extra(ucm, **extra),
+                                            "prompts": [PROMPT]}, watchdog=180)
+    yield out
+    pool.shutdown(cancel_futures=True)  # runs no test is left to read
+
+
+def _after(first: Future[Any], run: Callable[..., Any], *args: Any) -> Any:
+    """`run(first's result, *args)` once `first` is done; its failure fails this run too."""
+    return run(first.result(), *args)
+
+
+@pytest.fixture(scope="module")
+def stored(runs: dict[str, Future[Any]]) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
+    return runs["stored"].result()
+
+
+def _stored(sglang_model: str, root: Path) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
     """A cold run that computed PROMPT, NOISY and CORRUPT and stored their pages: (store root,
     PROMPT's result, NOISY's and CORRUPT's); each result's "new_pages" are the page files (paths
     under the root) that its prompt added."""
-    root = tmp_path_factory.mktemp("sglang-store")
     cold = run_sglang({"model": sglang_model, "backend": "dynamic",
                        "extra": ucm_extra(posix(root)), "prompts": [PROMPT, NOISY, CORRUPT],
                        "watch_dir": str(root)})
@@ -75,14 +131,18 @@ def page_bytes() -> int:
 
 
 @pytest.fixture(scope="module")
-def warm(sglang_model: str, stored, tmp_path_factory: pytest.TempPathFactory
-         ) -> dict[str, dict[str, Any]]:
+def warm(runs: dict[str, Future[Any]]) -> dict[str, dict[str, Any]]:
+    return runs["warm"].result()
+
+
+def _warm(stored: tuple[Path, dict[str, Any], list[dict[str, Any]]], sglang_model: str,
+          tmp_path: Path) -> dict[str, dict[str, Any]]:
     """One fresh engine over a copy of the store with NOISY's pages overwritten by noise (valid
     blocks) and a byte flipped in each of CORRUPT's; it runs PROMPT first (a fresh engine's
     first request), then NOISY and CORRUPT. The prompts share no page (`stored` checks), so
     each request meets only its own pages. Its results by prompt."""
     root, _, (noisy, corrupt) = stored
-    root = copy_store(root, tmp_path_factory.mktemp("sglang-warm"))
+    root = copy_store(root, tmp_path)
     namespace, _ = stored_pages(root)
     noise_pages = [root / p for p in noisy["new_pages"]]
     keys = [bytes.fromhex(p.stem) for p in noise_pages]
@@ -129,27 +189,26 @@ def test_corrupt_pages_are_recomputed_with_the_same_output(stored, warm):
     assert result["text"] == corrupt["text"]
 
 
-def test_storage_that_hangs_is_a_miss_not_a_hang(sglang_model, stored, tmp_path):
+def _hangs(sglang_model: str, tmp_path: Path) -> list[dict[str, Any]]:
     hanging = {"tiers": [{"driver": "faulty", "inner": {"driver": "posix",
                                                          "path": str(tmp_path)},
                           "hang": True}], "deadline": 1.0}
-    [result] = run_sglang({"model": sglang_model, "backend": "dynamic",
-                           "extra": ucm_extra(hanging, timeout=1.0), "prompts": [PROMPT]},
-                          watchdog=180)
+    return run_sglang({"model": sglang_model, "backend": "dynamic",
+                       "extra": ucm_extra(hanging, timeout=1.0), "prompts": [PROMPT]},
+                      watchdog=180)
+
+
+def test_storage_that_hangs_is_a_miss_not_a_hang(runs, stored):
+    [result] = runs["hangs"].result()
     assert result["storage_tokens"] == 0
     assert result["text"] == stored[1]["text"]
 
 
-@pytest.mark.parametrize(("ucm", "extra", "message"), [
-    ({"tiers": [{"driver": "no-such-driver"}]}, {}, "no-such-driver"),
-    ({"tiers": [{"driver": "memory"}]}, {"timeout": -1}, "timeout"),
-    ({"tiers": [{"driver": "memory"}]}, {"tiemout": 3}, "tiemout"),
-], ids=["unknown-driver", "bad-timeout", "unknown-key"])
-def test_a_bad_config_stops_the_engine_at_start_with_a_clear_error(sglang_model, ucm, extra,
-                                                                   message):
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_a_bad_config_stops_the_engine_at_start_with_a_clear_error(runs, name):
+    message = BAD_CONFIGS[name][2]
     with pytest.raises(SGLangFailed, match=message):
-        run_sglang({"model": sglang_model, "backend": "dynamic",
-                    "extra": ucm_extra(ucm, **extra), "prompts": [PROMPT]}, watchdog=180)
+        runs[name].result()
 
 
 def free_port() -> int:
@@ -158,11 +217,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_http_server_stores_and_a_restarted_one_loads(sglang_model, tmp_path):
+def _http_pair(sglang_model: str, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A cold HTTP server that stores PROMPT, then a restarted one on the same store."""
     spec = {"model": sglang_model, "backend": "dynamic", "http": True,
             "extra": ucm_extra(posix(tmp_path)), "prompts": [PROMPT]}
     [cold] = run_sglang({**spec, "port": free_port(), "settle": 5})
     [again] = run_sglang({**spec, "port": free_port()})
+    return cold, again
+
+
+def test_the_http_server_stores_and_a_restarted_one_loads(runs):
+    cold, again = runs["http"].result()
     assert cold["storage_tokens"] == 0
     assert full_hit(again), again
     assert again["text"] == cold["text"]
