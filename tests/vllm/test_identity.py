@@ -247,9 +247,10 @@ def _close(kernel) -> None:
 
 # -- real vLLM ----------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_fine_tune_with_the_same_config_gets_no_hits_from_the_other(tmp_path):
+def test_a_fine_tune_with_the_same_config_gets_no_hits_from_the_other(tmp_path, engine_pool):
     """Two checkpoints, one config.json, other weights: the second model's engine, over the
-    store the first one filled, hits nothing, and its output is its own without a store."""
+    store the first one filled, hits nothing, and its output is its own without a store (that
+    engine, on a store of its own, runs beside the first two: `engine_pool`)."""
     engines = pytest.importorskip("ucm.bench.engines")
     from ucm.bench.models import ModelSpec, build_model
 
@@ -266,10 +267,11 @@ def test_a_fine_tune_with_the_same_config_gets_no_hits_from_the_other(tmp_path):
                                   kv_cache_bytes=16 * 2**20)
         return engines.run_in_subprocess(spec, phases, log_path=str(tmp_path / "engines.log"))
 
+    alone_run = engine_pool.submit(run, models[1], str(tmp_path / "empty"))
     first = run(models[0], store)
     assert first["stats"]["worker"]["saved_blocks"] == 9
     second = run(models[1], store)
-    alone = run(models[1], str(tmp_path / "empty"))
+    alone = alone_run.result()
     single = second["phases"][0]
     assert single["num_cached_tokens"] == [0]
     assert second["stats"]["scheduler"].get("hit_tokens", 0) == 0

