@@ -353,8 +353,8 @@ def tp2_pair(model: str, root: Path, pool: Executor) -> dict[str, Any]:
     from ucm.bench import engines
 
     cpus = sorted(os.sched_getaffinity(0))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}  # vLLM's NUMA autobind needs
-    # one NUMA node per worker; bind by hand instead
+    # vLLM's NUMA autobind needs one NUMA node per worker; bind by hand instead
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
     spec = engines.EngineSpec(model=model, max_model_len=2048, kv_cache_bytes=64 * 2**20,
                               tensor_parallel_size=2, multiprocess=True)
     base = pool.submit(engines.run_in_subprocess, spec,
