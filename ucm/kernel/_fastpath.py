@@ -180,7 +180,7 @@ class FastPath:
         event = completion.event
         rest = [i for i, s in enumerate(states) if s is not LoadState.OK]
         follow = Load(tuple(event.keys[i] for i in rest),
-                      buffers=tuple(event.buffers[i] for i in rest),
+                      buffers=tuple(event.buffers[i] for i in rest), promote=event.promote,
                       deadline=event.deadline, request_id=event.request_id)
         sub = self._to_trio(follow)
         completion._set_cancel_hook(sub.cancel)

@@ -92,8 +92,9 @@ class LayerwiseLoad:
                 off, nbytes = layout.layer_span(name)
                 buffers = [self.staging[r, off:off + nbytes].numpy()
                            for r in range(len(self.keys))]
-            pending = self.worker.pages.start_load(keys, buffers,
-                                                   request_id=self.transfers[0].req_id)
+            pending = self.worker.pages.start_load(
+                keys, buffers, promote=self.worker.settings.promote_loads,
+                request_id=self.transfers[0].req_id)
             if not pending.submitted:
                 log.warning("ucm: load of layer %s not submitted (%s); recomputing", name,
                             pending.error)

@@ -194,7 +194,8 @@ class WorkerSide:
         """Starts a step's Load; `load_ns` counts the time from here until it is done (the
         step's own wait, `load_wait_ns`, is less where the load started early)."""
         t0 = time.perf_counter()
-        pending = self.pages.start_load(keys, buffers, request_id=req_id)
+        pending = self.pages.start_load(keys, buffers, promote=self.settings.promote_loads,
+                                        request_id=req_id)
 
         def done(_: concurrent.futures.Future) -> None:  # on the thread that resolved it
             self.stats["load_ns"] += int((time.perf_counter() - t0) * 1e9)
