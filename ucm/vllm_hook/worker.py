@@ -332,6 +332,13 @@ class WorkerSide:
     def save_kv_layer(self, meta: UCMConnectorMetadata, layer_name: str) -> None:
         if not meta.saves or self.layout is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._snapshot_layer(meta, layer_name)
+        finally:  # the step's time in saves (`save_ns`): the demo's per-turn breakdown
+            self.stats["save_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def _snapshot_layer(self, meta: UCMConnectorMetadata, layer_name: str) -> None:
         if self._save_staging is None and not self._save_layers_done:
             self._begin_snapshot(meta)
         if self._save_staging is None or layer_name in self._save_layers_done:
@@ -357,6 +364,16 @@ class WorkerSide:
             row += len(t.block_ids)
 
     def wait_for_save(self) -> None:
+        if self._save_staging is None:
+            self._save_rows, self._save_layers_done = [], set()
+            return
+        t0 = time.perf_counter()
+        try:
+            self._post_store()
+        finally:
+            self.stats["save_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def _post_store(self) -> None:
         staging, rows = self._save_staging, self._save_rows
         self._save_staging, self._save_rows, self._save_layers_done = None, [], set()
         if staging is None:
