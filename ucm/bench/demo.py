@@ -309,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(r['loaded'] for r in warm_rows):,} loaded from ucm; vLLM's own cache served "
           f"the repeats inside each engine); turn-1 TTFT p50 {_ms(c1)} -> {_ms(w1)} "
           f"({c1 / w1:.1f}x)")
+    worker = out["warm_stats"].get("worker", {})
+    kernel = worker.get("kernel", {})
+    tiers = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in sorted(kernel.items())
+                      if k.startswith("load_hits.") and v)
+    print(f"warm engine's ucm: {worker.get('loaded_blocks', 0):,} blocks loaded "
+          f"({tiers or 'none'}), {worker.get('load_error_blocks', 0):,} failed and recomputed, "
+          f"{kernel.get('promoted', 0):,} promoted to a faster tier (connector option "
+          f"promote_loads), {worker.get('early_loads', 0):,} loads started early")
     ns = out["namespace"]
     store = out["store"]
     print(f"store: {store} (namespace {ns})")
