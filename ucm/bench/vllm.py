@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="whole runs, each with fresh store passes and engines (a store pass "
                          "then its hit engine, started right after it exits); with more than "
                          "one, the distribution of each setup's overhead over the runs")
+    ap.add_argument("--posix-map-bytes", default=None,
+                    help="--batch: the posix tier's map_bytes (e.g. 4GiB: every stored block "
+                         "mapped; default: the driver's, 1 GiB)")
     ap.add_argument("--batch", default=None,
                     help="batch sizes, e.g. 1,4,16: time N prompts submitted together per "
                          "length instead of the single-prompt table (with --lengths 1536,4096 "
@@ -452,7 +455,8 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                "shared_storage_path": os.path.join(work, "example-store")}},
            "ucm-posix": {"connector": "ucm", "ucm": {"tiers": [{
                "driver": "posix", "path": os.path.join(work, "ucm-store"),
-               **({"direct_writes": True} if args.direct_writes else {})}]}},
+               **({"direct_writes": True} if args.direct_writes else {}),
+               **({"map_bytes": args.posix_map_bytes} if args.posix_map_bytes else {})}]}},
            "ucm-shm": {"connector": "ucm", "ucm": {"tiers": [{
                "driver": "memory", "shared": True, "shm_dir": shm, "size": tier_bytes}]}}}
     unknown = [name for name in setups if name not in kws]
