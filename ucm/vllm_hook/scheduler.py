@@ -157,8 +157,8 @@ class SchedulerSide:
             keys = [rank_key(d, r, size) for r in range(size) for d in digests]
             if self.settings.layerwise:  # each block's layers, in order, block after block
                 keys = [layer_key(k, i) for k in keys for i in range(self.layers)]
-            # No promotion here: the step's Load promotes what it reads (figures:
-            # docs/performance.md, Promotion on lookup and load).
+            # No promotion: the step's Load reads these blocks next (and promotes them where
+            # promote_loads asks); docs/performance.md, Promotion on lookup and load.
             st.lookup = self.pages.start_lookup(keys, prefix=size == 1, promote=False,
                                                 request_id=st.request.request_id)
             if not st.lookup.submitted:  # KernelBusy, closed: a miss
