@@ -138,3 +138,22 @@ def test_runs_must_be_one_or_more(capsys):
     with pytest.raises(SystemExit):
         main(["--runs", "0"])
     assert "--runs must be 1 or more" in capsys.readouterr().err
+
+
+def test_batch_table_holds_each_overhead_to_its_memcpy_limit(capsys):
+    from ucm.bench.vllm import BatchRow, _print_batches
+
+    rows = [BatchRow("ucm-shm", 4096, 4, 74.0, 49.0, 24.0, 256 * 2**20, 20.0),
+            BatchRow("example", 4096, 4, 119.0, 49.0, 70.0, 256 * 2**20, 20.0)]
+    assert rows[0].limit == rows[1].limit == 30.0  # 1.25 x 20 + 5
+    _print_batches(rows, tail=2)
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert lines[0] == ["ucm-shm", "4096+2", "4", "256", "74.0", "49.0", "24.0", "20.0", "1.20",
+                        "30.0", "yes"]
+    assert lines[1][0] == "example" and lines[1][-3:] == ["3.50", "30.0", "NO"]
+
+
+def test_batch_sizes_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["--batch", "0,4"])
+    assert "--batch takes batch sizes of 1 or more" in capsys.readouterr().err

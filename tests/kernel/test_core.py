@@ -92,6 +92,29 @@ async def test_load_from_lower_tier_promotes_in_background(tmp_path):
         assert again.tiers == ("memory",) * 3
 
 
+async def test_lookup_and_load_that_ask_for_no_promotion_leave_blocks_below(tmp_path):
+    keys, data = blocks(4)
+    async with KernelCore.open(two_tiers(tmp_path)) as core:
+        await core.run(Store(keys, buffers=data))
+        memory = core.tiers[0]
+        for key in keys:  # the blocks are on the posix tier only
+            memory.discard(key)
+        await memory.driver.delete(keys)
+        found = await core.run(Lookup(keys, prefix=True, promote=False))
+        assert found.tiers == ("posix",) * 4
+        out = [bytearray(len(d)) for d in data]
+        loaded = await core.run(Load(keys[:2], buffers=out[:2], promote=False))
+        assert loaded.tiers == ("posix",) * 2 and [bytes(b) for b in out[:2]] == data[:2]
+        await core.wait_background_idle()
+        assert not any(k in memory for k in keys)
+        assert core.stats["promoted"] == 0
+        # the default still promotes: a lookup's hits, then a load's
+        await core.run(Lookup(keys[:1]))
+        await core.run(Load(keys[3:], buffers=out[3:]))
+        await core.wait_background_idle()
+        assert [k in memory for k in keys] == [True, False, False, True]
+
+
 async def test_prefetch_copies_into_the_fastest_tier(tmp_path):
     keys, data = blocks(4)
     cfg = two_tiers(tmp_path, promote=False)

@@ -177,6 +177,32 @@ def test_wait_indexed_returns_once_the_stored_blocks_are_listed(tmp_path):
     assert not kernel.wait_indexed(0)  # closed
 
 
+def test_a_lookup_that_promotes_nothing_resolves_from_any_tiers_index(tmp_path,
+                                                                      hold_trio_thread):
+    """With promote=False a lookup whose every key some tier indexes resolves inside submit,
+    each key named by the fastest tier that holds it, and nothing is promoted; a key no index
+    holds still sends it to the trio thread."""
+    both, lower = [b"a", b"b"], b"c"
+    posix = {"driver": "posix", "path": str(tmp_path / "b")}
+    with Kernel({"tiers": [posix]}) as kernel:
+        assert kernel.submit(Store([lower], buffers=[b"3" * 64])).result(10).ok
+    with Kernel({"tiers": [{"driver": "memory"}, posix]}) as kernel:
+        assert kernel.submit(Store(both, buffers=[b"1" * 64, b"2" * 64])).result(10).ok
+        assert kernel.wait_indexed(10)  # `lower` is in the posix tier's index only
+        release = hold_trio_thread(kernel)
+        fast = kernel.submit(Lookup([*both, lower], prefix=True, promote=False))
+        slow = kernel.submit(Lookup([lower, b"absent"], prefix=True, promote=False))
+        assert fast.done() and fast.result().hits == (True, True, True)
+        assert fast.result().tiers == ("memory", "memory", "posix")
+        assert not slow.done()
+        release()
+        assert slow.result(10).hits == (True, False)
+        stats = kernel.statistics()
+        assert stats["lookups_from_index"] == 1
+        assert stats["lookup_hits.posix"] == 2 and stats["lookup_hits.memory"] == 2
+        assert stats.get("promoted", 0) == 0 and stats["tier.memory.blocks"] == 2
+
+
 def test_a_lookup_the_fastest_tiers_index_answers_resolves_without_the_trio_thread(
         tmp_path, hold_trio_thread):
     """A lookup whose every key tier 0 indexes resolves inside submit, with the same answer,

@@ -72,6 +72,26 @@ def test_ttft_parts_split_a_requests_steps_into_queued_load_and_compute():
     assert parts[0]["queued"] == 0 and parts[1]["queued"] == pytest.approx(1.5)
     assert parts[0]["load"] == pytest.approx(0.2) and parts[1]["load"] == pytest.approx(0.05)
     assert parts[0]["compute"] == pytest.approx(1.3) and parts[1]["compute"] == pytest.approx(0.2)
+    assert parts[0]["lookup"] == parts[0]["ucm"] == parts[1]["lookup"] == parts[1]["ucm"] == 0
+
+
+def test_ttft_parts_name_ucms_lookup_steps_and_its_time_inside_a_step():
+    steps = [  # request 1's lookup is not in at step 1 (ucm: "ask again later")
+        {"t0": 0.0, "t1": 0.1, "tokens": {"0": 2}, "load_wait_ns": 10_000_000,
+         "save_ns": 4_000_000, "schedule_ns": 1_000_000, "lookup_deferred": 1},
+        {"t0": 0.1, "t1": 0.3, "tokens": {"0": 1, "1": 2}, "load_wait_ns": 20_000_000,
+         "save_ns": 0, "schedule_ns": 2_000_000, "lookup_deferred": 0},
+    ]
+    parts = demo.ttft_parts({"steps": steps, "ttft_s": [0.1, 0.3]})
+    first, second = parts
+    assert first["steps"] == 1 and second["steps"] == 2
+    assert first["lookup"] == 0 and second["lookup"] == pytest.approx(0.1)
+    assert second["queued"] == 0
+    assert first["ucm"] == pytest.approx(0.005) and second["ucm"] == pytest.approx(0.002)
+    assert first["compute"] == pytest.approx(0.085) and second["compute"] == pytest.approx(0.178)
+    for p in parts:  # every part of the TTFT is named once
+        assert p["queued"] + p["lookup"] + p["load"] + p["ucm"] + p["compute"] == \
+            pytest.approx(p["ttft"])
 
 
 @pytest.mark.slow

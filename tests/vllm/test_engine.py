@@ -35,10 +35,12 @@ EngineSpec, Phase, run_in_subprocess = (engines.EngineSpec, engines.Phase,
                                          engines.run_in_subprocess)
 
 SINGLE = prompt(300, 1)
+BLOCK_TOKENS = 32  # the engines' block size (EngineSpec's default)
 DOC = prompt(256, 2)
 SHARED = [DOC + prompt(40, 100 + i) for i in range(8)]
 PREEMPT = [prompt(900, 200 + i) for i in range(40)]
 LONG = [prompt(8192, 3), prompt(32768, 4)]
+BATCH = PREEMPT[:4]  # stored by the cold engine; submitted together by the corrupt run
 KV_BYTES = 34 * 2**20  # 34K tokens of the tiny model: the PREEMPT batch does not fit
 
 
@@ -78,7 +80,8 @@ def runs(request, tiny_model, tmp_path_factory, engine_pool) -> dict[str, Future
         out["scenario"] = submit(_cold_warm, paths)
         out["base"] = submit(run_in_subprocess, EngineSpec(model=tiny_model, max_model_len=4096,
                                                            kv_cache_bytes=KV_BYTES),
-                             _phases(long=False), log_path=paths["log"])
+                             [*_phases(long=False), Phase(BATCH, max_tokens=8, name="batch")],
+                             log_path=paths["log"])
     if "test_layerwise_mode_hits_layer_by_layer_and_recomputes_a_bad_layer" in tests:
         out["layerwise"] = submit(_layerwise_runs, paths)
     if "test_bf16_with_block_size_128" in tests:
@@ -86,8 +89,8 @@ def runs(request, tiny_model, tmp_path_factory, engine_pool) -> dict[str, Future
         bf16_root = tmp_path_factory.mktemp("bf16")
         out["bf16_base"] = submit(run_in_subprocess, EngineSpec(**_bf16_spec(model)), BF16_PHASES)
         out["bf16"] = submit(_bf16_cold_warm, model, bf16_root)
-    for name, (test, run) in FAULT_RUNS.items():
-        if test in tests:
+    for name, (readers, run) in FAULT_RUNS.items():
+        if tests & ({readers} if isinstance(readers, str) else set(readers)):
             out[name] = submit(_after, out["scenario"], run, paths)
     if "test_shared_memory_tier_serves_a_second_engine" in tests:
         out["shm"] = submit(_shm_runs, paths)
@@ -219,26 +222,80 @@ def test_noise_in_stored_kv_changes_output(scenario, runs):
     assert single["tokens"] != _phase(scenario["base"], "single")["tokens"]
 
 
+def _damage(path: str, i: int) -> None:
+    """Block file `path` damaged: a flipped byte (even `i`) or cut short (odd)."""
+    with open(path, "r+b") as f:
+        if i % 2:
+            f.truncate(4096 + 100)
+        else:
+            f.seek(5000)
+            byte = f.read(1)
+            f.seek(5000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _files_of(store: str, tokens: list[int]) -> list[str]:
+    """The block files of `tokens`' whole blocks (all but the last token), in order: found
+    by the keys their headers name (the hook's chained keys in the store's namespace)."""
+    from ucm.block import PAYLOAD_OFFSET, decode_header
+    from ucm.vllm_hook.keys import chain_digests, chain_seed
+
+    by_key, namespace = {}, None
+    for path in _block_files(store):
+        with open(path, "rb") as f:
+            header = decode_header(f.read(PAYLOAD_OFFSET))
+        by_key[header.key], namespace = path, header.namespace
+    assert namespace is not None
+    digests = chain_digests(chain_seed(namespace), tokens, BLOCK_TOKENS,
+                            (len(tokens) - 1) // BLOCK_TOKENS)
+    return [by_key[d] for d in digests]
+
+
 def _corrupt_run(paths: dict) -> dict:
+    """SINGLE's blocks all damaged, one after the other flipped or cut short; in BATCH, request
+    1's blocks 5 (flipped) and 6 (cut short) damaged, and request 2's blocks from 10 on deleted
+    once the engine has indexed the store (a lookup finds them, the load does not)."""
     store = _copy_store(paths, "corrupt")
-    for i, path in enumerate(_block_files(store)):  # every block: a flipped byte or cut short
-        with open(path, "r+b") as f:
-            if i % 2:
-                f.truncate(4096 + 100)
-            else:
-                f.seek(5000)
-                byte = f.read(1)
-                f.seek(5000)
-                f.write(bytes([byte[0] ^ 0xFF]))
-    return _run_single(paths, _ucm(store))
+    for i, path in enumerate(_files_of(store, SINGLE)):
+        _damage(path, i)
+    for i, path in enumerate(_files_of(store, BATCH[1])[5:7]):
+        _damage(path, i)
+    deleted = _files_of(store, BATCH[2])[10:]
+    spec = _spec(paths["model"], connector="ucm", ucm=_ucm(store), max_model_len=4096)
+    with engines.EngineProcess(spec, log_path=paths["log"]) as engine:
+        single = engine.run(Phase([SINGLE], max_tokens=8, name="single"))
+        for path in deleted:
+            os.unlink(path)
+        batch = engine.run(Phase(BATCH, max_tokens=8, name="batch", stepwise=True))
+        return {**engine.finish(), "phases": [single, batch]}
 
 
 def test_corrupt_and_truncated_blocks_are_recomputed(scenario, runs):
     result = runs["corrupt"].result()
-    assert _phase(result, "single")["tokens"] == _phase(scenario["base"], "single")["tokens"]
-    worker = result["stats"]["worker"]
-    assert worker["load_error_blocks"] == 9
-    assert worker["load_corrupt"] >= 1, worker  # counted, not silently dropped
+    single = _phase(result, "single")
+    assert single["tokens"] == _phase(scenario["base"], "single")["tokens"]
+    assert single["worker_delta"]["load_error_blocks"] == 9
+    assert single["worker_delta"]["load_corrupt"] >= 1, single  # counted, not dropped
+
+
+def test_a_batch_with_one_bad_request_hits_for_the_others(scenario, runs):
+    """Four requests submitted together, each with its own stored prompt: request 1's blocks
+    damaged from block 5, request 2's deleted from block 10 after the lookup's index saw them.
+    Those two recompute from their first bad block (counted as errors, by kind); the other
+    two load every block; every output is the baseline's; no request waits on the others
+    beyond the step vLLM takes to recompute."""
+    batch = _phase(runs["corrupt"].result(), "batch")
+    assert batch["tokens"] == _phase(scenario["base"], "batch")["tokens"]
+    whole = (len(BATCH[0]) - 1) // BLOCK_TOKENS  # 28 blocks per request
+    delta = batch["worker_delta"]
+    assert delta["load_blocks"] == 4 * whole  # every request's hit planned and loaded at once
+    assert delta["loaded_blocks"] == 2 * whole + 5 + 10
+    assert delta["load_error_blocks"] == (whole - 5) + (whole - 10)
+    assert delta["load_corrupt"] >= 1 and delta["load_missing"] >= 1, delta
+    first_steps = [sum(1 for s in batch["steps"] if s["t1"] <= t + 1e-6)
+                   for t in batch["ttft_s"]]
+    assert first_steps[0] == first_steps[3] == 1, first_steps  # the good ones: one step
+    assert max(first_steps) <= 3, first_steps  # the bad ones recompute, nothing stalls
 
 
 def _hanging_run(listing: str) -> Callable[[dict], dict]:
@@ -414,10 +471,11 @@ def test_shared_memory_tier_serves_a_second_engine(scenario, runs):
         assert result["worker_delta"].get("loaded_blocks", 0) == loaded, name
 
 
-# The fault runs: (the test that reads it, the run), each over the scenario's store.
-FAULT_RUNS: dict[str, tuple[str, Callable[[dict], dict]]] = {
+# The fault runs: (the test or tests that read it, the run), each over the scenario's store.
+FAULT_RUNS: dict[str, tuple[str | tuple[str, ...], Callable[[dict], dict]]] = {
     "noise": ("test_noise_in_stored_kv_changes_output", _noise_run),
-    "corrupt": ("test_corrupt_and_truncated_blocks_are_recomputed", _corrupt_run),
+    "corrupt": (("test_corrupt_and_truncated_blocks_are_recomputed",
+                 "test_a_batch_with_one_bad_request_hits_for_the_others"), _corrupt_run),
     "hang-spared": ("test_hanging_storage_completes_by_recompute", _hanging_run("spared")),
     "hang-hangs": ("test_hanging_storage_completes_by_recompute", _hanging_run("hangs")),
     "failing": ("test_failing_loads_are_recomputed", _failing_run),

@@ -134,14 +134,19 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 # -- what a turn's steps say about its time to first token -----------------------------------------
 def ttft_parts(phase: dict[str, Any]) -> list[dict[str, float]]:
     """Per request of a stepwise phase, its TTFT split over the engine steps up to its first
-    token: `queued` (steps that did not schedule it: the batch's other prefills), `load`
-    (the ucm load wait of the steps that did) and `compute` (the rest of those steps), plus
-    `steps`. The three add up to the TTFT up to the time spent submitting."""
+    token: `queued` (steps that did not schedule it: the batch's other prefills, vLLM's),
+    `lookup` (steps that did not schedule it while ucm answered "ask again later" to a
+    lookup: a request whose lookup was not in yet waits for the next step), `load` (the ucm
+    load wait of the steps that did schedule it), `ucm` (the rest of ucm's time in those
+    steps: the scheduler's lookups and plan, the worker's save snapshots and store
+    submission) and `compute` (what is left of those steps: vLLM's input preparation, forward
+    pass and sampling over every request scheduled with it), plus `steps`. The parts add up
+    to the TTFT up to the time spent submitting."""
     out = []
     steps = phase["steps"]
     for i, ttft in enumerate(phase["ttft_s"]):
-        parts = {"ttft": ttft, "queued": 0.0, "load": 0.0, "compute": 0.0, "steps": 0,
-                 "start": steps[0]["t0"] if steps else 0.0}
+        parts = {"ttft": ttft, "queued": 0.0, "lookup": 0.0, "load": 0.0, "ucm": 0.0,
+                 "compute": 0.0, "steps": 0, "start": steps[0]["t0"] if steps else 0.0}
         for step in steps:
             if step["t1"] > ttft + 1e-6:
                 break
@@ -149,8 +154,13 @@ def ttft_parts(phase: dict[str, Any]) -> list[dict[str, float]]:
             parts["steps"] += 1
             if str(i) in step["tokens"]:
                 load = min(wall, step["load_wait_ns"] / 1e9)
+                ucm = min(wall - load, (step.get("save_ns", 0) + step.get("schedule_ns", 0))
+                          / 1e9)
                 parts["load"] += load
-                parts["compute"] += wall - load
+                parts["ucm"] += ucm
+                parts["compute"] += wall - load - ucm
+            elif step.get("lookup_deferred", 0):
+                parts["lookup"] += wall
             else:
                 parts["queued"] += wall
         out.append(parts)
@@ -207,28 +217,37 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
 
 def print_breakdown(cold: list[dict[str, Any]], warm: list[dict[str, Any]],
                     floor: list[dict[str, Any]]) -> None:
-    """Where each warm turn's TTFT goes, next to the cold turn and vLLM's own hit."""
+    """Where each warm turn's TTFT goes, next to the cold turn and vLLM's own hit: ucm's side
+    (lookup steps, load wait, the rest of ucm's time in the request's steps) and vLLM's
+    (queueing, compute), and the compute of vLLM's own hit beside the warm one's."""
     print("\nwhere a warm turn's time to first token goes (medians over the turn's requests; "
           "the turn's requests are submitted together, as the cold ones)")
-    print(f"{'turn':>5} {'cold TTFT':>10} {'warm TTFT':>10} {'ratio':>6} {'queued':>8} "
-          f"{'ucm load':>9} {'compute':>8} {'computed tok':>13} {'vLLM hit':>9} "
-          f"{'ucm over it':>12}")
+    print(f"{'turn':>5} {'cold TTFT':>10} {'warm TTFT':>10} {'ratio':>6} {'queued':>7} "
+          f"{'lookup':>7} {'ucm load':>9} {'ucm other':>10} {'compute':>8} {'steps':>6} "
+          f"{'computed tok':>13} {'vLLM hit':>9} {'its compute':>12} {'ucm over it':>12}")
+    keys = ("queued", "lookup", "load", "ucm", "compute", "steps")
     for c, w, f in zip(cold, warm, floor, strict=True):
         c50, w50, f50 = (statistics.median(r["ttft"]) for r in (c, w, f))
-        parts = w["parts"]
-        med = {k: statistics.median(p[k] for p in parts) for k in ("queued", "load", "compute")}
+        med = {k: statistics.median(p[k] for p in w["parts"]) for k in keys}
+        fcompute = statistics.median(p["compute"] for p in f["parts"])
         print(f"{w['name']:>5} {c50 * 1e3:>8.0f}ms {w50 * 1e3:>8.0f}ms {c50 / w50:>5.1f}x "
-              f"{med['queued'] * 1e3:>6.0f}ms {med['load'] * 1e3:>7.0f}ms "
-              f"{med['compute'] * 1e3:>6.0f}ms {w['computed']:>13,} {f50 * 1e3:>7.0f}ms "
-              f"{(w50 - f50) * 1e3:>+10.0f}ms")
+              f"{med['queued'] * 1e3:>5.0f}ms {med['lookup'] * 1e3:>5.0f}ms "
+              f"{med['load'] * 1e3:>7.0f}ms {med['ucm'] * 1e3:>8.0f}ms "
+              f"{med['compute'] * 1e3:>6.0f}ms {med['steps']:>6.0f} {w['computed']:>13,} "
+              f"{f50 * 1e3:>7.0f}ms {fcompute * 1e3:>10.0f}ms {(w50 - f50) * 1e3:>+10.0f}ms")
     print("  queued: engine steps that ran before the request was scheduled (other requests' "
           "prefill, or decode steps of the batch: vLLM's scheduling, not ucm's)\n"
+          "  lookup: steps that ran before it was scheduled while ucm's lookup was not in "
+          "(ucm answered 'ask again later')\n"
           "  ucm load: the scheduled step's wait for its blocks (ucm; the load itself starts "
           "when the scheduler plans the step)\n"
+          "  ucm other: ucm's other time in the request's steps (lookups and the step's plan "
+          "in the scheduler, save snapshots and store submission in the worker)\n"
           "  compute: the rest of the request's steps: the forward pass over every request "
-          "scheduled with it (vLLM's)\n"
+          "scheduled with it (vLLM's); steps: engine steps up to its first token\n"
           "  vLLM hit: the same turn again in the warm engine, served by vLLM's own prefix "
-          "cache (same tokens computed, nothing loaded): the floor a connector can reach")
+          "cache (same tokens computed, nothing loaded): the floor a connector can reach; "
+          "its compute: that run's compute, beside the warm one's")
 
 
 def print_samples(tokenizer: Any, convs: list[Conversation], cold: list[dict[str, Any]],
@@ -290,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(r['loaded'] for r in warm_rows):,} loaded from ucm; vLLM's own cache served "
           f"the repeats inside each engine); turn-1 TTFT p50 {_ms(c1)} -> {_ms(w1)} "
           f"({c1 / w1:.1f}x)")
+    worker = out["warm_stats"].get("worker", {})
+    kernel = worker.get("kernel", {})
+    tiers = ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in sorted(kernel.items())
+                      if k.startswith("load_hits.") and v)
+    print(f"warm engine's ucm: {worker.get('loaded_blocks', 0):,} blocks loaded "
+          f"({tiers or 'none'}), {worker.get('load_error_blocks', 0):,} failed and recomputed, "
+          f"{kernel.get('promoted', 0):,} promoted to a faster tier (connector option "
+          f"promote_loads), {worker.get('early_loads', 0):,} loads started early")
     ns = out["namespace"]
     store = out["store"]
     print(f"store: {store} (namespace {ns})")
@@ -339,9 +366,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    for label, t in docs))
     # Both engines first serve the same batch shape over another document, twice (the second
     # time from vLLM's own cache): a fresh engine's first batch of a shape pays one-off costs
-    # (kernel set-up) that would otherwise land on turn 1 (docs/performance.md, ucm demo).
-    short = Conversation(0, SYSTEM + warm_doc[1][:1200], [QUESTIONS[0]])
-    warmup_prompts = [chat_prompt(tokenizer, short.messages(0)) for _ in convs]
+    # (kernel set-up, first touch of cache pages) that would otherwise land on turn 1
+    # (docs/performance.md, ucm demo).
+    # The warm-up carries a whole document, as turn 1 does (the same lengths, so the same
+    # kernel shapes and as many cache blocks touched; in the warm engine its blocks load
+    # from ucm, as turn 1's do); sessions share documents as the turns' do.
+    spare = Conversation(0, SYSTEM + warm_doc[1], [QUESTIONS[0]])
+    warmup_prompts = [chat_prompt(tokenizer, spare.messages(0)) for _ in convs]
     warmups = [Phase(warmup_prompts, max_tokens=2, name=f"warmup{i}") for i in (1, 2)]
 
     def turn_phase(t: int, prompts: list[list[int]], max_tokens: int, name: str) -> Any:

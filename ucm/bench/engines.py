@@ -224,6 +224,18 @@ def _worker_counters() -> dict[str, int]:
     return {}
 
 
+def _scheduler_counters() -> dict[str, int]:
+    """The ucm scheduler side's own counters (where it runs in this process)."""
+    try:
+        from ucm.vllm_hook.connector import live_connectors
+    except ImportError:
+        return {}
+    for conn in live_connectors():
+        if conn.scheduler is not None:
+            return {k: v for k, v in conn.scheduler.stats.items() if isinstance(v, int)}
+    return {}
+
+
 def _stepwise(llm: Any, prompts: list[Any], params: Any,
               ) -> tuple[list[Any], list[float], list[dict[str, Any]]]:
     """Submits every prompt at once and records when each one's first token appears, and
@@ -257,10 +269,12 @@ class _StepLog:
     """Per engine step: when it began and ended (s from the phase's submission), the prompt
     tokens it scheduled per request (by index in the phase), the tokens each newly scheduled
     request already had (vLLM's own cache plus a connector's hit), and the ucm worker's load
-    counters over the step. Reads vLLM's scheduler output where the scheduler runs in this
+    and save times and the ucm scheduler's time (lookups, the step's plan) and deferred
+    lookups over the step. Reads vLLM's scheduler output where the scheduler runs in this
     process (the engine runner's default); records times only otherwise."""
 
-    _LOADS = ("load_wait_ns", "load_ns", "loaded_blocks")
+    _LOADS = ("load_wait_ns", "load_ns", "loaded_blocks", "save_ns")
+    _SCHEDULER = ("schedule_ns", "lookup_deferred")
 
     def __init__(self, llm: Any) -> None:
         self.records: list[dict[str, Any]] = []
@@ -285,13 +299,17 @@ class _StepLog:
     def begin(self, t: float) -> None:
         self._planned.clear()
         self._t = t
-        counters = _worker_counters()
-        self._before = {k: counters.get(k, 0) for k in self._LOADS}
+        self._before = self._counters()
+
+    def _counters(self) -> dict[str, int]:
+        worker, scheduler = _worker_counters(), _scheduler_counters()
+        return {**{k: worker.get(k, 0) for k in self._LOADS},
+                **{k: scheduler.get(k, 0) for k in self._SCHEDULER}}
 
     def end(self, t: float) -> None:
-        counters = _worker_counters()
+        counters = self._counters()
         rec: dict[str, Any] = {"t0": self._t, "t1": t, "tokens": {}, "had": {}}
-        rec.update({k: counters.get(k, 0) - self._before[k] for k in self._LOADS})
+        rec.update({k: counters[k] - self._before[k] for k in counters})
         for out in self._planned:
             for rid, n in out.num_scheduled_tokens.items():
                 if rid in self._index:

@@ -24,6 +24,13 @@ Setups (per prompt length; a connector's store pass runs in its own earlier engi
                 recompute first, and so on (whole engines drift over a run: in turn, a
                 steady drift favours neither side), and both sides are medians over
                 all their engines' prompts
+Batches (`--batch 1,4,16`): per length and batch size N, N distinct stored prompts submitted
+together, loaded by each connector setup and then hit in vLLM's own prefix cache in the same
+engine (the floor), `--rounds` times (vLLM's cache emptied before each load); the batch's TTFT
+is the wall time of one `generate(max_tokens=1)` for all N. Beside the overhead (median of the
+per-round differences) it prints the time one thread's memcpy takes for the bytes the batch
+loaded (median of 7, buffers touched beforehand, measured in the same run), and whether the
+overhead holds 1.25 x that + 5 ms. With `--batch`, only the batch table runs.
 A prompt of length n is n KV tokens (`--lengths`, whole blocks) and then `--tail` more (2 by
 default), so every setup loads or finds the same n tokens and computes only the tail: the floor
 is a 2-token step, not a recomputed block (vLLM always computes a prompt's last token, so a
@@ -163,8 +170,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="whole runs, each with fresh store passes and engines (a store pass "
                          "then its hit engine, started right after it exits); with more than "
                          "one, the distribution of each setup's overhead over the runs")
+    ap.add_argument("--posix-map-bytes", default=None,
+                    help="--batch: the posix tier's map_bytes (e.g. 4GiB: every stored block "
+                         "mapped; default: the driver's, 1 GiB)")
+    ap.add_argument("--batch", default=None,
+                    help="batch sizes, e.g. 1,4,16: time N prompts submitted together per "
+                         "length instead of the single-prompt table (with --lengths 1536,4096 "
+                         "and --setups example,ucm-posix,ucm-shm, say)")
     args = ap.parse_args(argv)
     setups = args.setups.split(",")
+    if args.batch is not None:
+        sizes = [int(x) for x in args.batch.split(",")]
+        if not sizes or min(sizes) < 1:
+            ap.error("--batch takes batch sizes of 1 or more, e.g. 1,4,16")
+        if args.tail == 1 and "example" in setups:
+            ap.error("--tail 1 makes ExampleConnector miss every prompt: use 0 or 2 and more")
+        for k in range(args.runs):
+            if args.runs > 1:
+                _say(f"run {k + 1} of {args.runs} (load average {os.getloadavg()[0]:.2f})")
+            workdir = args.workdir and (os.path.join(args.workdir, f"run{k + 1}")
+                                        if args.runs > 1 else args.workdir)
+            _run_batches(args, setups, sizes, workdir)
+        return 0
     if args.tail < 0:
         ap.error("--tail must be 0 or more")
     if args.repeat < 1 or args.rounds < 1 or args.miss_engines < 1 or args.runs < 1:
@@ -357,6 +384,142 @@ def _run_once(args: argparse.Namespace, setups: list[str], workdir: str | None,
           + ("" if allocators == {"tcmalloc"} else
              " (vLLM on CPU asks for tcmalloc: see ucm.vllm_hook.environment.TCMALLOC_PATHS)"))
     return rows
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One setup at one (length, batch size): ms, medians over the rounds."""
+
+    setup: str
+    length: int
+    batch: int
+    ttft: float  # the batch loaded by the connector
+    floor: float  # the same batch again: vLLM's own prefix hit, same engine
+    overhead: float  # median of the per-round differences
+    loaded_bytes: int  # what the batch loaded (ucm's count; 0 where unknown)
+    memcpy: float | None  # one thread's memcpy of loaded_bytes, ms (median of 7)
+
+    @property
+    def limit(self) -> float | None:
+        """The overhead the issue allows: 1.25 x the memcpy time + 5 ms."""
+        return None if self.memcpy is None else 1.25 * self.memcpy + 5.0
+
+
+def memcpy_ms(nbytes: int, repeat: int = 7) -> float:
+    """Median ms of one thread copying `nbytes` between two buffers touched beforehand."""
+    import numpy as np
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
+                 workdir: str | None) -> list[BatchRow]:
+    """Per connector setup: a store pass of max(sizes) prompts per length, then one hit engine
+    that, per round, length and batch size, loads a batch (vLLM's cache emptied first) and hits
+    it again in vLLM's own cache. Prints the batch table."""
+    from ucm.bench.engines import EngineSpec, Phase, run_in_subprocess
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    top = max(sizes)
+    work = workdir or tempfile.mkdtemp(prefix="ucm-bench-vllm-")
+    os.makedirs(work, exist_ok=True)
+    shm = tempfile.mkdtemp(prefix="ucm-bench-", dir="/dev/shm")
+    log = os.path.join(work, "engines.log")
+    _say(f"batches {sizes} of prompts of {lengths} tokens + {args.tail}; {args.rounds} rounds; "
+         f"model: {SPEC.layers} layers, hidden {SPEC.hidden}, {SPEC.kv_heads} KV heads, "
+         f"{SPEC.dtype}, block {args.block_size}; {os.cpu_count()} CPUs; logs {log}")
+    model = str(build_model(os.path.join(work, "model"), SPEC))
+    kv = SPEC.kv_bytes_per_token()
+    cache = max(2 * 2**30, int(1.25 * top * (max(lengths) + args.tail + args.block_size) * kv))
+    base = {"model": model, "dtype": SPEC.dtype, "block_size": args.block_size,
+            "max_model_len": max(lengths) + args.tail + 256, "kv_cache_bytes": cache,
+            "max_num_seqs": max(4, top)}
+    prompts = _prompts(lengths, args.tail, top, 20)
+    warmup = Phase([_prompt(lengths[0] + args.tail, 2)], max_tokens=1, name="warmup")
+    # One prompt at a time: each prefills in one step (a chunked one can miss ExampleConnector)
+    store = [warmup] + [Phase([p], max_tokens=1, name=f"store{n}.{i}")
+                        for n in lengths for i, p in enumerate(prompts[n])]
+    timed = [Phase(prompts[n][:b], max_tokens=1, name=f"{kind}{n}x{b}.{r}",
+                   reset_prefix_cache=kind == "hit")
+             for r in range(args.rounds) for n in lengths for b in sizes
+             for kind in ("hit", "again")]
+    tier_bytes = f"{max(4, -(-2 * top * sum(lengths) * kv // 2**30))}GiB"
+    kws = {"example": {"connector": "example", "extra": {
+               "shared_storage_path": os.path.join(work, "example-store")}},
+           "ucm-posix": {"connector": "ucm", "ucm": {"tiers": [{
+               "driver": "posix", "path": os.path.join(work, "ucm-store"),
+               **({"direct_writes": True} if args.direct_writes else {}),
+               **({"map_bytes": args.posix_map_bytes} if args.posix_map_bytes else {})}]}},
+           "ucm-shm": {"connector": "ucm", "ucm": {"tiers": [{
+               "driver": "memory", "shared": True, "shm_dir": shm, "size": tier_bytes}]}}}
+    unknown = [name for name in setups if name not in kws]
+    if unknown:
+        _say(f"batches run {', '.join(kws)}; skipping {', '.join(unknown)}")
+    rows: list[BatchRow] = []
+    try:
+        for name in (n for n in kws if n in setups):
+            kw = kws[name]
+            _say(f"{name} store pass: fresh engine process")
+            run_in_subprocess(EngineSpec(**{**base, **kw}), store, log_path=log,
+                              progress=lambda m, name=name: _say(f"  {name} store: {m}"))
+            os.sync()
+            _say(f"{name}: fresh engine process")
+            result = run_in_subprocess(EngineSpec(**{**base, **kw, "prefix_caching": True}),
+                                       [warmup, *timed], log_path=log,
+                                       progress=lambda m, name=name: _say(f"  {name}: {m}"))
+            by_name = {p["name"]: p for p in result["phases"]}
+            for n in lengths:
+                for b in sizes:
+                    hits = [by_name[f"hit{n}x{b}.{r}"] for r in range(args.rounds)]
+                    again = [by_name[f"again{n}x{b}.{r}"] for r in range(args.rounds)]
+                    h = [p["wall_s"][-1] * 1e3 for p in hits]
+                    a = [p["wall_s"][-1] * 1e3 for p in again]
+                    loaded = max(p["worker_delta"].get("loaded_bytes", 0) for p in hits)
+                    if name.startswith("ucm") and loaded < b * n * kv:
+                        _say(f"  {name}: {n} tokens x {b}: loaded {loaded} bytes of "
+                             f"{b * n * kv} (a partial hit: see {log})")
+                    _say(f"  {name}: {n}+{args.tail} tokens x {b}, ms loaded / vLLM's own hit: "
+                         + ", ".join(f"{x:.0f}/{y:.0f}" for x, y in zip(h, a, strict=True)))
+                    rows.append(BatchRow(name, n, b, statistics.median(h), statistics.median(a),
+                                         statistics.median(x - y for x, y in
+                                                           zip(h, a, strict=True)),
+                                         loaded if name.startswith("ucm") else b * n * kv,
+                                         None))
+        copies: dict[int, float] = {}
+        for row in rows:  # after the engines: each size once, in this process
+            if row.loaded_bytes and row.loaded_bytes not in copies:
+                copies[row.loaded_bytes] = memcpy_ms(row.loaded_bytes)
+        rows = [BatchRow(**{**r.__dict__, "memcpy": copies.get(r.loaded_bytes)}) for r in rows]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        if not workdir:
+            _drop_bulk(work)
+    _print_batches(rows, tail=args.tail)
+    return rows
+
+
+def _print_batches(rows: list[BatchRow], *, tail: int) -> None:
+    print("\nbatches of N prompts submitted together: TTFT of the batch (ms, median over the "
+          "rounds) loaded by the connector, vLLM's own prefix hit of the same batch in the same "
+          "engine (the floor), the overhead (median of the per-round differences), one "
+          "thread's memcpy of the bytes loaded, and the limit 1.25 x memcpy + 5 ms")
+    print(f"{'setup':<11}{'tokens':>10}{'N':>4}{'MiB':>7}{'TTFT':>9}{'floor':>9}"
+          f"{'overhead':>10}{'memcpy':>8}{'ratio':>7}{'limit':>8}  holds")
+    for r in rows:
+        ratio = f"{r.overhead / r.memcpy:>7.2f}" if r.memcpy else f"{'n/a':>7}"
+        limit = r.limit
+        print(f"{r.setup:<11}{f'{r.length}+{tail}':>10}{r.batch:>4}"
+              f"{r.loaded_bytes / 2**20:>7.0f}{r.ttft:>9.1f}{r.floor:>9.1f}{r.overhead:>10.1f}"
+              + (f"{r.memcpy:>8.1f}" if r.memcpy is not None else f"{'':>8}") + ratio
+              + (f"{limit:>8.1f}  {'yes' if r.overhead <= limit else 'NO'}"
+                 if limit is not None else ""))
 
 
 def _print_distribution(per_run: list[dict[str, dict[int, Row]]], loads: list[float], *,

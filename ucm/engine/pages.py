@@ -200,24 +200,27 @@ class PageIO:
     def _deadline(self, deadline: Any) -> float | None:
         return self.deadline if deadline is DEFAULT else deadline
 
-    def start_lookup(self, keys: Sequence[bytes], *, prefix: bool = True,
+    def start_lookup(self, keys: Sequence[bytes], *, prefix: bool = True, promote: bool = True,
                      request_id: str | None = None, deadline: Any = DEFAULT) -> PendingPages:
         """Starts looking up `keys`; its result is how many of them, from the first, are stored
-        (its `hits`, each key's; with `prefix` the kernel stops at the first miss)."""
+        (its `hits`, each key's; with `prefix` the kernel stops at the first miss). `promote`
+        False: hits in slower tiers stay where they are (a Load that follows promotes them)."""
         if not keys:
             return _nothing(self, "lookup", 0)
         return self._start("lookup", lambda: Lookup(
-            tuple(keys), prefix=prefix, request_id=request_id,
+            tuple(keys), prefix=prefix, promote=promote, request_id=request_id,
             deadline=self._deadline(deadline)), keys, request_id)
 
     def start_load(self, keys: Sequence[bytes], buffers: Sequence[Buffer | Scatter], *,
-                   request_id: str | None = None, deadline: Any = DEFAULT) -> PendingPages:
+                   promote: bool = True, request_id: str | None = None,
+                   deadline: Any = DEFAULT) -> PendingPages:
         """Starts reading each page into its buffer; its result is True per page that arrived
-        whole and verified (its `states`, each page's LoadState)."""
+        whole and verified (its `states`, each page's LoadState). `promote` False: pages read
+        from slower tiers are not copied upwards afterwards."""
         if not keys:
             return _nothing(self, "load", [])
         return self._start("load", lambda: Load(
-            tuple(keys), buffers=tuple(buffers), request_id=request_id,
+            tuple(keys), buffers=tuple(buffers), promote=promote, request_id=request_id,
             deadline=self._deadline(deadline)), keys, request_id)
 
     def start_store(self, keys: Sequence[bytes], buffers: Sequence[Any], *,

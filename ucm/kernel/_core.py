@@ -293,7 +293,7 @@ class KernelCore:
         by_tier = {tier.name: sum(1 for t in found if t is tier) for tier in tiers}
         count_lookup(self.stats, len(keys), by_tier)
         self.emit("result", event_id, **lookup_result(len(keys), by_tier))
-        if self.config.promote:
+        if self.config.promote and event.promote:
             self.movement.promote(keys, found, tiers)
         return LookupResult(hits, tuple(t.name if t else None for t in found))
 
@@ -336,7 +336,7 @@ class KernelCore:
                 tier.policy.unpin(key)
         count_load(self.stats, states, [t.name if t else None for t in sources],
                    [b.nbytes for b in buffers])
-        if self.config.promote:
+        if self.config.promote and event.promote:
             self.movement.promote(keys, sources, tiers, raw=[b.nbytes for b in buffers])
         return LoadResult(tuple(states), tuple(t.name if t else None for t in sources),
                           tuple(errors))

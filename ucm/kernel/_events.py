@@ -83,31 +83,41 @@ def _set_common(event: _Event, keys: Sequence[bytes], deadline: float | None,
 @dataclass(frozen=True, slots=True, init=False)
 class Lookup(_Event):
     """Which keys are stored, and in which tier. With `prefix`, the result stops at the first
-    miss. With `pin`, hits stay unevictable until loaded, unpinned, or `pin_ttl` passes."""
+    miss. With `pin`, hits stay unevictable until loaded, unpinned, or `pin_ttl` passes. With
+    `promote` False, hits in slower tiers are not copied upwards (the config's `promote`
+    applies otherwise): a caller that loads them right after leaves the promotion to the Load,
+    which would otherwise read them a second time while the first copy is still running."""
 
     prefix: bool = field(kw_only=True)
     pin: bool = field(kw_only=True)
+    promote: bool = field(kw_only=True)
     priority = Priority.LOOKUP
 
     def __init__(self, keys: Sequence[bytes], *, prefix: bool = False, pin: bool = False,
-                 deadline: float | None = None, request_id: str | None = None) -> None:
+                 promote: bool = True, deadline: float | None = None,
+                 request_id: str | None = None) -> None:
         _set_common(self, keys, deadline, request_id)
         object.__setattr__(self, "prefix", prefix)
         object.__setattr__(self, "pin", pin)
+        object.__setattr__(self, "promote", promote)
 
 
 @dataclass(frozen=True, slots=True, init=False)
 class Load(_Event):
     """Reads each block into its buffer: a writable buffer of exactly the block's size, or a
-    `Scatter` of pieces that add up to it."""
+    `Scatter` of pieces that add up to it. With `promote` False, blocks read from slower tiers
+    are not copied upwards afterwards (the config's `promote` applies otherwise)."""
 
     buffers: tuple[memoryview | Scatter, ...] = field(kw_only=True)
+    promote: bool = field(kw_only=True)
     priority = Priority.LOAD
 
     def __init__(self, keys: Sequence[bytes], *, buffers: Sequence[Buffer | Scatter] = (),
-                 deadline: float | None = None, request_id: str | None = None) -> None:
+                 promote: bool = True, deadline: float | None = None,
+                 request_id: str | None = None) -> None:
         _set_common(self, keys, deadline, request_id)
         object.__setattr__(self, "buffers", _check_buffers(self.keys, buffers, writable=True))
+        object.__setattr__(self, "promote", promote)
 
 
 @dataclass(frozen=True, slots=True, init=False)

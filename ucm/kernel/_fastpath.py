@@ -1,8 +1,9 @@
 """The kernel's path off the trio thread: events the fastest tier can serve at once, run on
 the thread that submits them (and the driver's copy threads). One entry point, `submit`.
 
-A Lookup whose every key the fastest tier's index holds is answered on the caller's thread:
-its answer is the one the trio thread would give without any I/O, and the two thread hand-offs
+A Lookup whose every key the fastest tier's index holds (one that promotes nothing: whose
+every key some tier's index holds) is answered on the caller's thread: its answer is the one
+the trio thread would give without any I/O, and the two thread hand-offs
 it saves are most of a lookup's cost. A Load of such keys whose blocks the tier's driver holds
 in memory (`InMemoryLoads`: mapped block files, the shm arena) is copied by the driver's copy
 threads and the waiting caller, and resolved by whichever finishes, which saves the trio
@@ -46,14 +47,17 @@ _TOUCH_BACKLOG = 4096
 class FastPath:
     """The off-thread path of one `Kernel`, which hands it what it uses of the kernel: its
     tracer, `fastest_tier()` (tier 0 while events may be served off the trio thread, else
-    None), `new_event_id()` (None once closing) and `to_trio(event)` (the event handed to the
-    trio thread)."""
+    None), `tiers()` (every tier, fastest first, while none is being detached, else none),
+    `new_event_id()` (None once closing) and `to_trio(event)` (the event handed to the trio
+    thread)."""
 
     def __init__(self, *, tracer: Tracer | None, fastest_tier: Callable[[], Tier | None],
                  new_event_id: Callable[[], int | None],
-                 to_trio: Callable[[Event], Completion]) -> None:
+                 to_trio: Callable[[Event], Completion],
+                 tiers: Callable[[], list[Tier]] = list) -> None:
         self._tracer = tracer
         self._fastest_tier = fastest_tier
+        self._tiers = tiers
         self._new_event_id = new_event_id
         self._to_trio = to_trio
         self._lock = threading.Lock()
@@ -72,21 +76,30 @@ class FastPath:
 
     # -- lookups ---------------------------------------------------------------------------------
     def _lookup(self, event: Lookup) -> Completion | None:
-        """Resolved at once when the fastest tier's index holds every key. The index is a dict
-        the trio thread updates; a membership test is atomic under the GIL, and a block evicted
+        """Resolved at once when the fastest tier's index holds every key, or, for a lookup
+        that promotes nothing (`promote` False), when every key is in some tier's index (each
+        named by the fastest that holds it, as the trio thread would). The index is a dict the
+        trio thread updates; a membership test is atomic under the GIL, and a block evicted
         just after the probe is a load miss, as it is when eviction follows a lookup."""
         tier = self._fastest_tier()
         if tier is None:
             return None
-        index, keys = tier.policy.index, event.keys
+        keys = event.keys
+        tiers = [tier] if event.promote else self._tiers()
+        if not tiers or tiers[0] is not tier:
+            return None
+        indexes = [(t.name, t.policy.index) for t in tiers]
+        names: list[str] = []
         for key in keys:
-            if key not in index:
+            name = next((name for name, index in indexes if key in index), None)
+            if name is None:
                 return None
+            names.append(name)
         event_id = self._new_event_id()
         if event_id is None:
             return None
         n = len(keys)
-        hits = {tier.name: n}
+        hits = dict(Counter(names))
         with self._lock:
             self.counts["lookups_from_index"] += 1
             count_lookup(self.counts, n, hits)
@@ -97,7 +110,7 @@ class FastPath:
             tracer.emit("result", event_id, lookup_result(n, hits, from_index=True))
             tracer.emit("done", event_id, {"outcome": "ok"})
         completion = Completion(event, event_id)
-        completion._resolve(LookupResult((True,) * n, (tier.name,) * n))
+        completion._resolve(LookupResult((True,) * n, tuple(names)))
         return completion
 
     # -- loads -----------------------------------------------------------------------------------
@@ -180,7 +193,7 @@ class FastPath:
         event = completion.event
         rest = [i for i, s in enumerate(states) if s is not LoadState.OK]
         follow = Load(tuple(event.keys[i] for i in rest),
-                      buffers=tuple(event.buffers[i] for i in rest),
+                      buffers=tuple(event.buffers[i] for i in rest), promote=event.promote,
                       deadline=event.deadline, request_id=event.request_id)
         sub = self._to_trio(follow)
         completion._set_cancel_hook(sub.cancel)

@@ -65,7 +65,7 @@ class Kernel:
         self._busy = 0
         self._fast = FastPath(  # events served off the trio thread
             tracer=tracer, fastest_tier=self._fastest_tier, new_event_id=self._new_event_id,
-            to_trio=self._submit_to_core)
+            to_trio=self._submit_to_core, tiers=self._serving_tiers)
         self._closing = False
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
@@ -199,6 +199,15 @@ class Kernel:
         tiers = core.tiers
         tier = tiers[0] if tiers else None
         return None if tier is None or tier.detaching else tier
+
+    def _serving_tiers(self) -> list[Tier]:
+        """Every tier, fastest first, for lookups answered off the trio thread; none while
+        one of them is being detached (the trio thread answers then)."""
+        core = self._core
+        if core is None or self._closing or not self._alive:
+            return []
+        tiers = list(core.tiers)
+        return [] if any(t.detaching for t in tiers) else tiers
 
     def attach(self, tier: TierConfig | dict[str, Any], *, position: int | None = None,
                ) -> Completion:

@@ -97,8 +97,10 @@ class LayerwiseLoad:
                 buffers = [self.staging[r, off:off + nbytes].numpy()
                            for r in range(len(self.keys))]
             # numpy's stubs give ndarray the buffer protocol (__buffer__) only from Python 3.12
-            pending = self.worker.pages.start_load(keys, buffers,  # type: ignore[arg-type]
-                                                   request_id=self.transfers[0].req_id)
+            pending = self.worker.pages.start_load(
+                keys, buffers,  # type: ignore[arg-type]
+                promote=self.worker.settings.promote_loads,
+                request_id=self.transfers[0].req_id)
             if not pending.submitted:
                 log.warning("ucm: load of layer %s not submitted (%s); recomputing", name,
                             pending.error)

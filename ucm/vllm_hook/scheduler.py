@@ -120,6 +120,13 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
+        t0 = time.perf_counter()
+        try:
+            return self._match(request, num_computed_tokens)
+        finally:  # the scheduler's time in ucm (`schedule_ns`): the demo's breakdown
+            self.stats["schedule_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def _match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local_tokens = num_computed_tokens
         tokens = request.all_token_ids
@@ -159,7 +166,9 @@ class SchedulerSide:
             keys = [rank_key(d, r, size) for r in range(size) for d in digests]
             if self.settings.layerwise:  # each block's layers, in order, block after block
                 keys = [layer_key(k, i) for k in keys for i in range(self.layers)]
-            st.lookup = self.pages.start_lookup(keys, prefix=size == 1,
+            # No promotion: the step's Load reads these blocks next (and promotes them where
+            # promote_loads asks); docs/performance.md, Promotion on lookup and load.
+            st.lookup = self.pages.start_lookup(keys, prefix=size == 1, promote=False,
                                                 request_id=st.request.request_id)
             if not st.lookup.submitted:  # KernelBusy, closed: a miss
                 return self._lookup_failed(st)
@@ -238,6 +247,13 @@ class SchedulerSide:
 
     # -- per-step plan ---------------------------------------------------------------------------
     def build_connector_meta(self, so: Any) -> UCMConnectorMetadata:
+        t0 = time.perf_counter()
+        try:
+            return self._plan_step(so)
+        finally:
+            self.stats["schedule_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def _plan_step(self, so: Any) -> UCMConnectorMetadata:
         meta = UCMConnectorMetadata()
         computed_before: dict[str, int] = {}
         for new in so.scheduled_new_reqs:

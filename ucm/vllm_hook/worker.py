@@ -203,7 +203,8 @@ class WorkerSide:
         """Starts a step's Load; `load_ns` counts the time from here until it is done (the
         step's own wait, `load_wait_ns`, is less where the load started early)."""
         t0 = time.perf_counter()
-        pending = self.pages.start_load(keys, buffers, request_id=req_id)
+        pending = self.pages.start_load(keys, buffers, promote=self.settings.promote_loads,
+                                        request_id=req_id)
 
         def done(_: concurrent.futures.Future[Any]) -> None:  # on the thread that resolved it
             self.stats["load_ns"] += int((time.perf_counter() - t0) * 1e9)
@@ -342,6 +343,14 @@ class WorkerSide:
     def save_kv_layer(self, meta: UCMConnectorMetadata, layer_name: str) -> None:
         if not meta.saves or self.layout is None or not self.settings.stores:
             return
+        t0 = time.perf_counter()
+        try:
+            self._snapshot_layer(meta, layer_name)
+        finally:  # the step's time in saves (`save_ns`): the demo's per-turn breakdown
+            self.stats["save_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def _snapshot_layer(self, meta: UCMConnectorMetadata, layer_name: str) -> None:
+        assert self.layout is not None, "register_kv_caches first"  # save_kv_layer checked it
         if self._save_staging is None and not self._save_layers_done:
             self._begin_snapshot(meta)
         if self._save_staging is None or layer_name in self._save_layers_done:
@@ -368,6 +377,16 @@ class WorkerSide:
             row += len(t.block_ids)
 
     def wait_for_save(self) -> None:
+        if self._save_staging is None:
+            self._save_rows, self._save_layers_done = [], set()
+            return
+        t0 = time.perf_counter()
+        try:
+            self._post_store()
+        finally:
+            self.stats["save_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def _post_store(self) -> None:
         staging, rows = self._save_staging, self._save_rows
         self._save_staging, self._save_rows, self._save_layers_done = None, [], set()
         if staging is None:
