@@ -71,8 +71,23 @@ OrderedPart = tuple[str, int, int, Order]  # (kind, tokens, channels, order): wh
 Part = tuple[str, int, int] | OrderedPart  # (kind, tokens, channels[, order]): what it is given
 
 
+class _PartSizes:
+    """Bytes of a part, for a layout and for a header's parsed parameters alike."""
+
+    __slots__ = ()
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    def part_bytes(self, part: Part) -> int:
+        kind, tokens, channels = part[:3]
+        return tokens * channels * (1 if kind == "raw" else self.itemsize)
+
+
 @dataclass(frozen=True, slots=True)
-class KVLayout:
+class KVLayout(_PartSizes):
     dtype: str  # fp16 | bf16 | fp32
     parts: tuple[OrderedPart, ...]
 
@@ -90,14 +105,6 @@ class KVLayout:
                 raise ValueError(f"bad layout part {part!r}: {problem}")
         if not parts or len(parts) > MAX_PARTS:
             raise ValueError(f"a layout has 1 to {MAX_PARTS} parts")
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    def part_bytes(self, part: Part) -> int:
-        kind, tokens, channels = part[:3]
-        return tokens * channels * (1 if kind == "raw" else self.itemsize)
 
     @property
     def raw_bytes(self) -> int:
@@ -193,7 +200,7 @@ class Run(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class Packed:
+class Packed(_PartSizes):
     """A header's codec parameters, checked (`parse`) but not expanded: the parts are the runs
     in order, the whole `repeat` times. Sizes come from the runs; `parts` yields the parts one
     at a time. It stands for a `KVLayout` wherever ucm.codecs.quant decodes."""
@@ -208,13 +215,6 @@ class Packed:
     payload8: int  # the payload's bytes for int8, and for int4
     payload4: int
 
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    def part_bytes(self, part: Part) -> int:
-        kind, tokens, channels = part[:3]
-        return tokens * channels * (1 if kind == "raw" else self.itemsize)
 
     def payload_bytes(self, bits: int) -> int:
         return self.payload8 if bits == 8 else self.payload4
