@@ -13,7 +13,9 @@ verifying with xxh3 then memmove, decoding with numpy."""
 from setuptools import Extension, find_packages, setup
 
 # Packages whose directory is not ucm/<name>/ (pyproject.toml [tool.setuptools] package-dir).
-MAPPED = ["ucm.tools", "ucm.native"]
+# ucm.native and ucm.tools.grafana hold data only (sources, the dashboard): listed so that
+# setuptools ships them as packages rather than warning about directories it would skip.
+MAPPED = ["ucm.tools", "ucm.native", "ucm.tools.grafana"]
 
 setup(packages=[*find_packages(include=["ucm", "ucm.*"]), *MAPPED],
       ext_modules=[Extension("ucm._hostcopy", ["native/hostcopy.c", "native/hostcopy_avx2.c"],

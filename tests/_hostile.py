@@ -1,6 +1,8 @@
 """What a hostile store answers, for the codec trust tests: blocks forged with valid checksums
 (header and payload) around any codec parameters, and a Redis server on 127.0.0.1 that serves
-whatever the test put under a name.
+whatever the test put under a name. Also the pieces the codec trust, fuzz and sanitizer tests
+share: random KV bytes of a layout, and kernels over a posix or a lying redis tier with a way to
+plant any bytes under a key.
 
 `HostileRedis` speaks enough RESP2 for ucm's redis driver (redis-py): AUTH, CLIENT, SELECT,
 PING, SET, GET, MGET, EXISTS, UNLINK, DEL, SCAN; it keeps values in a dict the test reads and
@@ -9,13 +11,19 @@ rewrites, so a load gets exactly the bytes the test chose, as from a server that
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import struct
 import threading
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import xxhash
 
 from ucm.block import PAYLOAD_OFFSET
+from ucm.codecs import quant
+from ucm.codecs.layout import KVLayout
 from ucm.drivers.kit import safe_dir_name
 
 _FIXED = struct.Struct("<4sHBBHHIQQQ")
@@ -44,6 +52,76 @@ def forge_block(key: bytes, namespace: str, codec: int, params: bytes, payload: 
     head = fixed + struct.pack("<I", xxhash.xxh32_intdigest(fixed + tail)) + tail
     assert len(head) <= PAYLOAD_OFFSET
     return head + bytes(PAYLOAD_OFFSET - len(head)) + payload
+
+
+def kv_values(lay: KVLayout, rng: np.random.Generator, *, spread: bool = False) -> np.ndarray:
+    """Random bytes of each part of `lay`, written part by part (a part may start at an odd
+    byte): raw parts any bytes, k/v parts normal values in the layout's dtype, each part
+    scaled by a random factor in [0.01, 100] when `spread`."""
+    raw = np.empty(lay.raw_bytes, np.uint8)
+    pos = 0
+    for part in lay.parts:
+        n = lay.part_bytes(part)
+        if part[0] == "raw":
+            raw[pos:pos + n] = rng.integers(0, 256, n, np.uint8)
+        else:
+            x = rng.standard_normal(n // lay.itemsize)
+            if spread:
+                x = x * rng.uniform(0.01, 100)
+            quant.from_f32(x.astype(np.float32), lay.dtype, raw[pos:pos + n])
+        pos += n
+    return raw
+
+
+Plant = Callable[[bytes, bytes], None]
+
+
+@contextlib.contextmanager
+def posix_kernel(root: str, namespace: str) -> Iterator[tuple[object, Plant]]:
+    """A started kernel over one posix tier in `root`, and plant(key, bytes) writing a stored
+    block's file directly (plant.present(key) tells whether it is there)."""
+    from ucm.kernel import Kernel
+
+    kernel = Kernel({"namespace": namespace, "promote": False,
+                     "tiers": [{"driver": "posix", "path": root}]})
+    kernel.start()
+    driver = kernel._core.tiers[0].driver
+    while hasattr(driver, "inner"):
+        driver = driver.inner
+
+    def plant(key: bytes, block: bytes) -> None:
+        path = driver.block_path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(block)
+
+    plant.present = lambda key: os.path.exists(driver.block_path(key))  # type: ignore[attr-defined]
+    try:
+        yield kernel, plant
+    finally:
+        kernel.close()
+
+
+@contextlib.contextmanager
+def redis_kernel(namespace: str) -> Iterator[tuple[object, Plant]]:
+    """A started kernel over one redis tier whose server (HostileRedis) serves what plant(key,
+    bytes) put under the key's name."""
+    from ucm.kernel import Kernel
+
+    server = HostileRedis()
+    kernel = Kernel({"namespace": namespace, "promote": False,
+                     "tiers": [{"driver": "redis", **server.options()}]})
+    kernel.start()
+
+    def plant(key: bytes, block: bytes) -> None:
+        server.values[server.name_of(key, namespace)] = block
+
+    plant.present = lambda key: server.name_of(key, namespace) in server.values  # type: ignore[attr-defined]
+    try:
+        yield kernel, plant
+    finally:
+        kernel.close()
+        server.close()
 
 
 class HostileRedis:

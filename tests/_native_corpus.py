@@ -38,6 +38,7 @@ hostcopy = load_sanitized("ucm._hostcopy", sys.argv[2])
 
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
+from _hostile import kv_values  # noqa: E402  (tests/: this script's own directory)
 
 from ucm.block import (  # noqa: E402
     Scatter,
@@ -75,20 +76,6 @@ LAYOUTS = [
 LARGE = (("k", 128, 64, Order(False, 16, 2)), ("v", 128, 64, Order(True, 2, 16))) * 12
 
 
-def kv_values(lay: KVLayout, rng: np.random.Generator) -> np.ndarray:
-    raw = np.empty(lay.raw_bytes, np.uint8)
-    pos = 0
-    for part in lay.parts:
-        n = lay.part_bytes(part)
-        if part[0] == "raw":
-            raw[pos:pos + n] = rng.integers(0, 256, n, np.uint8)
-        else:
-            x = (rng.standard_normal(n // lay.itemsize) * rng.uniform(0.01, 100)).astype(np.float32)
-            quant.from_f32(x, lay.dtype, raw[pos:pos + n])
-        pos += n
-    return raw
-
-
 def pieces(out: np.ndarray, cuts: list[int]) -> list[memoryview]:
     bounds = [0, *sorted(cuts), out.nbytes]
     return [memoryview(out[a:b]) for a, b in itertools.pairwise(bounds)]
@@ -102,7 +89,7 @@ def valid_blocks(rng: np.random.Generator) -> None:
     for parts in [*LAYOUTS, LARGE]:
         for dtype in DTYPES:
             lay = KVLayout(dtype, parts)
-            raw = kv_values(lay, rng)
+            raw = kv_values(lay, rng, spread=True)
             for bits in (8, 4):
                 steps = quant.plan(lay, 64, bits)
                 reference = quant.encode_reference(lay, 64, bits, memoryview(raw))

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from _hostile import HostileRedis, forge_block, params_of
+from _hostile import Plant, forge_block, kv_values, params_of, posix_kernel, redis_kernel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -137,17 +136,7 @@ def _real_payload(dtype_id: int, group: int, repeat: int, runs: list, bits: int,
     lay = layout.KVLayout(DTYPE[dtype_id], tuple(
         (("raw", "k", "v")[k], t, c, layout.Order(bool(cm), ti, ci))
         for k, t, c, n, cm, ti, ci in runs for _ in range(n)) * repeat)
-    rng = np.random.default_rng(seed)
-    raw = np.empty(lay.raw_bytes, np.uint8)
-    pos = 0
-    for part in lay.parts:
-        n = lay.part_bytes(part)
-        if part[0] == "raw":
-            raw[pos:pos + n] = rng.integers(0, 256, n, np.uint8)
-        else:
-            quant.from_f32(rng.standard_normal(n // lay.itemsize).astype(np.float32),
-                           lay.dtype, raw[pos:pos + n])
-        pos += n
+    raw = kv_values(lay, np.random.default_rng(seed))
     return quant.encode_reference(lay, group, bits, memoryview(raw))
 
 
@@ -201,41 +190,19 @@ def test_forged_blocks_decode_as_the_reference_or_are_corrupt(block, cuts):
 # -- the kernel's load path: a posix tier and a redis tier whose server lies ---------------------
 
 @pytest.fixture(scope="module")
-def posix(tmp_path_factory) -> Iterator[tuple[Kernel, callable]]:
-    kernel = Kernel({"namespace": NS, "promote": False, "tiers": [
-        {"driver": "posix", "path": str(tmp_path_factory.mktemp("fuzz"))}]})
-    kernel.start()
-    driver = kernel._core.tiers[0].driver
-    while hasattr(driver, "inner"):
-        driver = driver.inner
-
-    def plant(key: bytes, data: bytes) -> None:
-        path = driver.block_path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-
-    yield kernel, plant
-    kernel.close()
+def posix(tmp_path_factory) -> Iterator[tuple[Kernel, Plant]]:
+    with posix_kernel(str(tmp_path_factory.mktemp("fuzz")), NS) as tier:
+        yield tier
 
 
 @pytest.fixture(scope="module")
-def redis() -> Iterator[tuple[Kernel, callable]]:
-    server = HostileRedis()
-    kernel = Kernel({"namespace": NS, "promote": False,
-                     "tiers": [{"driver": "redis", **server.options()}]})
-    kernel.start()
-
-    def plant(key: bytes, data: bytes) -> None:
-        server.values[server.name_of(key, NS)] = data
-
-    yield kernel, plant
-    kernel.close()
-    server.close()
+def redis() -> Iterator[tuple[Kernel, Plant]]:
+    with redis_kernel(NS) as tier:
+        yield tier
 
 
 @pytest.fixture(params=["posix", "redis"])
-def tier(request) -> tuple[Kernel, callable]:
+def tier(request) -> tuple[Kernel, Plant]:
     return request.getfixturevalue(request.param)
 
 

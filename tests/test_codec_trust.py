@@ -8,15 +8,14 @@ Through the kernel on a posix tier (real files) and on a redis tier whose server
 from __future__ import annotations
 
 import gc
-import os
 import time
 import tracemalloc
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-from _hostile import HostileRedis, forge_block, params_of
+from _hostile import Plant, forge_block, params_of, posix_kernel, redis_kernel
+from _hostile import kv_values as hostile_kv_values
 
 from ucm import codecs
 from ucm.block import (
@@ -47,19 +46,7 @@ def fp16_values(n: int, seed: int = 0) -> np.ndarray:
 
 
 def kv_values(lay: KVLayout, seed: int = 0) -> np.ndarray:
-    """Random values of each part, written part by part (a part may start at an odd byte)."""
-    rng = np.random.default_rng(seed)
-    raw = np.empty(lay.raw_bytes, np.uint8)
-    pos = 0
-    for part in lay.parts:
-        n = lay.part_bytes(part)
-        if part[0] == "raw":
-            raw[pos:pos + n] = rng.integers(0, 256, n, np.uint8)
-        else:
-            from_f32(rng.standard_normal(n // lay.itemsize).astype(np.float32), lay.dtype,
-                     raw[pos:pos + n])
-        pos += n
-    return raw
+    return hostile_kv_values(lay, np.random.default_rng(seed))
 
 
 def k_part_payload(tokens: int, channels: int, bits: int, seed: int = 0) -> bytes:
@@ -71,46 +58,19 @@ def k_part_payload(tokens: int, channels: int, bits: int, seed: int = 0) -> byte
 # -- the kernel over a posix tier and over a redis tier whose server lies -----------------------
 
 @pytest.fixture(scope="module")
-def posix(tmp_path_factory) -> Iterator[tuple[Kernel, callable]]:
-    root = tmp_path_factory.mktemp("posix")
-    kernel = Kernel({"namespace": NS, "promote": False,
-                     "tiers": [{"driver": "posix", "path": str(root)}]})
-    kernel.start()
-    driver = kernel._core.tiers[0].driver
-    while hasattr(driver, "inner"):
-        driver = driver.inner
-
-    def plant(key: bytes, block: bytes) -> None:
-        path = driver.block_path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        Path(path).write_bytes(block)
-
-    def present(key: bytes) -> bool:
-        return os.path.exists(driver.block_path(key))
-
-    plant.present = present
-    yield kernel, plant
-    kernel.close()
+def posix(tmp_path_factory) -> Iterator[tuple[Kernel, Plant]]:
+    with posix_kernel(str(tmp_path_factory.mktemp("posix")), NS) as tier:
+        yield tier
 
 
 @pytest.fixture(scope="module")
-def redis() -> Iterator[tuple[Kernel, callable]]:
-    server = HostileRedis()
-    kernel = Kernel({"namespace": NS, "promote": False,
-                     "tiers": [{"driver": "redis", **server.options()}]})
-    kernel.start()
-
-    def plant(key: bytes, block: bytes) -> None:
-        server.values[server.name_of(key, NS)] = block
-
-    plant.present = lambda key: server.name_of(key, NS) in server.values
-    yield kernel, plant
-    kernel.close()
-    server.close()
+def redis() -> Iterator[tuple[Kernel, Plant]]:
+    with redis_kernel(NS) as tier:
+        yield tier
 
 
 @pytest.fixture(params=["posix", "redis"])
-def tier(request) -> tuple[Kernel, callable]:
+def tier(request) -> tuple[Kernel, Plant]:
     return request.getfixturevalue(request.param)
 
 

@@ -13,19 +13,41 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 PAGE_SIZE = 16
 
 
+def rendezvous_port() -> int:
+    """A free port below the kernel's ephemeral range for torch.distributed's rendezvous.
+    SGLang's own choice is an ephemeral port that it binds a minute later, under load: by then
+    another test's server or an outgoing connection can hold it (EADDRINUSE at start)."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    low = int(ephemeral[0])
+    rng = random.Random()  # seeded by the OS: concurrent runners pick different ports
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range for the rendezvous")
+
+
 def engine_args(spec: dict) -> dict:
     args = dict(model_path=spec["model"], device="cpu", attention_backend="torch_native",
+                nccl_port=rendezvous_port(),
                 dtype=spec.get("dtype", "float32"),
                 disable_cuda_graph=True, max_total_tokens=spec.get("max_total_tokens", 8192),
                 max_running_requests=4, random_seed=0, page_size=PAGE_SIZE, log_level="warning",
