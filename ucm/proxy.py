@@ -1,14 +1,20 @@
 """`ucm proxy`: an OpenAI-compatible front for prefill/decode disaggregation through ucm.
 
     ucm proxy --prefill URL[,URL...] --decode URL[,URL...] [--host 127.0.0.1] [--port 8000]
-              [--route roundrobin] [--prefill-timeout 600]
+              [--route roundrobin|prefix] [--kv-events ENDPOINT[,ENDPOINT...]]
+              [--prefill-timeout 600]
 
 Each POST to /v1/completions or /v1/chat/completions goes first to a prefill instance (`ucm
 serve --kv-role producer`) with `max_tokens` 1 and streaming off: it computes the prompt's KV
 and stores its full blocks in ucm. The original request then goes to a decode instance (`ucm
 serve --kv-role consumer`), which loads those blocks from ucm (waiting up to its
 `consumer_wait` for blocks still being written) and generates; its answer is the client's,
-streamed chunk by chunk when the request streams. Instances are taken in turn (round robin).
+streamed chunk by chunk when the request streams. Instances are taken in turn (round robin);
+with `--route prefix` the proxy subscribes to each prefill instance's vLLM KV events (ZMQ,
+msgpack; ucm's connector publishes its stored blocks there), keeps an index of which instance
+holds which chain of token blocks in which media (`PrefixIndex`, keyed by token content), and
+sends the prefill to the instance whose fastest tier holds the longest prefix of the prompt,
+tokenized by an instance's /tokenize.
 
 Errors: a prefill or decode instance's error answer (a status of 400 or more) is passed to the
 client with its status and body. A prefill instance that cannot be reached, or has not answered
