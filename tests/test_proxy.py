@@ -184,6 +184,17 @@ def test_what_the_index_cannot_place_is_counted_not_guessed():
     assert index.score("a", PROMPT, "l1")[-1] == 1
 
 
+def test_the_index_forgets_the_oldest_blocks_beyond_its_bound():
+    pytest.importorskip("vllm")
+    index = PrefixIndex(["a"], max_blocks=2)
+    index.apply("a", _batch(_stored([1, 2], None, PROMPT[:8], "ucm:posix")))
+    index.apply("a", _batch(_stored([3], 2, PROMPT[8:12], "ucm:posix")))
+    assert index.statistics()["forgotten_blocks"] == 1 and index.statistics()["blocks"] == 2
+    assert index.score("a", PROMPT)[-1] == 0  # its first block is forgotten: no prefix
+    with pytest.raises(ValueError, match="max_blocks"):
+        PrefixIndex(["a"], max_blocks=0)
+
+
 def test_the_prompt_is_tokenized_as_the_instance_would():
     assert tokenize_body("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3,
                                              "add_special_tokens": False}) == {

@@ -97,6 +97,7 @@ MEDIA = (("GPU", None), ("CPU",), ("ucm:memory",), ("ucm:pmem",), ("ucm:mooncake
          ("ucm:redis",), ("ucm:posix",), ("ucm:nfs",), ("ucm:s3",))
 _RANKS = {m: r for r, names in enumerate(MEDIA) for m in names}
 _UNRANKED = len(MEDIA)
+MAX_INDEXED_BLOCKS = 1 << 20  # block hashes kept per instance (each about 200 bytes)
 
 
 def medium_rank(medium: str | None) -> int:
@@ -146,10 +147,15 @@ def chain_keys(tokens: Sequence[int], block_size: int, lora_name: str | None = N
 class PrefixIndex:
     """Which instance holds which chain of token blocks, in which media, as their KV events
     (vLLM's msgpack KVEventBatch) say. Keyed by token content; an instance's block hashes
-    only lead to its own keys (to place the blocks an event chains onto a parent)."""
+    only lead to its own keys (to place the blocks an event chains onto a parent). At most
+    `max_blocks` block hashes per instance are kept: beyond, the oldest stored are forgotten
+    (counted), as if removed."""
 
-    def __init__(self, instances: Sequence[str]) -> None:
+    def __init__(self, instances: Sequence[str], max_blocks: int = MAX_INDEXED_BLOCKS) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, not {max_blocks}")
         self.instances = list(instances)
+        self.max_blocks = max_blocks
         self._held: dict[bytes, dict[str, set[str | None]]] = {}  # key -> instance -> media
         self._keys: dict[str, dict[Any, bytes]] = {i: {} for i in instances}  # hash -> key
         self._block_size: dict[str, int] = {}
@@ -195,9 +201,14 @@ class PrefixIndex:
         self._block_size[instance] = size
         for i, block_hash in enumerate(hashes):
             key = _child(key, tokens[i * size:(i + 1) * size])
+            known.pop(block_hash, None)  # stored again: the newest
             known[block_hash] = key
             self._held.setdefault(key, {}).setdefault(instance, set()).add(event.get("medium"))
         self.counts["stored_blocks"] += len(hashes)
+        while len(known) > self.max_blocks:  # dicts keep insertion order: the oldest first
+            old_hash = next(iter(known))
+            self._forget(instance, known.pop(old_hash))
+            self.counts["forgotten_blocks"] += 1
 
     def _removed(self, instance: str, event: dict[str, Any]) -> None:
         known = self._keys[instance]
