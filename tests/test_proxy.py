@@ -206,6 +206,25 @@ def test_the_prompt_is_tokenized_as_the_instance_would():
         "model": "m", "messages": chat["messages"], "add_generation_prompt": False}
 
 
+def test_a_gap_in_the_sequence_is_counted_and_a_restarted_instance_forgotten():
+    pytest.importorskip("vllm")
+    proxy = Proxy(["http://a", "http://b"], ["http://d"], route="prefix",
+                  kv_events=["tcp://h:1", "tcp://h:2"])
+
+    def frames(seq: int, *events) -> list[bytes]:  # as vLLM's ZmqEventPublisher sends them
+        return [b"", seq.to_bytes(8, "big"), _batch(*events)]
+
+    proxy.received("http://a", frames(0, _stored([1], None, PROMPT[:4], "ucm:memory")))
+    proxy.received("http://a", frames(3, _stored([2], 1, PROMPT[4:8], "ucm:memory")))
+    assert proxy.counts["events_missed"] == 2
+    assert proxy.index.score("http://a", PROMPT)[-1] == 2
+    proxy.received("http://a", frames(0))  # its publisher starts again: a new process
+    assert proxy.counts["instance_restarts"] == 1
+    assert proxy.index.score("http://a", PROMPT)[-1] == 0
+    proxy.received("http://a", [b"only one frame"])
+    assert proxy.index.counts["undecodable_batches"] == 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -234,6 +234,13 @@ class PrefixIndex:
                 self._forget(instance, key)
                 del known[block_hash]
 
+    def forget(self, instance: str) -> None:
+        """Everything `instance` held."""
+        for key in self._keys[instance].values():
+            self._forget(instance, key)
+        self._keys[instance].clear()
+        self._block_size.pop(instance, None)
+
     def _forget(self, instance: str, key: bytes) -> None:
         holders = self._held.get(key, {})
         holders.pop(instance, None)
@@ -354,12 +361,29 @@ class Proxy:
                                        "decode_unavailable": 0, "upstream_errors": 0}
         if route == "prefix":
             self.counts.update(routed_by_prefix=0, routed_in_turn=0, tokenize_failed=0,
-                               events_missed=0)
+                               events_missed=0, instance_restarts=0)
+        self._last_seq: dict[str, int] = {}
+
+    def received(self, instance: str, frames: Sequence[bytes]) -> None:
+        """One message of `instance`'s publisher (vLLM's ZMQ publisher: topic, sequence
+        number, msgpack KVEventBatch) into the index. A gap in the sequence is counted (those
+        blocks are unknown until stored again); a sequence that starts again is a restarted
+        instance, whose blocks are forgotten (its memory tiers are empty now)."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.index.counts["undecodable_batches"] += 1
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        last = self._last_seq.get(instance)
+        if last is not None and seq <= last:
+            self.counts["instance_restarts"] += 1
+            self.index.forget(instance)
+        elif last is not None and seq > last + 1:
+            self.counts["events_missed"] += seq - last - 1
+        self._last_seq[instance] = seq
+        self.index.apply(instance, frames[2])
 
     async def subscribe(self, instance: str, endpoint: str) -> None:
-        """Feeds `instance`'s KV events (vLLM's ZMQ publisher: topic, sequence number,
-        msgpack KVEventBatch) into the index until cancelled; a gap in the sequence is
-        counted (those blocks are unknown until stored again)."""
+        """Feeds `instance`'s KV events into the index (`received`) until cancelled."""
         import zmq
         import zmq.asyncio
 
@@ -368,18 +392,9 @@ class Proxy:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
-        last: int | None = None
         try:
             while True:
-                frames = await sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self.index.counts["undecodable_batches"] += 1
-                    continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if last is not None and seq > last + 1:
-                    self.counts["events_missed"] += seq - last - 1
-                last = seq
-                self.index.apply(instance, frames[2])
+                self.received(instance, await sock.recv_multipart())
         finally:
             sock.close(linger=0)
 
