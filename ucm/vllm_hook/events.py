@@ -12,7 +12,8 @@ the engine's publisher, `kv_events_config`):
   (`update_connector_output`) it builds `BlockStored` once every rank has stored its shard,
   one per tier the store reached (`medium` "ucm:<tier name>", fastest first), and
   `BlockRemoved` for a published block a load found gone, or a lookup found only in a slower
-  tier (evicted from the faster ones) or nowhere. vLLM takes them with `take_events` and
+  tier (evicted from the faster ones) or nowhere (one TP rank, whole blocks: the lookup's keys
+  are the blocks'). vLLM takes them with `take_events` and
   publishes them after the step.
 
 It cannot see blocks removed where it does not look: evictions by the kernel's policy are
