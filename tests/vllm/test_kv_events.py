@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from ucm.config import load_config  # noqa: E402
 from ucm.vllm_hook.events import (  # noqa: E402
-    EventPublisher,
+    SchedulerEvents,
     UCMGone,
     UCMKVEvents,
     UCMStoreDone,
@@ -59,7 +59,7 @@ def _notes(*notes, workers: int = 1) -> UCMKVEvents:
 
 
 def test_stored_blocks_are_published_once_every_rank_stored_them():
-    publisher = EventPublisher(load_config(TIERS), BS, ranks=2)
+    publisher = SchedulerEvents(load_config(TIERS), BS, ranks=2)
     tokens = list(range(20))  # 5 blocks
     digests = [b"d%d" % i for i in range(5)]
     publisher.planned(_request(tokens), 0, digests[:3])
@@ -86,7 +86,7 @@ def test_stored_blocks_are_published_once_every_rank_stored_them():
 
 
 def test_blocks_found_gone_are_published_as_removed_from_the_tiers_that_lost_them():
-    publisher = EventPublisher(load_config(TIERS), BS, ranks=1)
+    publisher = SchedulerEvents(load_config(TIERS), BS, ranks=1)
     tokens = list(range(12))
     digests = [b"d0", b"d1", b"d2"]
     publisher.planned(_request(tokens), 0, digests)

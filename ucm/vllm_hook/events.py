@@ -7,7 +7,7 @@ the engine's publisher, `kv_events_config`):
   blocks whose store completed (never a failed or dropped one); a load that finds a block
   missing or corrupt notes it as gone. vLLM takes them after each step
   (`get_kv_connector_kv_cache_events`) as `UCMKVEvents`, and sums the workers' (TP ranks).
-- scheduler process (`EventPublisher`): it knows, for each block it asked the workers to save,
+- scheduler process (`SchedulerEvents`): it knows, for each block it asked the workers to save,
   vLLM's block hash, its parent's and its token ids. From the workers' notes
   (`update_connector_output`) it builds `BlockStored` once every rank has stored its shard,
   one per tier the store reached (`medium` "ucm:<tier name>", fastest first), and
@@ -94,7 +94,7 @@ class UCMKVEvents(KVConnectorKVEvents):
         self._events.extend(events)
 
     def aggregate(self) -> UCMKVEvents:
-        return self  # ranks are counted per block by the scheduler (EventPublisher)
+        return self  # ranks are counted per block by the scheduler (SchedulerEvents)
 
     def increment_workers(self, count: int = 1) -> None:
         self._workers += count
@@ -154,7 +154,7 @@ class _Block:
     media: list[str] = field(default_factory=list)  # where it was published
 
 
-class EventPublisher:
+class SchedulerEvents:
     """The scheduler side: vLLM's events from the workers' notes and its own lookups."""
 
     def __init__(self, config: UCMConfig, block_size: int, ranks: int) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from ucm.engine.pages import PageIO, PendingPages
 from ucm.errors import UCMError
 from ucm.kernel import LookupResult
-from ucm.vllm_hook.events import EventPublisher
+from ucm.vllm_hook.events import SchedulerEvents
 from ucm.vllm_hook.keys import RequestChain, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
@@ -76,7 +76,7 @@ class SchedulerSide:
         self._own_kernel = False
         self._kernel_wait_since: float | None = None
         # vLLM's KV events of ucm's blocks, when the engine publishes events
-        self.events = EventPublisher(settings.ucm_config, self.block_size,
+        self.events = SchedulerEvents(settings.ucm_config, self.block_size,
                                      settings.tp_size) if events else None
 
     # -- the kernel ------------------------------------------------------------------------------
