@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the ucm connector: "
                    "`ucm serve MODEL [vLLM options]`", add_help=False)
     sub.add_parser("proxy", help="OpenAI-compatible front over prefill and decode instances: "
-                   "`ucm proxy --prefill URL[,URL...] --decode URL[,URL...]`", add_help=False)
+                   "`ucm proxy --prefill URL[,URL...] --decode URL[,URL...] "
+                   "[--route roundrobin|prefix]`", add_help=False)
     sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|serve|"

@@ -1,14 +1,20 @@
 """`ucm proxy`: an OpenAI-compatible front for prefill/decode disaggregation through ucm.
 
     ucm proxy --prefill URL[,URL...] --decode URL[,URL...] [--host 127.0.0.1] [--port 8000]
-              [--route roundrobin] [--prefill-timeout 600]
+              [--route roundrobin|prefix] [--kv-events ENDPOINT[,ENDPOINT...]]
+              [--prefill-timeout 600]
 
 Each POST to /v1/completions or /v1/chat/completions goes first to a prefill instance (`ucm
 serve --kv-role producer`) with `max_tokens` 1 and streaming off: it computes the prompt's KV
 and stores its full blocks in ucm. The original request then goes to a decode instance (`ucm
 serve --kv-role consumer`), which loads those blocks from ucm (waiting up to its
 `consumer_wait` for blocks still being written) and generates; its answer is the client's,
-streamed chunk by chunk when the request streams. Instances are taken in turn (round robin).
+streamed chunk by chunk when the request streams. Instances are taken in turn (round robin);
+with `--route prefix` the proxy subscribes to each prefill instance's vLLM KV events (ZMQ,
+msgpack; ucm's connector publishes its stored blocks there), keeps an index of which instance
+holds which chain of token blocks in which media (`PrefixIndex`, keyed by token content), and
+sends the prefill to the instance whose fastest tier holds the longest prefix of the prompt,
+tokenized by an instance's /tokenize.
 
 Errors: a prefill or decode instance's error answer (a status of 400 or more) is passed to the
 client with its status and body. A prefill instance that cannot be reached, or has not answered
@@ -28,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
+import struct
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -47,7 +56,7 @@ log = logging.getLogger("ucm.proxy")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-ROUTES = ("roundrobin",)
+ROUTES = ("roundrobin", "prefix")
 CONNECT_TIMEOUT = 5.0  # seconds to reach an instance before trying the next one
 READ_TIMEOUT = 600.0  # seconds an instance may take between two bytes of its answer
 PREFILL_TIMEOUT = 600.0  # seconds a prefill answer may take in all, by default
@@ -80,6 +89,225 @@ class RoundRobin:
         return self.urls[start:] + self.urls[:start]
 
 
+# -- prefix routing: which instance holds which token-block chain, from its KV events ----------
+# Media by speed, fastest first: the engine's own prefix cache (vLLM's "GPU", also on CPU builds;
+# None), vLLM's CPU offload, then ucm's tiers by driver (ucm.vllm_hook.events names them
+# "ucm:<tier name>"). A medium not listed ranks after them all.
+MEDIA = (("GPU", None), ("CPU",), ("ucm:memory",), ("ucm:pmem",), ("ucm:mooncake",),
+         ("ucm:redis",), ("ucm:posix",), ("ucm:nfs",), ("ucm:s3",))
+_RANKS = {m: r for r, names in enumerate(MEDIA) for m in names}
+_UNRANKED = len(MEDIA)
+MAX_INDEXED_BLOCKS = 1 << 20  # block hashes kept per instance (each about 200 bytes)
+
+
+def medium_rank(medium: str | None) -> int:
+    """A medium's place in MEDIA (0: fastest); one past the end for a medium not listed."""
+    return _RANKS.get(medium, _UNRANKED)
+
+
+def parse_endpoints(value: str, option: str) -> list[str]:
+    """The comma-separated ZMQ endpoints of `option` (tcp://HOST:PORT or ipc://PATH)."""
+    endpoints = [e.strip() for e in value.split(",") if e.strip()]
+    if not endpoints:
+        raise ValueError(f"{option} needs at least one endpoint")
+    for endpoint in endpoints:
+        parts = urlsplit(endpoint)
+        if parts.scheme == "ipc" and (parts.netloc or parts.path):
+            continue
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "tcp" or not parts.hostname or parts.hostname == "*" or not port:
+            raise ValueError(f"{option}: {endpoint!r} is not a tcp://HOST:PORT (or ipc://PATH) "
+                             "endpoint to connect to")
+    return endpoints
+
+
+def _root(lora_name: str | None) -> bytes:
+    return hashlib.blake2b(b"ucm-proxy\0" + (lora_name or "").encode(), digest_size=16).digest()
+
+
+def _child(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens),
+                           digest_size=16).digest()
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, lora_name: str | None = None,
+               ) -> list[bytes]:
+    """The keys of `tokens`' full blocks: each names the block's tokens and all before them
+    (by content, so no engine's hash seed matters)."""
+    keys, key = [], _root(lora_name)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        key = _child(key, tokens[start:start + block_size])
+        keys.append(key)
+    return keys
+
+
+class PrefixIndex:
+    """Which instance holds which chain of token blocks, in which media, as their KV events
+    (vLLM's msgpack KVEventBatch) say. Keyed by token content; an instance's block hashes
+    only lead to its own keys (to place the blocks an event chains onto a parent). At most
+    `max_blocks` block hashes per instance are kept: beyond, the oldest stored are forgotten
+    (counted), as if removed."""
+
+    def __init__(self, instances: Sequence[str], max_blocks: int = MAX_INDEXED_BLOCKS) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1, not {max_blocks}")
+        self.instances = list(instances)
+        self.max_blocks = max_blocks
+        self._held: dict[bytes, dict[str, set[str | None]]] = {}  # key -> instance -> media
+        self._keys: dict[str, dict[Any, bytes]] = {i: {} for i in instances}  # hash -> key
+        self._block_size: dict[str, int] = {}
+        self.counts: Counter[str] = Counter()
+
+    def apply(self, instance: str, payload: bytes) -> None:
+        """One published batch of `instance`'s events; a batch that is not one is counted
+        (an unhashable block hash is one)."""
+        import msgspec
+
+        try:
+            batch = msgspec.msgpack.decode(payload)
+            events = batch[1]
+            assert isinstance(events, list)
+        except (msgspec.DecodeError, TypeError, IndexError, KeyError, AssertionError):
+            self.counts["undecodable_batches"] += 1
+            return
+        self.counts["batches"] += 1
+        for event in events:
+            kind = event.get("type") if isinstance(event, dict) else None
+            try:
+                if kind == "BlockStored":
+                    self._stored(instance, event)
+                elif kind == "BlockRemoved":
+                    self._removed(instance, event)
+                elif kind == "AllBlocksCleared":
+                    self._cleared(instance)
+                else:
+                    self.counts["unknown_events"] += 1
+            except (TypeError, ValueError, KeyError, struct.error):
+                self.counts["undecodable_events"] += 1
+
+    def _stored(self, instance: str, event: dict[str, Any]) -> None:
+        hashes, tokens = event["block_hashes"], event["token_ids"]
+        size, parent = int(event["block_size"]), event["parent_block_hash"]
+        if size <= 0 or len(tokens) != size * len(hashes):
+            raise ValueError("token_ids do not fill the blocks")
+        known = self._keys[instance]
+        key = _root(event.get("lora_name")) if parent is None else known.get(parent)
+        if key is None:  # its parent's event was missed (or published before we subscribed)
+            self.counts["orphan_blocks"] += len(hashes)
+            return
+        self._block_size[instance] = size
+        for i, block_hash in enumerate(hashes):
+            key = _child(key, tokens[i * size:(i + 1) * size])
+            known.pop(block_hash, None)  # stored again: the newest
+            known[block_hash] = key
+            self._held.setdefault(key, {}).setdefault(instance, set()).add(event.get("medium"))
+        self.counts["stored_blocks"] += len(hashes)
+        while len(known) > self.max_blocks:  # dicts keep insertion order: the oldest first
+            old_hash = next(iter(known))
+            self._forget(instance, known.pop(old_hash))
+            self.counts["forgotten_blocks"] += 1
+
+    def _removed(self, instance: str, event: dict[str, Any]) -> None:
+        known = self._keys[instance]
+        for block_hash in event["block_hashes"]:
+            key = known.get(block_hash)
+            media = self._held.get(key, {}).get(instance) if key is not None else None
+            if key is None or media is None:
+                continue
+            media.discard(event.get("medium"))
+            self.counts["removed_blocks"] += 1
+            if not media:
+                self._forget(instance, key)
+                del known[block_hash]
+
+    def _cleared(self, instance: str) -> None:
+        """vLLM cleared its own prefix cache: ucm's tiers keep theirs."""
+        self.counts["cleared"] += 1
+        known = self._keys[instance]
+        for block_hash, key in list(known.items()):
+            media = self._held.get(key, {}).get(instance, set())
+            media.difference_update({m for m in media if not (m or "").startswith("ucm:")})
+            if not media:
+                self._forget(instance, key)
+                del known[block_hash]
+
+    def forget(self, instance: str) -> None:
+        """Everything `instance` held."""
+        for key in self._keys[instance].values():
+            self._forget(instance, key)
+        self._keys[instance].clear()
+        self._block_size.pop(instance, None)
+
+    def _forget(self, instance: str, key: bytes) -> None:
+        holders = self._held.get(key, {})
+        holders.pop(instance, None)
+        if not holders:
+            self._held.pop(key, None)
+
+    def score(self, instance: str, tokens: Sequence[int], lora_name: str | None = None,
+              ) -> tuple[int, ...]:
+        """For each medium rank, fastest first, the leading blocks of `tokens` the instance
+        holds in media that fast or faster; the last entry: in any medium."""
+        size = self._block_size.get(instance)
+        out = [0] * (_UNRANKED + 1)
+        if size is None:
+            return tuple(out)
+        open_ranks = set(range(_UNRANKED + 1))
+        for key in chain_keys(tokens, size, lora_name):
+            media = self._held.get(key, {}).get(instance)
+            best = min((medium_rank(m) for m in media), default=None) if media else None
+            if best is None:
+                break
+            for r in list(open_ranks):
+                if r >= best:
+                    out[r] += 1
+                else:
+                    open_ranks.discard(r)  # a prefix held this fast has ended
+            if not open_ranks:
+                break
+        return tuple(out)
+
+    def order(self, tokens: Sequence[int] | None, turn: Sequence[str],
+              lora_name: str | None = None) -> list[str]:
+        """`turn` (the round-robin order) with the instances whose fastest media hold the
+        longest prefix of `tokens` first; equal ones keep their turn."""
+        if tokens is None:
+            return list(turn)
+        scores = {i: self.score(i, tokens, lora_name) for i in turn}
+        return sorted(turn, key=lambda i: tuple(-s for s in scores[i]))
+
+    def statistics(self) -> dict[str, Any]:
+        return {"blocks": len(self._held), **self.counts}
+
+
+
+def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The /tokenize request that gives a generation request's prompt tokens as the instance
+    computes them (its chat template applied); None when the prompt is not one text."""
+    if path.endswith("/chat/completions"):
+        if not isinstance(body.get("messages"), list):
+            return None
+        keep: tuple[str, ...] = (
+            "model", "messages", "add_generation_prompt", "continue_final_message",
+            "chat_template", "chat_template_kwargs", "tools", "add_special_tokens")
+        return {k: body[k] for k in keep if k in body}
+    if not isinstance(body.get("prompt"), str):
+        return None
+    keep = ("model", "prompt", "add_special_tokens")
+    return {k: body[k] for k in keep if k in body}
+
+
+def prompt_tokens(body: dict[str, Any]) -> list[int] | None:
+    """A completion request's prompt when it is given as token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return list(prompt)
+    return None
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request a prefill instance gets: one token, not streamed, one choice."""
     out = dict(body, max_tokens=1, stream=False, n=1)
@@ -108,17 +336,104 @@ def _passed(response: httpx.Response, headers: dict[str, str]) -> Response:
 
 class Proxy:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str],
-                 route: str = "roundrobin", prefill_timeout: float = PREFILL_TIMEOUT) -> None:
+                 route: str = "roundrobin", prefill_timeout: float = PREFILL_TIMEOUT,
+                 kv_events: Sequence[str] = ()) -> None:
+        """`kv_events`: with route "prefix", each prefill instance's KV-events endpoint, in
+        the order of `prefill`."""
         if route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, not {route!r}")
         if not prefill_timeout > 0:
             raise ValueError(f"prefill_timeout must be more than 0 s, not {prefill_timeout}")
+        if route == "prefix" and len(kv_events) != len(prefill):
+            raise ValueError(f"route prefix needs one KV-events endpoint per prefill instance, "
+                             f"in their order: {len(prefill)} instances, "
+                             f"{len(kv_events)} endpoints")
+        if route != "prefix" and kv_events:
+            raise ValueError("KV-events endpoints are for route prefix only")
+        self.route = route
         self.prefill_timeout = prefill_timeout
         self.prefill, self.decode = RoundRobin(prefill), RoundRobin(decode)
+        self.kv_events = dict(zip(prefill, kv_events, strict=True)) if kv_events else {}
+        self.index = PrefixIndex(prefill)
         self.client: httpx.AsyncClient | None = None
         self.counts: dict[str, int] = {"requests": 0, "prefill_unavailable": 0,
                                        "prefill_timeouts": 0,
                                        "decode_unavailable": 0, "upstream_errors": 0}
+        if route == "prefix":
+            self.counts.update(routed_by_prefix=0, routed_in_turn=0, tokenize_failed=0,
+                               events_missed=0, instance_restarts=0)
+        self._last_seq: dict[str, int] = {}
+
+    def received(self, instance: str, frames: Sequence[bytes]) -> None:
+        """One message of `instance`'s publisher (vLLM's ZMQ publisher: topic, sequence
+        number, msgpack KVEventBatch) into the index. A gap in the sequence is counted (those
+        blocks are unknown until stored again); a sequence that starts again is a restarted
+        instance, whose blocks are forgotten (its memory tiers are empty now)."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.index.counts["undecodable_batches"] += 1
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        last = self._last_seq.get(instance)
+        if last is not None and seq <= last:
+            self.counts["instance_restarts"] += 1
+            self.index.forget(instance)
+        elif last is not None and seq > last + 1:
+            self.counts["events_missed"] += seq - last - 1
+        self._last_seq[instance] = seq
+        self.index.apply(instance, frames[2])
+
+    async def subscribe(self, instance: str, endpoint: str) -> None:
+        """Feeds `instance`'s KV events into the index (`received`) until cancelled."""
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        try:
+            while True:
+                self.received(instance, await sock.recv_multipart())
+        finally:
+            sock.close(linger=0)
+
+    async def _routed(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                      ) -> list[str]:
+        """The prefill instances to try, in order: by route prefix, the one whose fastest
+        tier holds the longest prefix of the prompt first (equal ones in turn)."""
+        turn = self.prefill.order()
+        if self.route != "prefix":
+            return turn
+        tokens = prompt_tokens(body) if not path.endswith("/chat/completions") else None
+        request = tokenize_body(path, body) if tokens is None else None
+        if request is not None:
+            tokens = await self._tokenize(turn, request, headers)
+        order = self.index.order(tokens, turn)
+        routed = tokens is not None and self.index.score(order[0], tokens) > \
+            self.index.score(turn[0], tokens)
+        self.counts["routed_by_prefix" if routed else "routed_in_turn"] += 1
+        return order
+
+    async def _tokenize(self, instances: list[str], request: dict[str, Any],
+                        headers: dict[str, str]) -> list[int] | None:
+        """The prompt's token ids from an instance's /tokenize; None when none answers."""
+        import httpx
+
+        assert self.client is not None
+        for url in instances:
+            try:
+                answer = await self.client.post(url + "/tokenize", json=request,
+                                                headers=headers, timeout=CONNECT_TIMEOUT)
+            except httpx.TransportError:
+                continue
+            if answer.status_code == 200:
+                tokens = answer.json().get("tokens")
+                if isinstance(tokens, list):
+                    return [int(t) for t in tokens]
+            break  # refused (a bad request): the prefill instance will say so
+        self.counts["tokenize_failed"] += 1
+        return None
 
     @asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
@@ -128,8 +443,17 @@ class Proxy:
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=64)) as client:
             self.client = client
-            yield
-            self.client = None
+            tasks = [asyncio.ensure_future(self.subscribe(i, e))
+                     for i, e in self.kv_events.items()]
+            for task in tasks:
+                task.add_done_callback(_log_failure)
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                self.client = None
 
     def app(self) -> Starlette:
         from starlette.applications import Starlette
@@ -145,8 +469,11 @@ class Proxy:
     async def health(self, request: Request) -> Response:
         from starlette.responses import JSONResponse
 
+        extra: dict[str, Any] = {"route": self.route}
+        if self.route == "prefix":
+            extra["index"] = self.index.statistics()
         return JSONResponse({"prefill": self.prefill.urls, "decode": self.decode.urls,
-                             **self.counts})
+                             **self.counts, **extra})
 
     async def models(self, request: Request) -> Response:
         import httpx
@@ -173,7 +500,7 @@ class Proxy:
             return _error(400, "ucm proxy: the request body must be a JSON object")
         path, headers = request.url.path, _headers(request)
         prefilled = "unavailable"
-        for url in self.prefill.order():
+        for url in await self._routed(path, body, headers):
             try:
                 answer = await asyncio.wait_for(self.client.post(
                     url + path, json=prefill_body(body), headers=headers),
@@ -231,6 +558,11 @@ class Proxy:
                            f"({', '.join(self.decode.urls)})")
 
 
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("ucm proxy: KV-events subscription failed: %r", task.exception())
+
+
 def _headers(request: Request) -> dict[str, str]:
     return {k: request.headers[k] for k in _FORWARDED if k in request.headers}
 
@@ -250,6 +582,10 @@ def main(argv: Sequence[str]) -> int:
                         help="port to listen on (default: %(default)s)")
     parser.add_argument("--route", choices=ROUTES, default="roundrobin",
                         help="how instances are picked (default: %(default)s)")
+    parser.add_argument("--kv-events", metavar="ENDPOINT[,ENDPOINT...]",
+                        help="with --route prefix: each prefill instance's KV-events endpoint "
+                        "(vLLM's kv_events_config publisher, e.g. tcp://HOST:5557), in the "
+                        "order of --prefill")
     parser.add_argument("--prefill-timeout", type=float, default=PREFILL_TIMEOUT,
                         metavar="SECONDS", help="a prefill instance that has not answered in "
                         "this long is skipped (default: %(default)s)")
@@ -257,22 +593,33 @@ def main(argv: Sequence[str]) -> int:
     try:
         prefill = parse_urls(args.prefill, "--prefill")
         decode = parse_urls(args.decode, "--decode")
+        kv_events = parse_endpoints(args.kv_events, "--kv-events") if args.kv_events else []
     except ValueError as exc:
         parser.error(str(exc))
+    if args.route == "prefix" and len(kv_events) != len(prefill):
+        parser.error(f"--route prefix needs --kv-events with one endpoint per --prefill "
+                     f"instance, in the same order ({len(prefill)} instances, "
+                     f"{len(kv_events)} endpoints)")
+    if args.route != "prefix" and kv_events:
+        parser.error("--kv-events is for --route prefix only")
     try:
         import httpx  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn
+        if kv_events:
+            import msgspec  # noqa: F401
+            import zmq  # noqa: F401
     except ImportError as exc:
-        raise SystemExit(f"ucm proxy needs httpx, starlette and uvicorn ({exc}): "
+        raise SystemExit(f"ucm proxy needs httpx, starlette, uvicorn (and, for --route "
+                         f"prefix, pyzmq and msgspec) ({exc}): "
                          "pip install 'ucm[proxy]' (vLLM's server brings them too)") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
     print(f"ucm proxy on http://{args.host}:{args.port}: prefill {', '.join(prefill)}; "
-          f"decode {', '.join(decode)}", flush=True)
+          f"decode {', '.join(decode)}; route {args.route}", flush=True)
     if not args.prefill_timeout > 0:
         parser.error("--prefill-timeout must be more than 0")
-    proxy = Proxy(prefill, decode, args.route, args.prefill_timeout)
+    proxy = Proxy(prefill, decode, args.route, args.prefill_timeout, kv_events)
     uvicorn.run(proxy.app(), host=args.host, port=args.port, log_level="warning")
     return 0
 

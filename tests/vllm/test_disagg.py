@@ -6,11 +6,15 @@ prompt: ucm hit against ucm hit, since a cold prefill takes another numeric path
 nothing; a prompt no producer stored is recomputed after a bounded wait, counted. `ucm proxy`
 in front of the pair answers as the consumer does, passes errors through, and falls back to the
 consumer alone when the prefill instance is down, hung (stopped with SIGSTOP, then resumed) or
-killed (the last test, which kills the producer). Two engine starts for the whole module."""
+killed (the last test, which kills the producer). Both servers publish vLLM's KV events
+(`kv_events_config`, ZMQ): a subscriber sees ucm's BlockStored events for a prompt's full blocks,
+with vLLM's block hashes, and `ucm proxy --route prefix` sends a prompt to the prefill instance
+that stored it. Two engine starts for the whole module."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -33,6 +37,7 @@ from serving_support import (
     free_port,
     metric_sum,
     stream,
+    token_ids,
     wait_stored,
     words,
 )
@@ -42,15 +47,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def pair(tiny_model, tmp_path_factory):
-    """(producer, consumer, store): two servers on one posix store, started together."""
+    """(producer, consumer, store): two servers on one posix store, started together, each
+    publishing its KV events on a ZMQ endpoint of its own (`server.events`)."""
     root = tmp_path_factory.mktemp("disagg")
     store = root / "store"
     config = {"tiers": [{"driver": "posix", "path": str(store)}]}
     servers = []
     for role in ("producer", "consumer"):
         (root / role).mkdir()
-        servers.append(Server(tiny_model, root / role, config, name=role,
-                              extra=["--kv-role", role]))
+        port = free_port()
+        events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                             "endpoint": f"tcp://*:{port}"})  # binds; subscribers connect
+        server = Server(tiny_model, root / role, config, name=role,
+                        extra=["--kv-role", role, "--kv-events-config", events])
+        server.events = f"tcp://127.0.0.1:{port}"
+        servers.append(server)
     with contextlib.ExitStack() as stack:
         for server in servers:
             stack.callback(server.stop)
@@ -310,6 +321,101 @@ def test_a_hung_prefill_instance_is_given_up_after_the_prefill_timeout(pair, tmp
     assert metric_sum(after, waits, outcome="expired") - expired == 1
 
 
+def tokenize(server: Server, text: str) -> list[int]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}/tokenize", headers={"Content-Type": "application/json"},
+        data=json.dumps({"model": server.model, "prompt": text}).encode())
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.loads(resp.read())["tokens"]
+
+
+def test_the_producer_publishes_the_blocks_ucm_stored_as_kv_events(pair):
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    producer, _consumer, _store = pair
+    doc = words(250, 70)
+    tokens = tokenize(producer, doc)
+    full = (len(tokens) - 1) // BLOCK
+    assert full >= 6
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(producer.events)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    stored: list[BlockStored] = []
+    try:
+        time.sleep(0.5)  # a SUB socket misses what is published before it has joined
+        out = stream(producer.client, producer.model, "completion", doc)
+        # the prompt's and the generated tokens' full blocks (the last token's KV is not
+        # computed): save_generated stores both
+        seq = tokens + token_ids(out)
+        n = (len(seq) - 1) // BLOCK
+        # vLLM's own block hashes (sha256, its fixed seed; published as 64-bit ints by default),
+        # each chained onto the one before
+        hash_fn = get_hash_fn_by_name("sha256")
+        kv_cache_utils.init_none_hash(hash_fn)
+        parent, expected = kv_cache_utils.NONE_HASH, []
+        for i in range(n):
+            block = seq[i * BLOCK:(i + 1) * BLOCK]
+            parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, block)
+            expected.append(kv_cache_utils.maybe_convert_block_hash(parent))  # as vLLM publishes
+        for _ in range(40):  # events ride on later steps: a short request between reads
+            while sub.poll(250):
+                _topic, _seq, payload = sub.recv_multipart()
+                stored += [e for e in decoder.decode(payload).events
+                           if isinstance(e, BlockStored) and e.medium == "ucm:posix"]
+            if sum(len(e.block_hashes) for e in stored if e.block_hashes[0] in expected) >= n:
+                break
+            stream(producer.client, producer.model, "completion", words(12, 71))
+    finally:
+        sub.close()
+    stored = [e for e in stored if e.block_hashes[0] in expected]  # not the short requests'
+    assert n >= full and [h for e in stored for h in e.block_hashes] == expected
+    assert [t for e in stored for t in e.token_ids] == seq[:n * BLOCK]
+    assert all(e.block_size == BLOCK for e in stored)
+    assert stored[0].parent_block_hash is None
+    for before, event in itertools.pairwise(stored):
+        assert event.parent_block_hash == before.block_hashes[-1]
+
+
+def test_route_prefix_sends_a_prompt_to_the_prefill_instance_that_stored_it(
+        pair, tmp_path_factory):
+    producer, consumer, _store = pair
+    root = tmp_path_factory.mktemp("proxy-prefix")
+    urls = [f"http://127.0.0.1:{s.port}" for s in (consumer, producer)]
+    front = Proxy(root, "proxy-prefix", ",".join(urls), urls[0],
+                  extra=("--route", "prefix", "--kv-events",
+                         f"{consumer.events},{producer.events}"))
+    try:
+        time.sleep(0.5)  # its subscriptions join before the producer publishes
+        doc = words(250, 72)
+        full = (len(tokenize(producer, doc)) - 1) // BLOCK
+        stream(producer.client, producer.model, "completion", doc)  # stored by the producer
+        for _ in range(40):
+            with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
+                health = json.loads(resp.read())
+            if health["index"].get("stored_blocks", 0) >= full:
+                break
+            stream(producer.client, producer.model, "completion", words(12, 73))
+        assert health["index"]["stored_blocks"] >= full
+        chosen = []
+        for _ in range(3):  # in turn, two of three would start at the consumer
+            status, headers, _answer = front.post("/v1/completions", {
+                "model": consumer.model, "prompt": doc, "max_tokens": 2, "temperature": 0})
+            assert status == 200
+            chosen.append({k.lower(): v for k, v in headers.items()}["x-ucm-prefill"])
+        assert chosen == [urls[1]] * 3
+        with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
+            health = json.loads(resp.read())
+        assert health["routed_by_prefix"] >= 1 and health["tokenize_failed"] == 0
+    finally:
+        front.stop()
+
+
 def test_a_killed_prefill_instance_leaves_the_decode_instance_to_recompute(pair, proxies):
     """Kills the module's producer: defined last, so it runs last in the module."""
     producer, consumer, store = pair
@@ -340,3 +446,4 @@ def test_a_killed_prefill_instance_leaves_the_decode_instance_to_recompute(pair,
     assert metric_sum(after, waits, outcome="expired") - expired == 2
     assert metric_sum(after, missing) - metric_sum(before, missing) == 2 * full
     assert len(block_files(store)) == files
+

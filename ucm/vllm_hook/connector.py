@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -16,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm.codecs.vllm import attention_isa
+from ucm.vllm_hook.events import UCMKVEvents, WorkerEvents
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
 from ucm.vllm_hook.sparse import SparseAttention
@@ -23,6 +26,7 @@ from ucm.vllm_hook.stats import SideStats, UCMConnectorStats, UCMPromMetrics
 
 if TYPE_CHECKING:
     import torch
+    from vllm.v1.outputs import KVConnectorOutput
 
     from ucm.vllm_hook.scheduler import SchedulerSide
     from ucm.vllm_hook.worker import WorkerSide
@@ -70,12 +74,14 @@ class UCMConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         self.sparse: SparseAttention | None = None
         self._stats = SideStats()  # fed by this side's kernel; vLLM's /metrics shows them
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        publishes = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         sinks = (self._stats.sink,)
         if role == KVConnectorRole.SCHEDULER:
             from ucm.vllm_hook.scheduler import SchedulerSide
 
-            self.scheduler = SchedulerSide(self.settings,
-                                           layers=kv_layer_count(kv_cache_config), sinks=sinks)
+            self.scheduler = SchedulerSide(self.settings, layers=kv_layer_count(kv_cache_config),
+                                           sinks=sinks, events=publishes)
             # A block that does not load is a miss: vLLM recomputes it (unless the user asked
             # for "fail"). The scheduler reads this right after building its connector.
             kvt = vllm_config.kv_transfer_config
@@ -84,7 +90,8 @@ class UCMConnector(KVConnectorBase_V1):
         else:
             from ucm.vllm_hook.worker import WorkerSide
 
-            self.worker = WorkerSide(self.settings, sinks)
+            self.worker = WorkerSide(self.settings, sinks,
+                                     WorkerEvents() if publishes else None)
             self._num_blocks = getattr(kv_cache_config, "num_blocks", None)
             self._layers = kv_layer_count(kv_cache_config)
             if self.settings.sparse is not None:  # wraps vLLM's CPU attention (.sparse)
@@ -169,6 +176,21 @@ class UCMConnector(KVConnectorBase_V1):
             stats = self._stats.take(scheduler_stats=self.scheduler.stats)
             return None if stats.is_empty() else stats
         return None
+
+    # -- vLLM's KV events: ucm's stored and removed blocks (ucm.vllm_hook.events) ---------------
+    def get_kv_connector_kv_cache_events(self) -> UCMKVEvents | None:
+        if self.worker is None or self.worker.events is None:
+            return None
+        return self.worker.events.take()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None and self.scheduler.events is not None:
+            self.scheduler.events.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self.scheduler is None or self.scheduler.events is None:
+            return ()
+        return self.scheduler.events.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,

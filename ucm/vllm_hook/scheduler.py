@@ -21,6 +21,8 @@ from typing import Any
 
 from ucm.engine.pages import PageIO, PendingPages
 from ucm.errors import UCMError
+from ucm.kernel import LookupResult
+from ucm.vllm_hook.events import SchedulerEvents
 from ucm.vllm_hook.keys import RequestChain, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.settings import (
@@ -52,11 +54,12 @@ class _RequestState:
 
 class SchedulerSide:
     def __init__(self, settings: HookSettings, *, layers: int | None = None,
-                 sinks: tuple[Any, ...] = ()) -> None:
+                 sinks: tuple[Any, ...] = (), events: bool = False) -> None:
         """`layers`: the KV cache layers of the model (vLLM's KVCacheConfig). The layerwise
         mode stores each layer of a block on its own, so a block is a hit only when every
         layer is stored; without the count only the first layer is looked up. `sinks`: tracer
-        sinks of a lookup kernel of its own (the connector's stats)."""
+        sinks of a lookup kernel of its own (the connector's stats). `events`: whether the
+        engine publishes KV events (ucm's stored and removed blocks: `self.events`)."""
         self.settings = settings
         self._sinks = sinks
         self.block_size = settings.block_size
@@ -72,6 +75,9 @@ class SchedulerSide:
         self._shared: SharedKernel | None = None  # the worker's kernel, in one-process mode
         self._own_kernel = False
         self._kernel_wait_since: float | None = None
+        # vLLM's KV events of ucm's blocks, when the engine publishes events
+        self.events = SchedulerEvents(settings.ucm_config, self.block_size,
+                                     settings.tp_size) if events else None
 
     # -- the kernel ------------------------------------------------------------------------------
     @property
@@ -191,6 +197,10 @@ class SchedulerSide:
         if lookup.error is not None:
             return self._lookup_failed(st)
         st.lookup = None
+        found = lookup.value  # a LookupResult: the tier of each hit
+        if (self.events is not None and isinstance(found, LookupResult)
+                and self.settings.tp_size == 1 and not self.settings.layerwise):
+            self.events.looked_up(st.chain.digests[:n_full], found.tiers, _leading(found.hits))
         # With TP, a block is a hit only when every rank's shard is stored; layerwise, only
         # when every layer is.
         hits, n = lookup.hits, n_full * self.layers
@@ -305,6 +315,8 @@ class SchedulerSide:
         digests = st.chain.upto(tokens, n_full)
         start, st.saved_blocks = st.saved_blocks, n_full
         self.stats["save_blocks"] += n_full - start
+        if self.events is not None:
+            self.events.planned(request, start, digests[start:])
         return BlockTransfer(request.request_id, st.block_ids[start:n_full], digests[start:])
 
     def request_finished(self, request: Any, block_ids: list[int],

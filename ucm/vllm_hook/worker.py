@@ -39,6 +39,7 @@ from ucm.codecs.vllm import cache_layouts
 from ucm.drivers import LoadState
 from ucm.engine.pages import PageIO, PendingPages
 from ucm.errors import UCMError
+from ucm.vllm_hook.events import WorkerEvents
 from ucm.vllm_hook.hugepages import collapse_cache
 from ucm.vllm_hook.keys import layer_key, rank_key
 from ucm.vllm_hook.layerwise import LayerwiseLoad
@@ -60,8 +61,12 @@ _SPARE_SNAPSHOT_BYTES = 256 * 2**20  # snapshot buffers kept for reuse once thei
 
 
 class WorkerSide:
-    def __init__(self, settings: HookSettings, sinks: tuple[Any, ...] = ()) -> None:
+    def __init__(self, settings: HookSettings, sinks: tuple[Any, ...] = (),
+                 events: WorkerEvents | None = None) -> None:
+        """`events`: where completed stores and blocks found gone are noted for vLLM's KV
+        events (ucm.vllm_hook.events); None when the engine publishes none."""
         self.settings = settings
+        self.events = events
         self._sinks = sinks  # tracer sinks of the kernel (the connector's stats)
         self.stats: Counter[str] = Counter()
         self.layout: BlockLayout | None = None
@@ -80,7 +85,8 @@ class WorkerSide:
         self._save_layers_done: set[str] = set()
         self._lock = threading.Lock()
         self._store_bytes = 0  # snapshots not yet written
-        self._stores: dict[int, tuple[PendingPages, torch.Tensor, int]] = {}
+        # id(completion) -> (store, snapshot, keys per block, the blocks' digests)
+        self._stores: dict[int, tuple[PendingPages, torch.Tensor, int, list[bytes]]] = {}
         self._stores_idle = threading.Event()
         self._stores_idle.set()
 
@@ -317,6 +323,10 @@ class WorkerSide:
                     good += 1
                 for s in states[row + good:row + n]:
                     self.stats[f"load_{(s or LoadState.FAILED).name.lower()}"] += 1
+                if self.events is not None:  # no tier holds these (a corrupt one is removed)
+                    self.events.gone([d for d, s in zip(t.digests, states[row:row + n],
+                                                        strict=True)
+                                      if s in (LoadState.MISSING, LoadState.CORRUPT)])
             else:
                 self.stats["load_failed"] += n
             if good < n:
@@ -413,7 +423,8 @@ class WorkerSide:
             self._release(staging)
             return
         with self._lock:
-            self._stores[id(completion)] = (pending, staging, per_block)
+            self._stores[id(completion)] = (pending, staging, per_block,
+                                            [d for t, _ in rows for d in t.digests])
             self._stores_idle.clear()
         completion.add_done_callback(self._store_done)
         self.stats["save_blocks"] += len(keys) // per_block
@@ -427,7 +438,7 @@ class WorkerSide:
                     self._stores_idle.set()
             if entry is None:
                 return
-            pending, staging, per_block = entry
+            pending, staging, per_block, digests = entry
             self._release(staging)
             stored = pending.result()  # done: answers at once
             if pending.error is not None:
@@ -436,6 +447,8 @@ class WorkerSide:
                 whole = [all(stored[i:i + per_block]) for i in range(0, len(stored), per_block)]
                 self.stats["saved_blocks"] += sum(whole)
                 self.stats["save_failed_blocks"] += whole.count(False)
+                if self.events is not None:  # only what is stored: never a failed block
+                    self.events.stored([d for d, ok in zip(digests, whole, strict=True) if ok])
         except Exception:  # pragma: no cover - never let the trio thread see an error
             log.exception("ucm: store callback failed")
 
