@@ -171,7 +171,10 @@ case "$cmd" in
       [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && echo "running: $f pid $(cat "$f")"
     done; true ;;
   down)
-    servers stop >/dev/null 2>&1 || true
+    for s in mooncake s3 nfs redis; do  # at once: each may wait out its server's TERM
+      servers stop "$s" >/dev/null 2>&1 &
+    done
+    wait
     for ns in $(for i in $(hosts); do host_ns "$i"; done) "$STORAGE"; do
       exists "$ns" || continue
       pids=$(ip netns pids "$ns" | tr '\n' ' ')
