@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +25,7 @@ import pytest
 
 from ._cluster import BACKENDS, Cluster, Host
 from ._cluster_host import block_data, checksum, prompt_keys
-from ._mooncake_nfs import mooncake_contract_enabled
+from ._mooncake_nfs import REPO, mooncake_contract_enabled
 
 pytestmark = pytest.mark.skipif(mooncake_contract_enabled(),
                                 reason="the outer run only (it builds namespaces)")
@@ -225,3 +227,26 @@ def test_s3_server_restarted(cluster):
     tries = _until_hits(b, keys, want)
     print(f"s3 restart: loads while down {dict(counts)}; hits again after {tries} load(s)")
     b.close()
+
+
+# --- ucm bench link ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_bench_link_rows_and_nothing_left_behind():
+    """`ucm bench link` on a short prefix, one backend: every codec's blocks come back right,
+    compressed ones stored smaller; its namespaces and servers are gone afterwards (rates are
+    not checked)."""
+    done = subprocess.run([sys.executable, "-m", "ucm.bench", "link", "--backends", "redis",
+                           "--tokens", "1024", "--repeat", "1", "--json"],
+                          capture_output=True, text=True, timeout=200,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["tier"], r["codec"]) for r in rows] == [
+        ("redis", "none"), ("redis", "int8"), ("redis", "int4")]
+    assert all(r["blocks"] == 8 and r["delivered_right"] == 8 for r in rows), rows
+    ratio = {r["codec"]: r["ratio"] for r in rows}
+    assert ratio["int4"] < ratio["int8"] < 0.53 < ratio["none"] == 1.0
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ucmb-" not in left, left
