@@ -250,3 +250,44 @@ def test_bench_link_rows_and_nothing_left_behind():
     assert ratio["int4"] < ratio["int8"] < 0.53 < ratio["none"] == 1.0
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ucmb-" not in left, left
+
+
+# --- two vLLM instances on two hosts -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_vllm_instances_on_two_hosts_share_a_prompt(cluster, tmp_path):
+    """vLLM on host 1 computes a prompt and stores its blocks in Redis (storage namespace);
+    vLLM on host 2 loads at least 95 % of its full blocks from there and answers as host 1's
+    own ucm hit of the prompt does (greedy). Two engine starts, side by side."""
+    pytest.importorskip("vllm")
+    import random
+
+    from ucm.bench.engines import EngineProcess, EngineSpec, Phase
+    from ucm.bench.models import ModelSpec, build_model
+
+    block, full = 32, 40
+    model = str(build_model(tmp_path / "model", ModelSpec(max_positions=4096)))
+    prompt = [random.Random(5).randrange(2048) for _ in range(block * full + 5)]
+    cluster.start("redis")
+
+    def engine(host: int) -> EngineProcess:
+        tier = {**cluster.tier("redis", host), "prefix": "vllm"}
+        spec = EngineSpec(model=model, block_size=block, max_model_len=2048,
+                          kv_cache_bytes=64 * 2**20, connector="ucm", ucm={"tiers": [tier]})
+        return EngineProcess(spec, timeout=600, log_path=str(tmp_path / f"host{host}.log"),
+                             wrap=["ip", "netns", "exec", cluster.ns(host)])
+
+    with engine(1) as a, engine(2) as b:
+        cold = a.run(Phase([prompt], name="cold", wait_stores=True))
+        hit = a.run(Phase([prompt], name="hit"))  # vLLM's own prefix cache is off: from ucm
+        remote = b.run(Phase([prompt], name="remote"))
+        print(f"host 1 cold: {cold['num_cached_tokens']} cached tokens; its ucm hit: "
+              f"{hit['worker_delta'].get('load_blocks')} blocks loaded; host 2: "
+              f"{remote['worker_delta'].get('load_blocks')} blocks loaded of {full}")
+    assert cold["num_cached_tokens"] == [0]
+    assert hit["num_cached_tokens"] == [full * block]
+    assert remote["worker_delta"]["load_blocks"] >= 0.95 * full
+    assert remote["num_cached_tokens"][0] >= 0.95 * full * block
+    assert remote["tokens"] == hit["tokens"]
