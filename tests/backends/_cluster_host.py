@@ -11,8 +11,9 @@ Commands:
   {"key": hex, "ok": bool} after each (a test kills the host between two of them)
 - {"op": "load", "keys": [hex], "deadline": d}: one Load bounded by the kernel's deadline ->
   {"states": [name], "sums": [sha256 hex of each buffer], "error": null | "DeadlineExceeded"}
-- {"op": "loads", "keys": [hex], "deadline": d, "count": n}: n such loads back to back,
-  one answer each (a test cuts the link while they run)
+- {"op": "loads", "keys": [hex], "deadline": d, "count": n, "until_failures": f}: up to n
+  such loads back to back, one answer each, stopping after f that were not all OK; then
+  {"done": true} (a test cuts the link while they run)
 - {"op": "quit"}
 
 Block i of a prompt holds `block_data(seed, i, size)`; the test knows each block's checksum.
@@ -102,8 +103,14 @@ def main(tier: dict[str, Any]) -> None:
             elif cmd["op"] == "load":
                 _say(_load(kernel, keys, cmd["deadline"]))
             elif cmd["op"] == "loads":
+                failures = 0
                 for _ in range(cmd["count"]):
-                    _say(_load(kernel, keys, cmd["deadline"]))
+                    outcome = _load(kernel, keys, cmd["deadline"])
+                    _say(outcome)
+                    failures += outcome["states"] != ["OK"] * len(keys)
+                    if failures >= cmd.get("until_failures", cmd["count"] + 1):
+                        break
+                _say({"done": True})
             elif cmd["op"] == "quit":
                 break
     finally:
