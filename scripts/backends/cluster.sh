@@ -29,6 +29,9 @@ P=${CLUSTER_PREFIX:-ucmc}
 NET=${CLUSTER_NET:-10.88.0}
 RUN=${CLUSTER_RUN_DIR:-/tmp/ucm-backends/cluster-$P}
 STORAGE=$P-s
+# Interface names are v-$P-h<i>, at most 15 characters for up to 200 hosts.
+[[ $P =~ ^[a-z][a-z0-9]{0,7}$ ]] || {
+  echo "CLUSTER_PREFIX '$P': 1 to 8 lower-case letters and digits, a letter first" >&2; exit 2; }
 SERVER_ADDR=$NET.1
 # Ports of the cluster's own, so that it runs beside the test suite's servers.
 export MC_RPC_PORT=${MC_RPC_PORT:-50451} MC_META_PORT=${MC_META_PORT:-8481}
@@ -40,7 +43,8 @@ export NFS_PORT=${NFS_PORT:-20450} REDIS_PORT=${REDIS_PORT:-6450}
 export REDIS_PASSWORD=${REDIS_PASSWORD:-ucmtest-redis}
 export UCM_RUN_DIR=$RUN/run UCM_DATA_DIR=$RUN/data
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2
+          exit 2; }
 exists() { ip netns list | awk '{print $1}' | grep -qx "$1"; }
 host_ns() { echo "$P-h$1"; }
 host_addr() { echo "$NET.$((10 + $1))"; }
