@@ -6,11 +6,28 @@
 #
 #   REDIS_PORT (6390)  REDIS_PASSWORD (ucmtest-redis)  REDIS_MAXMEMORY (0: no limit)
 #   UCM_RUN_DIR        config, pid, log and the server's directory (/tmp/ucm-backends/run)
+#   REDIS_NETNS        run the server inside this network namespace (made by netns.sh); there
+#                      it binds 127.0.0.1 and REDIS_HOST, an address of the namespace that
+#                      other namespaces reach, and the ready checks run inside it
 set -euo pipefail
 run=${UCM_RUN_DIR:-/tmp/ucm-backends/run}
 port=${REDIS_PORT:-6390}
 password=${REDIS_PASSWORD:-ucmtest-redis}
 server=${REDIS_SERVER_BIN:-redis-server}
+netns=${REDIS_NETNS:-}
+host=${REDIS_HOST:-127.0.0.1}
+in_ns=()
+bind=127.0.0.1
+if [ -n "$netns" ]; then
+  ip netns list | awk '{print $1}' | grep -qx "$netns" || {
+    echo "network namespace $netns does not exist: scripts/backends/netns.sh up $netns" >&2
+    exit 1; }
+  in_ns=(ip netns exec "$netns")
+  [ "$host" = 127.0.0.1 ] || bind="127.0.0.1 $host"
+elif [ "$host" != 127.0.0.1 ]; then
+  echo "REDIS_HOST=$host needs REDIS_NETNS: outside a namespace of our own, bind 127.0.0.1 only" >&2
+  exit 2
+fi
 command -v "$server" >/dev/null || {
   echo "redis-server not found: bash scripts/backends/install.sh redis" >&2; exit 1; }
 command -v redis-cli >/dev/null || {
@@ -26,7 +43,7 @@ fi
 rm -f "$dir"/*.rdb "$dir"/*.aof
 # The config file keeps the password off the command line (ps shows arguments).
 (umask 077; cat >"$conf" <<CONF
-bind 127.0.0.1
+bind $bind
 port $port
 protected-mode yes
 requirepass "$password"
@@ -40,9 +57,9 @@ maxmemory-policy noeviction
 CONF
 )
 start=$(date +%s.%N)
-setsid "$server" "$conf" </dev/null >/dev/null 2>&1 &
+setsid "${in_ns[@]}" "$server" "$conf" </dev/null >/dev/null 2>&1 &
 echo $! >"$pid_file"
-cli() { REDISCLI_AUTH=$password redis-cli -h 127.0.0.1 -p "$port" "$@" 2>/dev/null || true; }
+cli() { REDISCLI_AUTH=$password "${in_ns[@]}" redis-cli -h "$host" -p "$port" "$@" 2>/dev/null || true; }
 answer=""
 for _ in $(seq 1 100); do
   # Ready when the server answering on the port is this one (not another on the same port).
@@ -58,7 +75,7 @@ if [ "$answer" != "$(cat "$pid_file")" ]; then
   tail -20 "$log" >&2; exit 1
 fi
 # The password must be enforced: a PING without it has to be refused.
-anon=$(redis-cli -h 127.0.0.1 -p "$port" ping 2>&1 || true)
+anon=$("${in_ns[@]}" redis-cli -h "$host" -p "$port" ping 2>&1 || true)
 if [ "$anon" = PONG ]; then echo "redis-server accepts clients without a password" >&2; exit 1; fi
 echo "# redis-server pid $(cat "$pid_file") ready in $(echo "$(date +%s.%N) - $start" | bc) s; log $log"
-echo "REDIS_URL=redis://127.0.0.1:$port/0 REDIS_PID=$(cat "$pid_file")"
+echo "REDIS_URL=redis://$host:$port/0${netns:+ REDIS_NETNS=$netns} REDIS_PID=$(cat "$pid_file")"

@@ -409,12 +409,15 @@ class EngineProcess:
             ...
             stats = engine.finish()                # engine_start_s, stats, preemptions, ...
 
-    `timeout` bounds the process's whole life; `progress` gets its progress lines."""
+    `timeout` bounds the process's whole life; `progress` gets its progress lines; `wrap`
+    prefixes its command line (`["ip", "netns", "exec", NS]`: an engine on another "host")."""
 
     def __init__(self, spec: EngineSpec, *, timeout: float = 900,
                  env: dict[str, str] | None = None, log_path: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None,
+                 wrap: list[str] | None = None) -> None:
         self.spec = spec
+        self._wrap = list(wrap or [])
         self._timeout = timeout
         self._env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), **(env or {})}
         self._log_path = log_path
@@ -426,7 +429,7 @@ class EngineProcess:
         self._log = open(self._log_path, "a") if self._log_path else open(os.devnull, "w")
         # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
         # keep our pipe open, so once the result is in, the whole group is killed.
-        self._proc = subprocess.Popen([sys.executable, "-m", "ucm.bench.engines"],
+        self._proc = subprocess.Popen([*self._wrap, sys.executable, "-m", "ucm.bench.engines"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log, text=True, env=self._env,
                                       start_new_session=True)

@@ -1,0 +1,297 @@
+"""Kernels on hosts that look like a cluster (scripts/backends/cluster.sh): two host
+namespaces and a storage namespace on one bridged LAN, each link shaped by tc; the storage
+servers run in the storage namespace, each host's kernel in a process of its own namespace.
+
+- A prompt's blocks stored by host 1 load byte-identical on host 2, for each of Mooncake (in
+  the default run), S3, NFS and Redis (marked slow).
+- Faults across hosts, each load bounded by the kernel's own deadline: a host's link cut
+  during loads, a host's Mooncake client killed during stores, the Mooncake master and the S3
+  server restarted. Every outcome is counted; no load may hang, and no OK load may deliver
+  bytes other than the block's (checksums); hits come back after recovery.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ._cluster import BACKENDS, Cluster, Host
+from ._cluster_host import block_data, checksum, prompt_keys
+from ._mooncake_nfs import REPO, mooncake_contract_enabled
+
+pytestmark = pytest.mark.skipif(mooncake_contract_enabled(),
+                                reason="the outer run only (it builds namespaces)")
+
+BLOCKS = 16  # a 512-token prompt of SmolLM2-135M blocks (720 KiB each)
+DEADLINE = 1.0  # seconds a load may take before the kernel ends it
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Two hosts on 10 Gbit/s links; servers start when a test first needs them. The
+    namespaces, servers and host processes go at the end, even after a failure."""
+    lan = Cluster(hosts=2)
+    try:
+        lan.up()
+        yield lan
+    finally:
+        lan.down()
+
+
+def _sums(seed: int, blocks: int = BLOCKS) -> list[str]:
+    return [checksum(block_data(seed, i)) for i in range(blocks)]
+
+
+def _hexes(keys: list[bytes]) -> list[str]:
+    return [k.hex() for k in keys]
+
+
+def _tally(outcome: dict[str, Any], want: list[str], counts: collections.Counter[str]) -> None:
+    """Counts one load's outcome per block. An OK block whose bytes differ from the block's
+    own is counted as "wrong": partial, stale or another block's bytes."""
+    if outcome["error"] is not None:
+        counts[outcome["error"]] += 1
+        return
+    for state, got, expected in zip(outcome["states"], outcome["sums"], want, strict=True):
+        counts["wrong" if state == "OK" and got != expected else state] += 1
+
+
+def _until_hits(host: Host, keys: list[str], want: list[str], *, tries: int = 60) -> int:
+    """Loads until every block is an OK with the right bytes; returns the tries it took
+    (fails the test after `tries`)."""
+    for attempt in range(1, tries + 1):
+        outcome = host.call(op="load", keys=keys, deadline=DEADLINE)
+        if outcome["error"] is None and outcome["states"] == ["OK"] * len(keys):
+            assert outcome["sums"] == want, "an OK load delivered other bytes"
+            return attempt
+        time.sleep(0.5)
+    raise AssertionError(f"no hits after {tries} loads: {outcome}")
+
+
+# --- prefixes shared across hosts ------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", [
+    "mooncake",
+    pytest.param("s3", marks=pytest.mark.slow),
+    pytest.param("nfs", marks=pytest.mark.slow),
+    pytest.param("redis", marks=pytest.mark.slow),
+])
+def test_prompt_stored_on_one_host_loads_on_another(cluster, backend):
+    keys = prompt_keys(BACKENDS.index(backend), BLOCKS)
+    seed = 7
+    a = cluster.host(1, backend)
+    assert a.call(op="store", keys=_hexes(keys), seed=seed) == {
+        "stored": [True] * BLOCKS, "error": None}
+    before = _leg_bytes(cluster, 2)
+    b = cluster.host(2, backend)  # started after the store: Mooncake put nothing in its segment
+    outcome = b.call(op="load", keys=_hexes(keys), deadline=30.0)
+    assert outcome["states"] == ["OK"] * BLOCKS
+    assert outcome["sums"] == _sums(seed)  # byte-identical, block by block
+    # the blocks crossed host 2's link (they came from the storage namespace or from host 1)
+    assert _leg_bytes(cluster, 2)[0] - before[0] >= BLOCKS * len(block_data(seed, 0))
+    # a prompt nobody stored is a miss on the other host, not someone else's bytes
+    other = b.call(op="load", keys=_hexes(prompt_keys(999, 2)), deadline=30.0)
+    assert other["states"] == ["MISSING", "MISSING"]
+    for host in (a, b):
+        host.close()
+
+
+def _leg_bytes(cluster: Cluster, host: int) -> tuple[int, int]:
+    """(received, sent) bytes so far on `host`'s end of its link."""
+    out = subprocess.run(["ip", "-n", cluster.ns(host), "-j", "-s", "link", "show", "dev",
+                          f"v-{cluster.ns(0)}"], capture_output=True, text=True,
+                         check=True).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return stats["rx"]["bytes"], stats["tx"]["bytes"]
+
+
+# --- faults across hosts ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["mooncake", "s3"])
+def test_link_cut_during_loads(cluster, backend):
+    """Host 2 loads a prompt over and over while its cable is pulled, then plugged back."""
+    keys = _hexes(prompt_keys(11, BLOCKS))
+    want = _sums(3)
+    a = cluster.host(1, backend)
+    assert a.call(op="store", keys=keys, seed=3)["stored"] == [True] * BLOCKS
+    b = cluster.host(2, backend, lend="0")
+    _until_hits(b, keys, want)
+    counts: collections.Counter[str] = collections.Counter()
+    # loads back to back until three have not delivered (at most 500)
+    b.send(op="loads", keys=keys, deadline=DEADLINE, count=500, until_failures=3)
+    _tally(b.answer(), want, counts)  # the first load runs on a good link
+    cluster.cut(2)
+    loads = 1
+    try:
+        while "done" not in (outcome := b.answer(60)):  # each ends by its deadline
+            _tally(outcome, want, counts)
+            loads += 1
+    finally:
+        cluster.heal(2)
+    tries = _until_hits(b, keys, want)
+    print(f"{backend}: outcomes of {loads} loads x {BLOCKS} blocks around the cut: "
+          f"{dict(counts)}; hits again after {tries} load(s)")
+    assert counts["wrong"] == 0, counts
+    # three loads after the cut did not deliver: they ran past their deadline or failed
+    assert loads < 500 and counts["DeadlineExceeded"] + counts["FAILED"] \
+        + counts["MISSING"] > 0, counts
+    for host in (a, b):
+        host.close()
+
+
+@pytest.mark.timeout(240)
+def test_host_killed_during_stores(cluster):
+    """Host 1 stores a prompt block by block into the segment it lends and is killed halfway:
+    host 2 loads what was and was not stored (whole blocks or misses), then host 1 comes back
+    and stores again, and host 2 hits."""
+    keys = _hexes(prompt_keys(21, BLOCKS))
+    want = _sums(5)
+    a = cluster.host(1, "mooncake")
+    a.send(op="stores", keys=keys, seed=5)
+    stored = [a.answer() for _ in range(BLOCKS // 2)]
+    a.kill()  # its client and its segment die mid-stream
+    assert all(s["ok"] for s in stored), stored
+    # host 2 lends memory of its own: a pool with no memory fails a kernel's open
+    b = cluster.host(2, "mooncake")
+    counts: collections.Counter[str] = collections.Counter()
+    for _ in range(3):  # the master still lists the dead segment's blocks for its client TTL
+        _tally(b.call(op="load", keys=keys, deadline=DEADLINE), want, counts)
+        time.sleep(0.5)
+    assert counts["wrong"] == 0, counts
+    a = cluster.host(1, "mooncake")  # the host restarts
+    assert a.call(op="store", keys=keys, seed=5)["stored"] == [True] * BLOCKS
+    tries = _until_hits(b, keys, want)
+    print(f"mooncake, host killed during stores: {len(stored)} blocks acknowledged; loads on "
+          f"the other host: {dict(counts)}; hits again after {tries} load(s)")
+    for host in (a, b):
+        host.close()
+
+
+@pytest.mark.timeout(300)
+def test_mooncake_master_restarted(cluster):
+    """The master and metadata server restart (their state is lost): loads meanwhile end by
+    their deadline or miss; once it is back, the same host kernels store and hit again."""
+    keys = _hexes(prompt_keys(31, BLOCKS))
+    want = _sums(9)
+    a = cluster.host(1, "mooncake")
+    assert a.call(op="store", keys=keys, seed=9)["stored"] == [True] * BLOCKS
+    b = cluster.host(2, "mooncake", lend="0")
+    _until_hits(b, keys, want)
+    counts: collections.Counter[str] = collections.Counter()
+    cluster.stop("mooncake")
+    for _ in range(2):  # no master at all
+        _tally(b.call(op="load", keys=keys, deadline=DEADLINE), want, counts)
+    cluster.start("mooncake")
+    for _ in range(2):  # a new master that knows no block
+        _tally(b.call(op="load", keys=keys, deadline=DEADLINE), want, counts)
+    assert counts["wrong"] == 0 and counts["OK"] == 0, counts
+    stores = 0
+    while True:  # host 1's kernel reconnects and stores again
+        stores += 1
+        if a.call(op="store", keys=keys, seed=9)["stored"] == [True] * BLOCKS:
+            break
+        assert stores < 30, "host 1 never stored after the master came back"
+        time.sleep(1)
+    tries = _until_hits(b, keys, want)
+    print(f"mooncake master restart: loads meanwhile {dict(counts)}; stored again after "
+          f"{stores} tries, hits again after {tries} load(s)")
+    for host in (a, b):
+        host.close()
+
+
+@pytest.mark.timeout(240)
+def test_s3_server_restarted(cluster):
+    """SeaweedFS is killed while host 2 loads and comes back on its data: loads meanwhile end
+    by their deadline or fail, then the same kernel hits again, byte-identical."""
+    keys = _hexes(prompt_keys(41, BLOCKS))
+    want = _sums(13)
+    a = cluster.host(1, "s3")
+    assert a.call(op="store", keys=keys, seed=13)["stored"] == [True] * BLOCKS
+    a.close()
+    b = cluster.host(2, "s3")
+    _until_hits(b, keys, want)
+    counts: collections.Counter[str] = collections.Counter()
+    cluster.kill_s3()
+    for _ in range(2):
+        _tally(b.call(op="load", keys=keys, deadline=DEADLINE), want, counts)
+    assert counts["OK"] == 0 and counts["wrong"] == 0, counts
+    cluster.start("s3", WEED_KEEP="1")  # on the data it had
+    tries = _until_hits(b, keys, want)
+    print(f"s3 restart: loads while down {dict(counts)}; hits again after {tries} load(s)")
+    b.close()
+
+
+# --- ucm bench link ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_bench_link_rows_and_nothing_left_behind():
+    """`ucm bench link` on a short prefix, one backend: every codec's blocks come back right,
+    compressed ones stored smaller; its namespaces and servers are gone afterwards (rates are
+    not checked)."""
+    done = subprocess.run([sys.executable, "-m", "ucm.bench", "link", "--backends", "redis",
+                           "--tokens", "1024", "--repeat", "1", "--json"],
+                          capture_output=True, text=True, timeout=200,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["tier"], r["codec"]) for r in rows] == [
+        ("redis", "none"), ("redis", "int8"), ("redis", "int4")]
+    assert all(r["blocks"] == 8 and r["delivered_right"] == 8 for r in rows), rows
+    ratio = {r["codec"]: r["ratio"] for r in rows}
+    assert ratio["int4"] < ratio["int8"] < 0.53 < ratio["none"] == 1.0
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ucmb-" not in left, left
+
+
+# --- two vLLM instances on two hosts -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_vllm_instances_on_two_hosts_share_a_prompt(cluster, tmp_path):
+    """vLLM on host 1 computes a prompt and stores its blocks in Redis (storage namespace);
+    vLLM on host 2 loads at least 95 % of its full blocks from there and answers as host 1's
+    own ucm hit of the prompt does (greedy). Two engine starts, side by side."""
+    pytest.importorskip("vllm")
+    import random
+
+    from ucm.bench.engines import EngineProcess, EngineSpec, Phase
+    from ucm.bench.models import ModelSpec, build_model
+
+    block, full = 32, 40
+    model = str(build_model(tmp_path / "model", ModelSpec(max_positions=4096)))
+    prompt = [random.Random(5).randrange(2048) for _ in range(block * full + 5)]
+    cluster.start("redis")
+
+    def engine(host: int) -> EngineProcess:
+        tier = {**cluster.tier("redis", host), "prefix": "vllm"}
+        spec = EngineSpec(model=model, block_size=block, max_model_len=2048,
+                          kv_cache_bytes=64 * 2**20, connector="ucm", ucm={"tiers": [tier]})
+        return EngineProcess(spec, timeout=600, log_path=str(tmp_path / f"host{host}.log"),
+                             wrap=["ip", "netns", "exec", cluster.ns(host)])
+
+    with engine(1) as a, engine(2) as b:
+        cold = a.run(Phase([prompt], name="cold", wait_stores=True))
+        hit = a.run(Phase([prompt], name="hit"))  # vLLM's own prefix cache is off: from ucm
+        remote = b.run(Phase([prompt], name="remote"))
+        print(f"host 1 cold: {cold['num_cached_tokens']} cached tokens; its ucm hit: "
+              f"{hit['worker_delta'].get('load_blocks')} blocks loaded; host 2: "
+              f"{remote['worker_delta'].get('load_blocks')} blocks loaded of {full}")
+    assert cold["num_cached_tokens"] == [0]
+    assert hit["num_cached_tokens"] == [full * block]
+    assert remote["worker_delta"]["load_blocks"] >= 0.95 * full
+    assert remote["num_cached_tokens"][0] >= 0.95 * full * block
+    assert remote["tokens"] == hit["tokens"]
