@@ -1,0 +1,49 @@
+"""`ucm bench pd` without engines: its argument checks, percentiles, CPU split and table."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucm.bench.pd import Figures, _cpus, _pct, _print, main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--decodes", "0"], "--decodes must be at least 1"),
+    (["--long-every", "0"], "--long-every must be > 0"),
+    (["--long-tokens", "5000"], "must fit --max-model-len"),
+    (["--short-tokens", "4000", "--gen", "200"], "must fit --max-model-len"),
+])
+def test_bad_arguments_stop_with_the_option_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_one_cpu_cannot_be_split():
+    with pytest.raises(SystemExit, match="at least 2 CPUs"):
+        _cpus("0")
+    assert _cpus("3,5") == [3, 5]
+
+
+def test_percentiles_in_milliseconds():
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    assert _pct(values, 0.5) == pytest.approx(51)
+    assert _pct(values, 0.99) == pytest.approx(100)
+    assert _pct([], 0.5) != _pct([], 0.5)  # nan: no requests, no figure
+
+
+def test_table_prints_both_setups_and_their_ratio(capsys):
+    import argparse
+
+    args = argparse.Namespace(short_tokens=256, gen=32, concurrency=2, long_tokens=2048,
+                              long_every=2.0)
+    col = Figures(ttft=[0.2, 0.4], itl=[0.05] * 10, long_ttft=[1.0], long_sent=3)
+    dis = Figures(ttft=[0.1, 0.2], itl=[0.02] * 10, long_ttft=[1.5], long_sent=3,
+                  errors=["decode: status 500"])
+    _print({"colocated": col, "disagg": dis}, args)
+    out = capsys.readouterr().out
+    assert "colocated" in out and "disagg" in out
+    assert "decode: status 500" in out
+    ratio_line = next(line for line in out.splitlines() if line.startswith("disagg/col."))
+    assert "0.50x" in ratio_line and "0.40x" in ratio_line and "1.50x" in ratio_line
