@@ -1,8 +1,11 @@
-"""`ucm proxy`: an OpenAI-compatible front for prefill/decode disaggregation through ucm.
+"""`ucm proxy`: an OpenAI-compatible front for prefill/decode disaggregation through ucm, or
+a router over instances that each do both.
 
     ucm proxy --prefill URL[,URL...] --decode URL[,URL...] [--host 127.0.0.1] [--port 8000]
               [--route roundrobin|prefix] [--kv-events ENDPOINT[,ENDPOINT...]]
               [--prefill-timeout 600]
+    ucm proxy --instances URL[,URL...] [--route roundrobin|prefix]
+              [--kv-events ENDPOINT[,ENDPOINT...]] [--host 127.0.0.1] [--port 8000]
 
 Each POST to /v1/completions or /v1/chat/completions goes first to a prefill instance (`ucm
 serve --kv-role producer`) with `max_tokens` 1 and streaming off: it computes the prompt's KV
@@ -24,6 +27,11 @@ bounded wait, counted in its metrics): an answer rather than an outage, marked i
 `x-ucm-prefill: unavailable` response header. A decode instance that
 cannot be reached is skipped for the next one; when none can be reached the answer is 502 with
 an error naming them. GET /v1/models is a decode instance's, GET /health the proxy's own.
+
+With `--instances` (instances that prefill and decode, `ucm serve` with the default kv role)
+each request goes whole to one instance, picked as a prefill instance is (in turn, or by the
+longest prefix in the fastest tier with `--route prefix`); an unreachable one is skipped for
+the next, and the `x-ucm-instance` response header names the one that answered.
 
 Built on Starlette (routing, streaming responses), uvicorn (the server) and httpx (the async
 client with streamed bodies): vLLM's OpenAI server runs on the same three, so they are
@@ -339,7 +347,8 @@ class Proxy:
                  route: str = "roundrobin", prefill_timeout: float = PREFILL_TIMEOUT,
                  kv_events: Sequence[str] = ()) -> None:
         """`kv_events`: with route "prefix", each prefill instance's KV-events endpoint, in
-        the order of `prefill`."""
+        the order of `prefill`. No `decode` instances: the `prefill` ones do both (each
+        request goes whole to one of them)."""
         if route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, not {route!r}")
         if not prefill_timeout > 0:
@@ -353,12 +362,14 @@ class Proxy:
         self.route = route
         self.prefill_timeout = prefill_timeout
         self.prefill, self.decode = RoundRobin(prefill), RoundRobin(decode)
+        self.colocated = not decode
         self.kv_events = dict(zip(prefill, kv_events, strict=True)) if kv_events else {}
         self.index = PrefixIndex(prefill)
         self.client: httpx.AsyncClient | None = None
-        self.counts: dict[str, int] = {"requests": 0, "prefill_unavailable": 0,
-                                       "prefill_timeouts": 0,
-                                       "decode_unavailable": 0, "upstream_errors": 0}
+        self.counts: dict[str, int] = (
+            {"requests": 0, "instance_unavailable": 0, "upstream_errors": 0} if not decode else
+            {"requests": 0, "prefill_unavailable": 0, "prefill_timeouts": 0,
+             "decode_unavailable": 0, "upstream_errors": 0})
         if route == "prefix":
             self.counts.update(routed_by_prefix=0, routed_in_turn=0, tokenize_failed=0,
                                events_missed=0, instance_restarts=0)
@@ -472,14 +483,15 @@ class Proxy:
         extra: dict[str, Any] = {"route": self.route}
         if self.route == "prefix":
             extra["index"] = self.index.statistics()
-        return JSONResponse({"prefill": self.prefill.urls, "decode": self.decode.urls,
-                             **self.counts, **extra})
+        instances = ({"instances": self.prefill.urls} if self.colocated else
+                     {"prefill": self.prefill.urls, "decode": self.decode.urls})
+        return JSONResponse({**instances, **self.counts, **extra})
 
     async def models(self, request: Request) -> Response:
         import httpx
 
         assert self.client is not None
-        for url in self.decode.order():
+        for url in (self.prefill if self.colocated else self.decode).order():
             try:
                 return _passed(await self.client.get(url + "/v1/models",
                                                      headers=_headers(request)), {})
@@ -499,6 +511,9 @@ class Proxy:
         if not isinstance(body, dict):
             return _error(400, "ucm proxy: the request body must be a JSON object")
         path, headers = request.url.path, _headers(request)
+        if self.colocated:
+            return await self._answer(await self._routed(path, body, headers), "instance",
+                                      path, body, headers, {})
         prefilled = "unavailable"
         for url in await self._routed(path, body, headers):
             try:
@@ -522,25 +537,28 @@ class Proxy:
             self.counts["prefill_unavailable"] += 1
             log.warning("ucm proxy: no prefill instance reachable (%s); the decode instance "
                         "computes the prompt", ", ".join(self.prefill.urls))
-        return await self._decode(path, body, headers, {"x-ucm-prefill": prefilled})
+        return await self._answer(self.decode.order(), "decode", path, body, headers,
+                                  {"x-ucm-prefill": prefilled})
 
-    async def _decode(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                      marks: dict[str, str]) -> Response:
+    async def _answer(self, urls: list[str], role: str, path: str, body: dict[str, Any],
+                      headers: dict[str, str], marks: dict[str, str]) -> Response:
+        """The client's answer from the first of `urls` that can be reached (`role`: decode,
+        or instance when instances do both), marked x-ucm-<role>."""
         import httpx
         from starlette.background import BackgroundTask
         from starlette.responses import StreamingResponse
 
         assert self.client is not None
-        for url in self.decode.order():
-            marks = {**marks, "x-ucm-decode": url}
+        for url in urls:
+            marks = {**marks, f"x-ucm-{role}": url}
             request = self.client.build_request("POST", url + path, json=body, headers=headers)
             try:
                 answer = await self.client.send(request, stream=True)
             except httpx.ConnectError as exc:  # never reached it: the next one may serve
-                log.warning("ucm proxy: decode instance %s: %s", url, exc)
+                log.warning("ucm proxy: %s instance %s: %s", role, url, exc)
                 continue
             except httpx.TransportError as exc:  # it may have started: not sent twice
-                return _error(502, f"ucm proxy: decode instance {url}: {exc!r}")
+                return _error(502, f"ucm proxy: {role} instance {url}: {exc!r}")
             if answer.status_code >= 400 or not body.get("stream"):
                 try:
                     await answer.aread()
@@ -553,9 +571,8 @@ class Proxy:
                                      headers=marks,
                                      media_type=answer.headers.get("content-type"),
                                      background=BackgroundTask(answer.aclose))
-        self.counts["decode_unavailable"] += 1
-        return _error(502, f"ucm proxy: no decode instance reachable "
-                           f"({', '.join(self.decode.urls)})")
+        self.counts[f"{role}_unavailable"] += 1
+        return _error(502, f"ucm proxy: no {role} instance reachable ({', '.join(urls)})")
 
 
 def _log_failure(task: asyncio.Future[None]) -> None:
@@ -572,10 +589,13 @@ def main(argv: Sequence[str]) -> int:
         prog="ucm proxy", description="OpenAI-compatible front for prefill/decode "
         "disaggregation: each request is prefilled on a prefill instance (max_tokens 1), "
         "then answered by a decode instance that loads the prompt's KV from ucm")
-    parser.add_argument("--prefill", required=True, metavar="URL[,URL...]",
+    parser.add_argument("--prefill", metavar="URL[,URL...]",
                         help="prefill instances (ucm serve --kv-role producer)")
-    parser.add_argument("--decode", required=True, metavar="URL[,URL...]",
+    parser.add_argument("--decode", metavar="URL[,URL...]",
                         help="decode instances (ucm serve --kv-role consumer)")
+    parser.add_argument("--instances", metavar="URL[,URL...]",
+                        help="instead of --prefill and --decode: instances that do both "
+                        "(ucm serve), each request sent whole to one of them")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help="address to listen on (default: %(default)s, loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -585,19 +605,27 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--kv-events", metavar="ENDPOINT[,ENDPOINT...]",
                         help="with --route prefix: each prefill instance's KV-events endpoint "
                         "(vLLM's kv_events_config publisher, e.g. tcp://HOST:5557), in the "
-                        "order of --prefill")
+                        "order of --prefill (or --instances)")
     parser.add_argument("--prefill-timeout", type=float, default=PREFILL_TIMEOUT,
                         metavar="SECONDS", help="a prefill instance that has not answered in "
                         "this long is skipped (default: %(default)s)")
     args = parser.parse_args(list(argv))
+    if args.instances and (args.prefill or args.decode):
+        parser.error("--instances replaces --prefill and --decode: give one or the other")
+    if not args.instances and not (args.prefill and args.decode):
+        parser.error("give --prefill and --decode (disaggregated), or --instances")
+    routed = "--instances" if args.instances else "--prefill"
     try:
-        prefill = parse_urls(args.prefill, "--prefill")
-        decode = parse_urls(args.decode, "--decode")
+        if args.instances:
+            prefill, decode = parse_urls(args.instances, "--instances"), []
+        else:
+            prefill = parse_urls(args.prefill, "--prefill")
+            decode = parse_urls(args.decode, "--decode")
         kv_events = parse_endpoints(args.kv_events, "--kv-events") if args.kv_events else []
     except ValueError as exc:
         parser.error(str(exc))
     if args.route == "prefix" and len(kv_events) != len(prefill):
-        parser.error(f"--route prefix needs --kv-events with one endpoint per --prefill "
+        parser.error(f"--route prefix needs --kv-events with one endpoint per {routed} "
                      f"instance, in the same order ({len(prefill)} instances, "
                      f"{len(kv_events)} endpoints)")
     if args.route != "prefix" and kv_events:
@@ -615,8 +643,10 @@ def main(argv: Sequence[str]) -> int:
                          "pip install 'ucm[proxy]' (vLLM's server brings them too)") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
-    print(f"ucm proxy on http://{args.host}:{args.port}: prefill {', '.join(prefill)}; "
-          f"decode {', '.join(decode)}; route {args.route}", flush=True)
+    roles = (f"instances {', '.join(prefill)}" if not decode else
+             f"prefill {', '.join(prefill)}; decode {', '.join(decode)}")
+    print(f"ucm proxy on http://{args.host}:{args.port}: {roles}; route {args.route}",
+          flush=True)
     if not args.prefill_timeout > 0:
         parser.error("--prefill-timeout must be more than 0")
     proxy = Proxy(prefill, decode, args.route, args.prefill_timeout, kv_events)

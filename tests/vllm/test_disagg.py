@@ -135,15 +135,17 @@ def test_a_prompt_no_producer_stored_is_recomputed_after_a_bounded_wait(pair):
 class Proxy:
     """`ucm proxy` in a process of its own."""
 
-    def __init__(self, root: Path, name: str, prefill: str, decode: str,
+    def __init__(self, root: Path, name: str, prefill: str | None, decode: str | None,
                  extra: tuple[str, ...] = ()) -> None:
+        """No `prefill` and `decode`: `extra` names the instances (--instances)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = root / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115
+        roles = ["--prefill", prefill, "--decode", decode] if prefill and decode else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ucm.cli", "proxy", "--prefill", prefill, "--decode",
-             decode, "--port", str(self.port), *extra], stdout=self._log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "ucm.cli", "proxy", *roles, "--port", str(self.port),
+             *extra], stdout=self._log, stderr=subprocess.STDOUT)
         end = time.monotonic() + 120
         while True:
             try:
@@ -412,6 +414,43 @@ def test_route_prefix_sends_a_prompt_to_the_prefill_instance_that_stored_it(
         with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
             health = json.loads(resp.read())
         assert health["routed_by_prefix"] >= 1 and health["tokenize_failed"] == 0
+    finally:
+        front.stop()
+
+
+def test_instances_that_do_both_get_whole_requests_routed_by_prefix(pair, tmp_path_factory):
+    """`ucm proxy --instances`: no split; each request goes whole to the instance holding
+    the longest prefix (the producer stored it), and its answer is that instance's own."""
+    producer, consumer, _store = pair
+    root = tmp_path_factory.mktemp("proxy-instances")
+    urls = [f"http://127.0.0.1:{s.port}" for s in (consumer, producer)]
+    front = Proxy(root, "proxy-instances", None, None, extra=(
+        "--instances", ",".join(urls), "--route", "prefix", "--kv-events",
+        f"{consumer.events},{producer.events}"))
+    try:
+        time.sleep(0.5)  # its subscriptions join before the producer publishes
+        doc = words(250, 81)
+        full = (len(tokenize(producer, doc)) - 1) // BLOCK
+        direct = stream(producer.client, producer.model, "completion", doc)  # stores it
+        for _ in range(40):
+            with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
+                health = json.loads(resp.read())
+            if health["index"].get("stored_blocks", 0) >= full:
+                break
+            stream(producer.client, producer.model, "completion", words(12, 82))
+        assert health["index"]["stored_blocks"] >= full
+        for _ in range(2):  # in turn, one of two would go to the consumer
+            status, headers, answer = front.post("/v1/completions", {
+                "model": producer.model, "prompt": doc, "max_tokens": 8, "temperature": 0,
+                "logprobs": 0, "ignore_eos": True, "return_tokens_as_token_ids": True})
+            marks = {k.lower(): v for k, v in headers.items()}
+            assert status == 200 and marks["x-ucm-instance"] == urls[1]
+            assert "x-ucm-prefill" not in marks and "x-ucm-decode" not in marks
+            assert answer["choices"][0]["logprobs"]["tokens"] == direct["tokens"]
+        with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
+            health = json.loads(resp.read())
+        assert health["instances"] == urls and health["routed_by_prefix"] >= 1
+        assert health["instance_unavailable"] == 0
     finally:
         front.stop()
 
