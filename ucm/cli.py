@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tune", help="search a config for a model and sample requests",
                    add_help=False)
     sub.add_parser("bench", help="benchmarks: `ucm bench [storage|policy|vllm|sglang|serve|"
-                   "sparse|trace|codec|quality|link|pd] ...` (storage by default)", add_help=False)
+                   "sparse|trace|codec|quality|link|pd|cluster|mrc] ...` (storage by default)",
+                   add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
