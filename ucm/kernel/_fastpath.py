@@ -230,7 +230,7 @@ class FastPath:
             tier, keys, sizes = touched.popleft()
             for key, size in zip(keys, sizes, strict=True):
                 if key in tier:
-                    tier.policy.touch(key)
+                    tier.touch(key)
                     tier.raw_sizes[key] = size
 
     @property

@@ -129,6 +129,11 @@ class Policy:
             self.used -= self._sizes.pop(victim)
         return victims
 
+    def resize(self, capacity: int) -> list[bytes]:
+        """A new capacity; returns the victims evicted to fit it (pins permitting)."""
+        self.capacity = capacity
+        return self.make_room(0) or []
+
     # -- subclass hooks ------------------------------------------------------------------------
     def _on_insert(self, key: bytes, depth: int | None) -> None:
         raise NotImplementedError
@@ -407,6 +412,11 @@ class ShadowLRUPolicy(Policy):
         ghosts = max(16, int(self.GHOST_FACTOR * mini / size))
         self._shadows = [_ShadowCache(mini, w, ghosts) for w in self.WEIGHTS]
         self._period = max(8, int(mini / size))
+
+    def resize(self, capacity: int) -> list[bytes]:
+        # the miniatures are scaled to the capacity: start them again at the next insert
+        self._shadows, self._threshold, self._sampled = [], 0, 0
+        return super().resize(capacity)
 
     def _sample(self, key: bytes) -> None:
         if zlib.crc32(key) >= self._threshold:
