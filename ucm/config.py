@@ -134,12 +134,16 @@ class ThreadsConfig(_Strict):
 
 
 class MRCConfig(_Strict):
-    sample_rate: float = Field(default=0.1, gt=0, le=1,
+    sample_rate: float = Field(default=0.01, gt=0, le=1,
                                description="share of keys sampled at first (by a hash of the "
                                "key); lowered when the sample outgrows max_keys")
     max_keys: int = Field(default=16384, ge=64,
                           description="keys one tier's miniature caches hold together (their "
                           "ghost lists add up to 4x): the memory budget; over it the rate drops")
+    min_blocks: int = Field(default=0, ge=0,
+                            description="a capacity's miniature samples more where the rate "
+                            "would leave it under this many blocks (more accurate small "
+                            "capacities, more CPU)")
     capacities: list[ByteSize] | None = Field(
         default=None, description="the capacities the curve is computed at; null: 1/16 to 4x "
         "each tier's capacity (an unbounded tier then has no curve)")

@@ -10,7 +10,7 @@ import pytest
 
 from ucm.config import load_config
 from ucm.kernel import Kernel, Load, Lookup, Store
-from ucm.kernel._mrc import MissRatioCurve, sample_hash
+from ucm.kernel._mrc import SPACE, MissRatioCurve, sample_hash
 
 BLOCK = 4096
 DASHBOARD = Path(__file__).resolve().parents[2] / "tools" / "grafana" / "ucm-mrc.json"
@@ -25,21 +25,24 @@ def test_at_rate_one_each_miniature_is_the_full_cache():
     for _ in range(3):
         for i in range(6):  # a loop of 6 blocks: LRU of 4 never hits, of 8 always after one
             mrc.access(bytes([i]))
-    assert mrc.sampled == mrc.accesses == 18
+    assert mrc.sampled == [18, 18] and mrc.accesses == 18
     assert mrc.curve() == [(4, 0.0), (8, 12 / 18)]
 
 
 def test_the_sample_is_the_keys_below_the_threshold():
-    mrc = MissRatioCurve("shadow", [100], rate=0.25)
+    mrc = MissRatioCurve("shadow", [2000, 20_000], rate=0.25, min_blocks=1000)
     keys = [i.to_bytes(8, "little") for i in range(4000)]
     for key in keys:
         mrc.access(key)
-    assert mrc.sampled == sum(sample_hash(k) < mrc.threshold for k in keys)
-    assert 800 < mrc.sampled < 1200
+    # the small capacity samples half the keys (1000 blocks of 2000), the large a quarter
+    assert mrc.threshold == SPACE // 2
+    assert mrc.top_sampled == mrc.sampled[0] == sum(sample_hash(k) < SPACE // 2 for k in keys)
+    assert mrc.sampled[1] == sum(sample_hash(k) < SPACE // 4 for k in keys)
+    assert 1800 < mrc.sampled[0] < 2200 and 800 < mrc.sampled[1] < 1200
 
 
 def test_over_the_budget_the_rate_drops_and_the_miniatures_shrink():
-    mrc = MissRatioCurve("lru", [1000, 4000], rate=1.0, max_keys=500)
+    mrc = MissRatioCurve("lru", [1000, 4000], rate=1.0, max_keys=500, min_blocks=1)
     for i in range(20_000):
         mrc.access(i.to_bytes(8, "little"))
     snap = mrc.snapshot()

@@ -8,7 +8,7 @@ import importlib
 
 BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
            "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec",
-           "serve": "ucm.bench.serve", "quality": "ucm.bench.quality"}
+           "serve": "ucm.bench.serve", "quality": "ucm.bench.quality", "mrc": "ucm.bench.mrc"}
 
 
 def main(argv: list[str]) -> int:

@@ -504,4 +504,4 @@ def _mrc_of(config: UCMConfig, capacity: int | None) -> MissRatioCurve | None:
     else:
         return None
     return MissRatioCurve(config.eviction, sizes, rate=mrc.sample_rate,
-                          max_keys=mrc.max_keys)
+                          max_keys=mrc.max_keys, min_blocks=mrc.min_blocks)

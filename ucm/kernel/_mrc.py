@@ -12,9 +12,15 @@ miniature and the miniatures shrink to the new rate. The hash is CRC-32 times a 
 constant: the `shadow` policy samples its own keys by plain CRC-32, and a miniature fed only
 keys of low CRC would see its own sample as the whole stream.
 
+Hot keys are counted outside the sample: a key that begins requests (a chain's head: in a
+prefix cache the most reused blocks are the shared prompts' first ones) and takes 1 % of a
+window's references is hot, and its references are hits. A sample either holds such a key or
+not, and a key with 4 % of the references moves the estimate by 4 points either way.
+
 References are per key: a key the miniature holds is a hit. The kernel's lookups are prefix
-lookups (a request stops at its first miss), which this does not model; docs/autotune.md
-measures what that costs against the prefix simulator.
+lookups (a request stops at its first miss), which this does not model; on the Mooncake
+conversation trace the per-key curve at rate 1 equals the prefix simulator's within 0.1
+points (docs/autotune.md).
 """
 
 from __future__ import annotations
@@ -28,11 +34,21 @@ from ucm.kernel._policy import Policy, make_policy
 SPACE = 1 << 32
 _FIBONACCI = 0x9E3779B1
 SHRINK = 0.75  # the threshold's factor each time the sample outgrows its budget
+HOT_WINDOW = 4096  # references between two reviews of the hot keys
+HOT_SHARE = 0.01  # a first key with this share of a window's references is hot
+MAX_HOT = 16
 
 
-def sample_hash(key: bytes) -> int:
+def multiplier(seed: int) -> int:
+    """The odd factor of a seed's hash. CRC-32 is linear, so seeding the CRC itself only
+    XORs a constant into every key's value and draws nearly the same sample; another factor
+    draws another one (for measuring the estimate's spread)."""
+    return (_FIBONACCI + 2 * seed * 0x2545F491) & (SPACE - 1) | 1
+
+
+def sample_hash(key: bytes, seed: int = 0) -> int:
     """The key's place in [0, 2**32): sampled when below the threshold."""
-    return (zlib.crc32(key) * _FIBONACCI) & (SPACE - 1)
+    return (zlib.crc32(key) * multiplier(seed)) & (SPACE - 1)
 
 
 def _no_time() -> float:
@@ -42,10 +58,14 @@ def _no_time() -> float:
 class MissRatioCurve:
     """Hit ratios at `capacities` (bytes, or blocks when every size is 1) of `policy`, from
     the references passed to `access`. Not thread-safe: one caller (the kernel's trio thread).
-    """
 
-    def __init__(self, policy: str, capacities: Sequence[int], *, rate: float = 0.01,
-                 max_keys: int = 16384) -> None:
+    Each miniature samples at `rate`, or more where that would leave it under `min_blocks`
+    blocks (sized by the first reference): a miniature of a few dozen blocks misjudges a
+    small cache. The thresholds nest (a key sampled for a large capacity is sampled for every
+    smaller one), so one hash decides for all."""
+
+    def __init__(self, policy: str, capacities: Sequence[int], *, rate: float = 0.1,
+                 max_keys: int = 16384, min_blocks: int = 0, seed: int = 0) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"mrc sample rate must be in (0, 1], got {rate}")
         if max_keys < 1:
@@ -54,36 +74,97 @@ class MissRatioCurve:
         if not caps or caps[0] <= 0:
             raise ValueError("mrc capacities must be a non-empty list of positive sizes")
         self.policy = policy
+        self.seed = seed
+        self._factor = multiplier(seed)
         self.capacities = caps
         self.max_keys = max_keys
-        self.threshold = min(SPACE, int(rate * SPACE))
+        self.min_blocks = min_blocks
+        self.base_rate = rate  # before any lowering
+        self.scale = 1.0  # the rates' factor after lowering for the budget
+        self._rates = [rate] * len(caps)  # each miniature's rate at scale 1
+        self._thresholds = [int(rate * SPACE)] * len(caps)
+        self._top = self._thresholds[0]  # the highest threshold: above it, no miniature
+        self._sized = False
         self.accesses = 0  # every reference offered
-        self.sampled = 0  # references of sampled keys
-        self.sampled_bytes = 0
+        self.sampled = [0] * len(caps)  # references each miniature saw
+        self.sampled_bytes = 0  # of references under the top threshold
+        self.top_sampled = 0
         self.hits = [0] * len(caps)
-        self.lowered = 0  # times the threshold dropped
-        self._expected = 0.0  # sampled references expected at the rates of earlier epochs
-        self._epoch_start = 0  # `accesses` when the current rate began
+        self.lowered = 0  # times the rates dropped
+        self.hot_refs = 0  # references of hot keys (counted exactly, outside the sample)
+        self.hot_hits = 0
+        self._hot: dict[bytes, int] = {}  # hot key -> its references in the current window
+        self._candidates: dict[bytes, int] = {}  # first keys -> references this window
+        self._review_at = HOT_WINDOW
         self._held = 0
-        self._minis: list[Policy] = [make_policy(policy, self._scaled(c), clock=_no_time)
-                                     for c in caps]
+        self._minis: list[Policy] = [make_policy(policy, self._scaled(i), clock=_no_time)
+                                     for i in range(len(caps))]
 
     @property
     def rate(self) -> float:
-        return self.threshold / SPACE
+        """The sampling rate of the largest capacities (smaller ones may sample more)."""
+        return self.base_rate * self.scale
 
-    def _scaled(self, capacity: int) -> int:
-        return max(1, round(capacity * self.rate))
+    @property
+    def threshold(self) -> int:
+        """Keys whose hash is below it reach some miniature (the smallest capacity's)."""
+        return self._top
 
-    def access(self, key: bytes, size: int = 1) -> None:
-        """One reference of `key` (a lookup hit loaded, or a block stored)."""
-        self.accesses += 1
-        if (zlib.crc32(key) * _FIBONACCI) & (SPACE - 1) >= self.threshold:
-            return
-        self.sampled += 1
-        self.sampled_bytes += size
-        hits = self.hits
+    def _scaled(self, i: int) -> int:
+        # the hot keys, held at any capacity, leave the rest of it to the sampled keys
+        room = self.capacities[i] - len(self._hot) * self.mean_size
+        return max(1, round(room * self._rates[i] * self.scale))
+
+    def _size_rates(self, size: int) -> None:
+        """Raises the rate of miniatures that would hold under `min_blocks` blocks."""
+        self._sized = True
+        for i, capacity in enumerate(self.capacities):
+            floor = self.min_blocks * max(1, size) / capacity
+            self._rates[i] = min(1.0, max(self.base_rate, floor))
+        self._apply_scale()
+
+    def _apply_scale(self) -> None:
+        self._thresholds = [min(SPACE, int(r * self.scale * SPACE)) for r in self._rates]
+        self._top = max(self._thresholds)
+        held = 0
         for i, mini in enumerate(self._minis):
+            threshold = self._thresholds[i]
+            for key in [k for k in mini if sample_hash(k, self.seed) >= threshold]:
+                mini.remove(key)
+            mini.resize(self._scaled(i))
+            held += len(mini)
+        self._held = held
+
+    def access(self, key: bytes, size: int = 1, first: bool = False) -> None:
+        """One reference of `key` (a lookup hit loaded, or a block stored); `first`: the
+        first key of its request or batch (a chain's head, where hot keys are)."""
+        self.accesses += 1
+        hot = self._hot
+        if key in hot:
+            hot[key] += 1
+            self.hot_refs += 1
+            self.hot_hits += 1
+            return
+        if first:
+            self._candidates[key] = self._candidates.get(key, 0) + 1
+        if self.accesses >= self._review_at:
+            self._review()
+        h = (zlib.crc32(key) * self._factor) & (SPACE - 1)
+        if h >= self._top:
+            if self._sized:
+                return
+            self._size_rates(size)
+            if h >= self._top:
+                return
+        elif not self._sized:
+            self._size_rates(size)
+        self.top_sampled += 1
+        self.sampled_bytes += size
+        hits, sampled, thresholds = self.hits, self.sampled, self._thresholds
+        for i, mini in enumerate(self._minis):
+            if h >= thresholds[i]:
+                continue
+            sampled[i] += 1
             if key in mini:
                 mini.touch(key)
                 hits[i] += 1
@@ -96,47 +177,53 @@ class MissRatioCurve:
         if self._held > self.max_keys:
             self._lower()
 
-    def _lower(self) -> None:
-        while self._held > self.max_keys and self.threshold > 1:
-            self._expected += (self.accesses - self._epoch_start) * self.rate
-            self._epoch_start = self.accesses
-            self.threshold = max(1, int(self.threshold * SHRINK))
-            self.lowered += 1
-            held = 0
-            for capacity, mini in zip(self.capacities, self._minis, strict=True):
-                for key in [k for k in mini if sample_hash(k) >= self.threshold]:
-                    mini.remove(key)
-                mini.resize(self._scaled(capacity))
-                held += len(mini)
-            self._held = held
+    def _review(self) -> None:
+        """Each window: first keys with HOT_SHARE of the window's references become hot,
+        hot keys under half of it go back to the sample."""
+        self._review_at = self.accesses + HOT_WINDOW
+        keep = HOT_SHARE * HOT_WINDOW
+        before = set(self._hot)
+        self._hot = {k: 0 for k, n in self._hot.items() if n >= keep / 2}
+        for key, n in sorted(self._candidates.items(), key=lambda kv: -kv[1]):
+            if n < keep or len(self._hot) >= MAX_HOT:
+                break
+            self._hot[key] = 0
+        self._candidates.clear()
+        if set(self._hot) != before and self._sized:
+            self._apply_scale()
 
-    @property
-    def expected(self) -> float:
-        """References a sample at the rates used would hold in expectation."""
-        return self._expected + (self.accesses - self._epoch_start) * self.rate
+    def _lower(self) -> None:
+        while self._held > self.max_keys and self._top > 1:
+            self.scale *= SHRINK
+            self.lowered += 1
+            self._apply_scale()
 
     def curve(self) -> list[tuple[int, float]]:
-        """(capacity, hit ratio) at each capacity; 0.0 before any sampled reference.
+        """(capacity, hit ratio) at each capacity; 0.0 before any reference.
 
-        SHARDS_adj: the sample's references minus those expected at its rate are, nearly
-        all, those of a few hot keys the sample took or missed (a shared system prompt's
-        block is in every request); they are hits at any capacity that the miniatures
-        counted or missed, so the difference corrects every point's hits, over the
-        expected count."""
-        expected = self.expected
-        if not self.sampled or expected <= 0:
+        Hot keys are hits (each was referenced a share of a whole window before it became
+        hot: no cache evicts it); the other references hit as often as each miniature's
+        sample did. Without the hot keys a sample has a large error: one shared system
+        prompt's block is 4 % of the Mooncake conversation trace's references, in or out
+        of the sample with nothing between (SHARDS_adj corrects that, but over-corrects
+        workloads without such a key; docs/autotune.md)."""
+        if not self.accesses:
             return [(c, 0.0) for c in self.capacities]
-        extra = expected - self.sampled
-        return [(c, min(1.0, max(0.0, (h + extra) / expected)))
-                for c, h in zip(self.capacities, self.hits, strict=True)]
+        cold = self.accesses - self.hot_refs
+        out = []
+        for capacity, hits, sampled in zip(self.capacities, self.hits, self.sampled,
+                                           strict=True):
+            ratio = hits / sampled if sampled else 0.0
+            out.append((capacity, (self.hot_hits + ratio * cold) / self.accesses))
+        return out
 
     @property
     def mean_size(self) -> float:
         """The sampled references' mean size (a tier's block bytes)."""
-        return self.sampled_bytes / self.sampled if self.sampled else 0.0
+        return self.sampled_bytes / self.top_sampled if self.top_sampled else 0.0
 
     def snapshot(self) -> dict[str, Any]:
         """Plain data for statistics and metrics."""
         return {"policy": self.policy, "rate": self.rate, "accesses": self.accesses,
-                "sampled": self.sampled, "block_bytes": self.mean_size,
+                "sampled": self.top_sampled, "block_bytes": self.mean_size,
                 "held_keys": self._held, "curve": [list(p) for p in self.curve()]}
