@@ -93,6 +93,8 @@ class MissRatioCurve:
         self.lowered = 0  # times the rates dropped
         self.hot_refs = 0  # references of hot keys (counted exactly, outside the sample)
         self.hot_hits = 0
+        self._scaled_cold = 0.0  # sum over earlier epochs of their cold references x scale
+        self._epoch_cold = 0  # cold references when the current scale began
         self._hot: dict[bytes, int] = {}  # hot key -> its references in the current window
         self._candidates: dict[bytes, int] = {}  # first keys -> references this window
         self._review_at = HOT_WINDOW
@@ -178,42 +180,57 @@ class MissRatioCurve:
             self._lower()
 
     def _review(self) -> None:
-        """Each window: first keys with HOT_SHARE of the window's references become hot,
-        hot keys under half of it go back to the sample."""
+        """Each window: first keys with HOT_SHARE of the window's references become hot (and
+        leave the miniatures); a hot key goes back to the sample only after a window without
+        a reference, since each move between the two costs the miniatures a false miss."""
         self._review_at = self.accesses + HOT_WINDOW
         keep = HOT_SHARE * HOT_WINDOW
         before = set(self._hot)
-        self._hot = {k: 0 for k, n in self._hot.items() if n >= keep / 2}
+        self._hot = {k: 0 for k, n in self._hot.items() if n > 0}
         for key, n in sorted(self._candidates.items(), key=lambda kv: -kv[1]):
             if n < keep or len(self._hot) >= MAX_HOT:
                 break
             self._hot[key] = 0
+            for mini in self._minis:
+                mini.remove(key)
         self._candidates.clear()
         if set(self._hot) != before and self._sized:
             self._apply_scale()
 
     def _lower(self) -> None:
         while self._held > self.max_keys and self._top > 1:
+            cold = self.accesses - self.hot_refs
+            self._scaled_cold += (cold - self._epoch_cold) * self.scale
+            self._epoch_cold = cold
             self.scale *= SHRINK
             self.lowered += 1
             self._apply_scale()
 
+    def expected(self, i: int) -> float:
+        """The cold references miniature `i` would have sampled in expectation."""
+        cold = self.accesses - self.hot_refs
+        scaled = self._scaled_cold + (cold - self._epoch_cold) * self.scale
+        return min(float(cold), self._rates[i] * scaled)
+
     def curve(self) -> list[tuple[int, float]]:
         """(capacity, hit ratio) at each capacity; 0.0 before any reference.
 
-        Hot keys are hits (each was referenced a share of a whole window before it became
-        hot: no cache evicts it); the other references hit as often as each miniature's
-        sample did. Without the hot keys a sample has a large error: one shared system
-        prompt's block is 4 % of the Mooncake conversation trace's references, in or out
-        of the sample with nothing between (SHARDS_adj corrects that, but over-corrects
-        workloads without such a key; docs/autotune.md)."""
+        Hot keys are hits (each had a share of a whole window's references when it became
+        hot: no cache evicts it). The other references hit as often as each miniature's did,
+        with SHARDS_adj: the miniature's references minus those its rate leads to expect
+        are, mostly, those of a few warm keys the sample took or missed, which hit at any
+        capacity the curve is useful at; so the difference corrects the hits, over the
+        expected count."""
         if not self.accesses:
             return [(c, 0.0) for c in self.capacities]
         cold = self.accesses - self.hot_refs
         out = []
-        for capacity, hits, sampled in zip(self.capacities, self.hits, self.sampled,
-                                           strict=True):
-            ratio = hits / sampled if sampled else 0.0
+        for i, capacity in enumerate(self.capacities):
+            expected = self.expected(i)
+            ratio = 0.0
+            if self.sampled[i] and expected > 0:
+                ratio = min(1.0, max(0.0, (self.hits[i] + expected - self.sampled[i])
+                                     / expected))
             out.append((capacity, (self.hot_hits + ratio * cold) / self.accesses))
         return out
 

@@ -56,19 +56,20 @@ class Tier:
         return key in self.policy
 
     def add(self, key: bytes, stored_bytes: int, raw_bytes: int | None, *,
-            reference: bool = True) -> None:
-        """Indexes a stored block; `reference`: a store the workload made (not a listing)."""
+            reference: bool = True, first: bool = False) -> None:
+        """Indexes a stored block; `reference`: a store the workload made (not a listing);
+        `first`: the first key of its batch (for the miss-ratio curve's hot keys)."""
         self.policy.insert(key, stored_bytes)
         if raw_bytes is not None:
             self.raw_sizes[key] = raw_bytes
         if reference and self.mrc is not None:
-            self.mrc.access(key, stored_bytes)
+            self.mrc.access(key, stored_bytes, first)
 
-    def touch(self, key: bytes, depth: int | None = None) -> None:
-        """A held block was used (loaded)."""
+    def touch(self, key: bytes, depth: int | None = None, *, first: bool = False) -> None:
+        """A held block was used (loaded); `depth` its index in the batch, if known."""
         self.policy.touch(key, depth)
         if self.mrc is not None:
-            self.mrc.access(key, self.policy.size_of(key) or 0)
+            self.mrc.access(key, self.policy.size_of(key) or 0, first or depth == 0)
 
     def discard(self, key: bytes) -> None:
         self.policy.remove(key)
