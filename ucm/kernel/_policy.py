@@ -319,6 +319,7 @@ class _ShadowCache:
         "ghost_limit",
         "hits",
         "main",
+        "total_hits",
         "used",
         "weight",
     )
@@ -329,6 +330,7 @@ class _ShadowCache:
         self.used = 0
         self.clock = 0
         self.hits = 0.0
+        self.total_hits = 0  # never decayed
         self.fresh: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (stamp, size)
         self.main: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.ghost: OrderedDict[bytes, None] = OrderedDict()
@@ -339,6 +341,7 @@ class _ShadowCache:
         entry = self.fresh.pop(key, None) or self.main.pop(key, None)
         if entry is not None:
             self.hits += 1
+            self.total_hits += 1
             self.main[key] = (self.clock, entry[1])
             return
         self.used += size
@@ -431,6 +434,9 @@ class ShadowLRUPolicy(Policy):
             # The most hits wins; among equals the weight nearest the current one.
             best = max(self._shadows, key=lambda s: (s.hits, -abs(math.log2(s.weight)
                                                                    - math.log2(current))))
+            lru = self._shadows[0]  # weight 1: LRU, the policy shadow must never fall below
+            if best.total_hits < lru.total_hits:
+                best = lru  # a weight whose miniature hits less than LRU's over the run
             self.weight = best.weight
             for shadow in self._shadows:
                 shadow.hits *= self.DECAY
