@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a known name or a config.json path")
     parser.add_argument("--requests", required=True, help="a trace: JSONL (hash_ids), a JSON "
                         "list of token-id lists, or a ucm trace file or directory")
-    parser.add_argument("--bench", required=True, metavar="JSON",
-                        help="this machine's `ucm bench --json FILE` records")
+    parser.add_argument("--bench", metavar="JSON",
+                        help="`ucm bench --json FILE` records (default: a short probe of this "
+                        "machine, cached under the ucm cache directory)")
     parser.add_argument("--workload", default="chat")
     parser.add_argument("--max-memory-gb", type=float)
     parser.add_argument("--max-disk-gb", type=float)
