@@ -203,8 +203,9 @@ def add_replay_options(parser: Any) -> None:
                         "times 1/256 to 1)")
     parser.add_argument("--rate", type=float, default=0.1,
                         help="sampling rate of the estimator (default 0.1)")
-    parser.add_argument("--max-keys", type=int, default=16384,
-                        help="keys the miniature caches hold together (default 16384)")
+    parser.add_argument("--max-keys", type=int, default=1 << 18,
+                        help="keys the miniature caches hold together; over it the rate drops "
+                        "(default 262144: a trace's curve is read once, memory is not scarce)")
     parser.add_argument("--min-blocks", type=int, default=1000,
                         help="a capacity's miniature samples more where the rate would leave "
                         "it under this many blocks (default 1000)")

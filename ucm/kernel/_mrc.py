@@ -15,7 +15,8 @@ keys of low CRC would see its own sample as the whole stream.
 Hot keys are counted outside the sample: a key that begins requests (a chain's head: in a
 prefix cache the most reused blocks are the shared prompts' first ones) and takes 1 % of a
 window's references is hot, and its references are hits. A sample either holds such a key or
-not, and a key with 4 % of the references moves the estimate by 4 points either way.
+not, and a key with 4 % of the references moves the estimate by 4 points either way. The
+other references count with SHARDS_adj (`curve`).
 
 References are per key: a key the miniature holds is a hit. The kernel's lookups are prefix
 lookups (a request stops at its first miss), which this does not model; on the Mooncake
