@@ -8,7 +8,8 @@ import importlib
 
 BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
            "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec",
-           "serve": "ucm.bench.serve", "quality": "ucm.bench.quality", "link": "ucm.bench.link"}
+           "serve": "ucm.bench.serve", "quality": "ucm.bench.quality", "link": "ucm.bench.link",
+           "mrc": "ucm.bench.mrc"}
 
 
 def main(argv: list[str]) -> int:
