@@ -7,6 +7,7 @@
     ucm-trace plot DIR -o out.png
     ucm-trace follow DIR                   live records of a running process
     ucm-trace diff A B                     latency and hit-rate changes
+    ucm-trace mrc DIR [--hit X] [--at C]   miss-ratio curve of the traced lookups
 
 TRACE is a trace directory or one segment file.
 
@@ -271,6 +272,19 @@ def _limit_options() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_mrc(args: argparse.Namespace) -> int:
+    from ucm.autotune import _mrc
+    from ucm.autotune._traces import read_ucm_trace
+
+    try:
+        requests = read_ucm_trace(args.trace)
+        _mrc.answer([_mrc.curve_of_requests(requests, args, args.trace)], args)
+    except ValueError as exc:
+        print(f"ucm-trace: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ucm-trace", description="Read the event traces the ucm kernel writes (trace: "
@@ -328,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--from-start", action="store_true", help="print existing records too")
     s.add_argument("--request-id")
     s.set_defaults(fn=cmd_follow)
+
+    from ucm.autotune import _mrc  # the simulator's imports, only for this parser
+
+    s = sub.add_parser("mrc", help="miss-ratio curve of the traced requests (their Lookups' "
+                       "keys), for a policy: the capacity a hit ratio needs, and back")
+    s.add_argument("trace")
+    _mrc.add_replay_options(s)
+    s.set_defaults(fn=cmd_mrc)
 
     s = sub.add_parser("diff", parents=limits,
                        help="latency and hit-rate changes from trace A to trace B")

@@ -133,6 +133,29 @@ class ThreadsConfig(_Strict):
                                description="idle-priority threads that stores run on; more wait")
 
 
+class MRCConfig(_Strict):
+    sample_rate: float = Field(default=0.01, gt=0, le=1,
+                               description="share of keys sampled at first (by a hash of the "
+                               "key); lowered when the sample outgrows max_keys")
+    max_keys: int = Field(default=16384, ge=64,
+                          description="keys one tier's miniature caches hold together (their "
+                          "ghost lists add up to 4x): the memory budget; over it the rate drops")
+    min_blocks: int = Field(default=0, ge=0,
+                            description="a capacity's miniature samples more where the rate "
+                            "would leave it under this many blocks (more accurate small "
+                            "capacities, more CPU)")
+    capacities: list[ByteSize] | None = Field(
+        default=None, description="the capacities the curve is computed at; null: 1/16 to 4x "
+        "each tier's capacity (an unbounded tier then has no curve)")
+
+    @field_validator("capacities")
+    @classmethod
+    def _positive_sizes(cls, sizes: list[ByteSize] | None) -> list[ByteSize] | None:
+        if sizes is not None and (not sizes or min(sizes) <= 0):
+            raise ValueError("must be a non-empty list of sizes > 0 bytes")
+        return sizes
+
+
 class UCMConfig(_Strict):
     tiers: list[TierConfig] = Field(min_length=1, description="the tier stack, fastest first")
     durability: Durability = Field(
@@ -161,6 +184,10 @@ class UCMConfig(_Strict):
     codec: CodecName = Field(
         default="none", description="the codec of every tier that sets no `codec` of its own "
         "(see tiers[].codec and docs/compression.md)")
+    mrc: MRCConfig | None = Field(default=None,
+                                  description="a sampled miss-ratio curve per tier, for its "
+                                  "policy, exported as ucm_mrc_* metrics (docs/autotune.md); "
+                                  "null: off, {} on with the defaults")
     trace: TraceConfig | None = Field(default=None,
                                       description="record every event's life; null: off "
                                       "(unless UCM_TRACE names a directory)")

@@ -54,9 +54,38 @@ def test_kv_bytes_from_a_name_and_a_config_json(tmp_path):
         kv_bytes_per_token("no-such-model")
 
 
-def test_without_measured_bandwidths_it_refuses():
-    with pytest.raises(ValueError, match="ucm bench --json"):
-        AutoTuner(progress=False).tune("llama-2-7b", [[1] * 64])
+def test_the_one_line_call_probes_this_machine_and_caches_the_figures(tmp_path, capsys):
+    from ucm.autotune._probe import cache_file
+
+    def tuner() -> AutoTuner:  # the one line, with a tiny probe and a private cache
+        return AutoTuner(workload="chat", constraints={"max_latency_ms": 100,
+                                                       "max_memory_gb": 16},
+                         cache_dir=tmp_path, probe_block_bytes=4096, probe_blocks=4)
+
+    # A small model: the tiny probe's figures (per-call costs dominate 4 KiB blocks) must
+    # leave every candidate within the latency bound whatever the machine's load.
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2,
+                                 "hidden_size": 128, "torch_dtype": "float16"}))
+    first = tuner()
+    config = first.tune(model=str(model), sample_requests=chat_tokens(40))
+    load_config(config)
+    err = capsys.readouterr().err
+    assert "probing memory load bandwidth (1/2" in err and "probing posix" in err
+    assert first.bandwidth_source.startswith("measured this machine's load bandwidths")
+    cached = json.loads(cache_file(tmp_path).read_text())
+    assert set(cached["bandwidths"]) == {"memory", "posix"}
+    assert min(cached["bandwidths"].values()) > 0
+    assert not list((tmp_path / "autotune").glob("probe-*"))  # the scratch blocks are gone
+
+    second = tuner()
+    assert second.tune(model=str(model), sample_requests=chat_tokens(40)) == config
+    assert "read from" in second.bandwidth_source and "probing" not in capsys.readouterr().err
+
+    cache_file(tmp_path).write_text("{half")  # a damaged cache is measured again
+    third = tuner()
+    third.tune(model=str(model), sample_requests=chat_tokens(40))
+    assert third.bandwidth_source.startswith("measured")
 
 
 def test_the_tuned_config_beats_every_config_of_a_grid(tmp_path):

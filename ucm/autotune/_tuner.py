@@ -7,12 +7,16 @@ never from constants. A candidate fits when its memory is within `max_memory_gb`
 within `max_disk_gb` and its mean per-request load time within `max_latency_ms`; the best
 fitting one has the highest hit ratio (then the least load time, then the least memory), and
 its sizes are then bisected toward the next larger ones that did not fit.
+
+Without `bench_json` the bandwidths come from a short probe of this machine's drivers, cached
+per machine under the ucm cache directory (`ucm.autotune._probe`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -105,7 +109,8 @@ class AutoTuner:
     def __init__(self, workload: str = "chat", constraints: dict[str, Any] | None = None, *,
                  bench_json: str | os.PathLike[str] | None = None, tp: int = 1,
                  block_tokens: int | None = None, disk_path: str = "/var/cache/ucm",
-                 progress: bool = True) -> None:
+                 progress: bool = True, cache_dir: str | os.PathLike[str] | None = None,
+                 probe_block_bytes: int = 1 << 20, probe_blocks: int = 64) -> None:
         if workload not in WORKLOADS:
             raise ValueError(f"unknown workload {workload!r}; choose {', '.join(WORKLOADS)}")
         self.workload = workload
@@ -116,16 +121,30 @@ class AutoTuner:
         self.block_tokens = block_tokens
         self.disk_path = disk_path
         self.progress = progress
+        self.cache_dir = cache_dir  # None: the ucm cache directory
+        self.probe_block_bytes = probe_block_bytes
+        self.probe_blocks = probe_blocks
+        self.bandwidth_source = ""  # where the last tune's bandwidths came from
         self.predictions: list[Prediction] = []
         self.best: Prediction | None = None
         self.requests: list[Request] = []  # the last tune()'s sample, and its block size
         self.block_bytes = 0
 
     def _bandwidths(self) -> dict[str, float]:
+        """`bench_json`'s figures, or without it this machine's: measured by a short probe
+        the first time, then read from the ucm cache directory (`ucm.autotune._probe`)."""
         if self.bench_json is None:
-            raise ValueError("the tuner needs this machine's measured driver bandwidths: run "
-                             "`ucm bench --json bench.json` and pass bench_json='bench.json' "
-                             "(ucm tune --bench bench.json)")
+            from ucm.autotune._probe import machine_bandwidths
+            from ucm.config import default_cache_dir
+
+            cache = Path(self.cache_dir) if self.cache_dir is not None else default_cache_dir()
+            bandwidths, self.bandwidth_source = machine_bandwidths(
+                self.tiers, cache, block_bytes=self.probe_block_bytes,
+                blocks=self.probe_blocks, progress=self.progress)
+            if self.progress:
+                print(f"ucm tune: {self.bandwidth_source}", file=sys.stderr, flush=True)
+            return bandwidths
+        self.bandwidth_source = f"load bandwidths from {self.bench_json}"
         bandwidths = load_bandwidths(self.bench_json)
         missing = [t for t in self.tiers if t not in bandwidths]
         if missing:

@@ -53,6 +53,7 @@ from ucm.kernel._events import (
 from ucm.kernel._flight import FlightTable
 from ucm.kernel._groups import unwrap_single
 from ucm.kernel._movement import Background, Movement
+from ucm.kernel._mrc import MissRatioCurve
 from ucm.kernel._policy import make_policy
 from ucm.kernel._tier import Tier, keys_of
 
@@ -133,7 +134,7 @@ class KernelCore:
         policy = make_policy(self.config.eviction,
                              int(tier_config.capacity) if tier_config.capacity else None,
                              clock=trio.current_time)
-        tier = Tier(tier_config, driver, policy)
+        tier = Tier(tier_config, driver, policy, _mrc_of(self.config, policy.capacity))
         self.tiers.insert(len(self.tiers) if position is None else position, tier)
         if isinstance(driver, Listing):
             # Blocks already in storage (a restart) enter the index in the background: a tier
@@ -155,7 +156,7 @@ class KernelCore:
                 try:
                     async for key, size in lister.list_blocks():
                         if key not in tier and key not in tier.removed_while_indexing:
-                            tier.add(key, size, None)
+                            tier.add(key, size, None, reference=False)
                 finally:
                     tier.indexing = False
                     tier.removed_while_indexing.clear()
@@ -378,7 +379,7 @@ class KernelCore:
                 if state is LoadState.OK:
                     states[i] = LoadState.OK
                     sources[i] = tier
-                    tier.policy.touch(keys[i], i)  # its index: the depth hint
+                    tier.touch(keys[i], i)  # its index: the depth hint
                     tier.raw_sizes[keys[i]] = buffers[i].nbytes
                     nbytes += buffers[i].nbytes
                     continue
@@ -438,6 +439,8 @@ class KernelCore:
             out[f"tier.{tier.name}.capacity"] = tier.policy.capacity
             out[f"tier.{tier.name}.pinned"] = tier.policy.pinned_count
             out[f"tier.{tier.name}.driver"] = tier.driver.statistics()
+            if tier.mrc is not None:
+                out[f"tier.{tier.name}.mrc"] = tier.mrc.snapshot()
         out["background_pending"] = self.background.pending
         out["single_flight_keys"] = len(self._flights)
         return out
@@ -484,3 +487,21 @@ async def _unstage(staged: list[memoryview], targets: list[memoryview | Scatter]
 def _copy_into(copies: list[tuple[Scatter, memoryview]]) -> None:
     for dst, src in copies:
         copy_bytes(dst, src)
+
+
+MRC_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4, 1, 1.5, 2, 4)
+
+
+def _mrc_of(config: UCMConfig, capacity: int | None) -> MissRatioCurve | None:
+    """The tier's miss-ratio curve, if the config asks for one and it has sizes to use."""
+    mrc = config.mrc
+    if mrc is None:
+        return None
+    if mrc.capacities is not None:
+        sizes = [int(c) for c in mrc.capacities]
+    elif capacity is not None:
+        sizes = [max(1, int(capacity * f)) for f in MRC_FRACTIONS]
+    else:
+        return None
+    return MissRatioCurve(config.eviction, sizes, rate=mrc.sample_rate,
+                          max_keys=mrc.max_keys, min_blocks=mrc.min_blocks)

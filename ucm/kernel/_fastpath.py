@@ -228,9 +228,9 @@ class FastPath:
         touched = self._touched
         while touched:
             tier, keys, sizes = touched.popleft()
-            for key, size in zip(keys, sizes, strict=True):
+            for j, (key, size) in enumerate(zip(keys, sizes, strict=True)):
                 if key in tier:
-                    tier.policy.touch(key)
+                    tier.touch(key, first=j == 0)
                     tier.raw_sizes[key] = size
 
     @property

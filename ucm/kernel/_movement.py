@@ -211,7 +211,7 @@ class Movement:
             nbytes = 0
             for i, size in zip(chosen, sizes, strict=True):
                 if size > 0:
-                    tier.add(keys[i], size, buffers[i].nbytes)
+                    tier.add(keys[i], size, buffers[i].nbytes, first=i == 0)
                     ok[i] = True
                     nbytes += buffers[i].nbytes
                 else:

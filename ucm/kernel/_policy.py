@@ -129,6 +129,11 @@ class Policy:
             self.used -= self._sizes.pop(victim)
         return victims
 
+    def resize(self, capacity: int) -> list[bytes]:
+        """A new capacity; returns the victims evicted to fit it (pins permitting)."""
+        self.capacity = capacity
+        return self.make_room(0) or []
+
     # -- subclass hooks ------------------------------------------------------------------------
     def _on_insert(self, key: bytes, depth: int | None) -> None:
         raise NotImplementedError
@@ -314,6 +319,7 @@ class _ShadowCache:
         "ghost_limit",
         "hits",
         "main",
+        "total_hits",
         "used",
         "weight",
     )
@@ -324,6 +330,7 @@ class _ShadowCache:
         self.used = 0
         self.clock = 0
         self.hits = 0.0
+        self.total_hits = 0  # never decayed
         self.fresh: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (stamp, size)
         self.main: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self.ghost: OrderedDict[bytes, None] = OrderedDict()
@@ -334,6 +341,7 @@ class _ShadowCache:
         entry = self.fresh.pop(key, None) or self.main.pop(key, None)
         if entry is not None:
             self.hits += 1
+            self.total_hits += 1
             self.main[key] = (self.clock, entry[1])
             return
         self.used += size
@@ -408,6 +416,11 @@ class ShadowLRUPolicy(Policy):
         self._shadows = [_ShadowCache(mini, w, ghosts) for w in self.WEIGHTS]
         self._period = max(8, int(mini / size))
 
+    def resize(self, capacity: int) -> list[bytes]:
+        # the miniatures are scaled to the capacity: start them again at the next insert
+        self._shadows, self._threshold, self._sampled = [], 0, 0
+        return super().resize(capacity)
+
     def _sample(self, key: bytes) -> None:
         if zlib.crc32(key) >= self._threshold:
             return
@@ -421,6 +434,9 @@ class ShadowLRUPolicy(Policy):
             # The most hits wins; among equals the weight nearest the current one.
             best = max(self._shadows, key=lambda s: (s.hits, -abs(math.log2(s.weight)
                                                                    - math.log2(current))))
+            lru = self._shadows[0]  # weight 1: LRU, the policy shadow must never fall below
+            if best.total_hits < lru.total_hits:
+                best = lru  # a weight whose miniature hits less than LRU's over the run
             self.weight = best.weight
             for shadow in self._shadows:
                 shadow.hits *= self.DECAY

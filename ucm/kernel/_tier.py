@@ -12,13 +12,15 @@ from ucm.block import PAYLOAD_OFFSET
 from ucm.config import TierConfig
 from ucm.drivers import Driver, InMemoryLoads, ScatterLoads, ScatterStores
 from ucm.kernel._limiter import PriorityLimiter
+from ucm.kernel._mrc import MissRatioCurve
 from ucm.kernel._policy import Policy
 
 T = TypeVar("T")
 
 
 class Tier:
-    def __init__(self, config: TierConfig, driver: Driver, policy: Policy) -> None:
+    def __init__(self, config: TierConfig, driver: Driver, policy: Policy,
+                 mrc: MissRatioCurve | None = None) -> None:
         self.config = config
         self.name = config.name or config.driver
         self.driver = driver
@@ -33,6 +35,7 @@ class Tier:
         self.in_memory: InMemoryLoads | None = (
             driver if isinstance(driver, InMemoryLoads) else None)
         self.policy = policy
+        self.mrc = mrc  # the tier's sampled miss-ratio curve, where configured
         self.limiter = PriorityLimiter(config.concurrency)
         self.raw_sizes: dict[bytes, int] = {}  # bytes a loader needs, where this kernel knows
         self.reserved = 0  # bytes promised to stores in flight
@@ -52,10 +55,21 @@ class Tier:
     def __contains__(self, key: bytes) -> bool:
         return key in self.policy
 
-    def add(self, key: bytes, stored_bytes: int, raw_bytes: int | None) -> None:
+    def add(self, key: bytes, stored_bytes: int, raw_bytes: int | None, *,
+            reference: bool = True, first: bool = False) -> None:
+        """Indexes a stored block; `reference`: a store the workload made (not a listing);
+        `first`: the first key of its batch (for the miss-ratio curve's hot keys)."""
         self.policy.insert(key, stored_bytes)
         if raw_bytes is not None:
             self.raw_sizes[key] = raw_bytes
+        if reference and self.mrc is not None:
+            self.mrc.access(key, stored_bytes, first)
+
+    def touch(self, key: bytes, depth: int | None = None, *, first: bool = False) -> None:
+        """A held block was used (loaded); `depth` its index in the batch, if known."""
+        self.policy.touch(key, depth)
+        if self.mrc is not None:
+            self.mrc.access(key, self.policy.size_of(key) or 0, first or depth == 0)
 
     def discard(self, key: bytes) -> None:
         self.policy.remove(key)

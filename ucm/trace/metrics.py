@@ -262,6 +262,7 @@ class KernelCollector:
                       "pinned": pinned}.get(what)
             if family is not None:
                 family.add_metric([tier], value)
+        mrc = self._mrc(stats)
         busy = CounterMetricFamily(f"{ns}_busy_rejections", "Events refused: inbox full",
                                    value=stats.get("busy_rejections", 0))
         dropped = CounterMetricFamily(f"{ns}_background_dropped", "Background copies dropped",
@@ -269,7 +270,31 @@ class KernelCollector:
         trace_errors = CounterMetricFamily(
             f"{ns}_trace_write_errors", "Trace file writes that failed (the first turns trace "
             "files off)", value=stats.get("trace_write_errors", 0))
-        return [used, cap, blocks, pinned, busy, dropped, trace_errors]
+        return [used, cap, blocks, pinned, busy, dropped, trace_errors, *mrc]
+
+    def _mrc(self, stats: dict[str, Any]) -> list[Any]:
+        """Each tier's sampled miss-ratio curve (`mrc:` in the config), one point a series."""
+        ns = self.ns
+        ratio = GaugeMetricFamily(f"{ns}_mrc_hit_ratio", "Estimated hit ratio of a tier at a "
+                                  "capacity, for its policy (sampled miss-ratio curve)",
+                                  labels=["tier", "policy", "capacity_bytes"])
+        rate = GaugeMetricFamily(f"{ns}_mrc_sample_rate", "Share of keys the curve samples",
+                                 labels=["tier"])
+        size = GaugeMetricFamily(f"{ns}_mrc_block_bytes", "Mean size of the sampled blocks",
+                                 labels=["tier"])
+        refs = GaugeMetricFamily(f"{ns}_mrc_sampled_references", "References the curve has "
+                                 "sampled", labels=["tier"])
+        for key, value in stats.items():
+            if not (key.startswith("tier.") and key.endswith(".mrc")) or not isinstance(
+                    value, dict):
+                continue
+            tier = key[5:-4]
+            for capacity, hit in value["curve"]:
+                ratio.add_metric([tier, str(value["policy"]), str(int(capacity))], hit)
+            rate.add_metric([tier], value["rate"])
+            size.add_metric([tier], value["block_bytes"])
+            refs.add_metric([tier], value["sampled"])
+        return [ratio, rate, size, refs]
 
 
 def serve_metrics(port: int, addr: str = "127.0.0.1", *, registry: Any = None,

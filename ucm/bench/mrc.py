@@ -1,0 +1,152 @@
+"""`ucm bench mrc`: what the live miss-ratio curve costs the kernel, and how close it is.
+
+- Cost (`--overhead`, the default): the first `--requests` requests of a trace replayed through
+  a one-tier memory kernel as the vLLM connector drives it (a prefix Lookup, a Load of the
+  hits, a Store of the rest), with `mrc:` off and on, alternating, best of `--repeat` each;
+  the process's CPU seconds for each side and their ratio, and the estimator alone fed the
+  same references.
+- Accuracy (`--accuracy`): the estimator's curve against the simulator's exact one (the same
+  policy replayed at each capacity) on the trace and on the seeded synthetic workloads of
+  `ucm bench policy`, over `--seeds` samples (hash seeds); the largest error in points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ucm.autotune._mrc import exact_curve, sampled_curve
+from ucm.autotune._traces import Request, read_jsonl
+from ucm.bench.policy import chat_trace, zipf_scan_trace, zipf_trace
+from ucm.kernel import Kernel, Load, Lookup, Store
+from ucm.kernel._mrc import MissRatioCurve
+
+TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def kernel_keys(requests: Sequence[Request]) -> list[list[bytes]]:
+    """16-byte digests, as the connector's keys are."""
+    return [[hashlib.blake2b(k, digest_size=16).digest() for k in r.blocks] for r in requests]
+
+
+def replay(config: dict[str, Any], requests: list[list[bytes]], block: int) -> float:
+    """CPU seconds of the process while one kernel serves the requests."""
+    payload = bytes(block)
+    with Kernel(config) as kernel:
+        start = time.process_time()
+        for keys in requests:
+            hit = kernel.submit(Lookup(keys, prefix=True)).result(30).prefix_len
+            if hit:
+                kernel.submit(Load(keys[:hit], buffers=[bytearray(block)
+                                                        for _ in range(hit)])).result(30)
+            if hit < len(keys):
+                kernel.submit(Store(keys[hit:], buffers=[payload] * (len(keys) - hit))
+                              ).result(30)
+        return time.process_time() - start
+
+
+def estimator_alone(requests: list[list[bytes]], capacity: int, block: int, rate: float,
+                    max_keys: int, min_blocks: int, policy: str) -> float:
+    from ucm.kernel._core import MRC_FRACTIONS
+
+    mrc = MissRatioCurve(policy, [int(capacity * f) for f in MRC_FRACTIONS], rate=rate,
+                         max_keys=max_keys, min_blocks=min_blocks)
+    start = time.process_time()
+    for keys in requests:
+        mrc.access(keys[0], block, True)
+        for key in keys[1:]:
+            mrc.access(key, block)
+    return time.process_time() - start
+
+
+def overhead(args: argparse.Namespace) -> None:
+    requests = kernel_keys(read_jsonl(args.trace, limit=args.requests))
+    refs = sum(len(r) for r in requests)
+    tier = {"driver": "memory", "capacity": args.capacity}
+    off = {"tiers": [tier], "eviction": args.policy}
+    on = {**off, "mrc": {"sample_rate": args.rate, "max_keys": args.max_keys,
+                         "min_blocks": args.min_blocks}}
+    print(f"ucm bench mrc: {len(requests)} requests ({refs} block references) of "
+          f"{args.trace}, memory tier of {args.capacity} bytes, {args.block} B blocks, policy "
+          f"{args.policy}, mrc sample_rate {args.rate} max_keys {args.max_keys} min_blocks "
+          f"{args.min_blocks}, best of "
+          f"{args.repeat}")
+    best = {"off": float("inf"), "on": float("inf")}
+    for _ in range(args.repeat):
+        for side, config in (("off", off), ("on", on)):
+            best[side] = min(best[side], replay(config, requests, args.block))
+    alone = min(estimator_alone(requests, args.capacity, args.block, args.rate,
+                                args.max_keys, args.min_blocks, args.policy)
+                for _ in range(args.repeat))
+    print(f"kernel CPU, mrc off: {best['off']:.3f} s ({1e6 * best['off'] / refs:.1f} us a "
+          "reference)")
+    print(f"kernel CPU, mrc on:  {best['on']:.3f} s (ratio on/off {best['on'] / best['off']:.4f})")
+    print(f"the estimator alone: {alone:.3f} s = {100 * alone / best['off']:.2f} % of the "
+          "kernel's CPU with it off")
+
+
+def synthetic(name: str, seed: int = 0, n: int = 100_000) -> list[Request]:
+    make = {"zipf": zipf_trace, "zipf+scan": zipf_scan_trace, "chat": chat_trace}[name]
+    return [Request((k.to_bytes(8, "little", signed=True),))
+            for k in make(n, 20_000, random.Random(seed))]
+
+
+def accuracy_row(label: str, requests: Sequence[Request], policy: str,
+                 capacities: Sequence[int], rate: float, min_blocks: int, seeds: int,
+                 ) -> dict[str, Any]:
+    exact = exact_curve(requests, policy, capacities)
+    worst = [0.0] * len(exact)
+    for seed in range(seeds):
+        curve, _ = sampled_curve(requests, policy, capacities, rate=rate,
+                                 min_blocks=min_blocks, seed=seed)
+        worst = [max(w, abs(a - b)) for w, (_, a), (_, b) in zip(worst, curve, exact,
+                                                                 strict=True)]
+    return {"workload": label, "policy": policy, "exact": [h for _, h in exact],
+            "max_error_points": [100 * w for w in worst], "capacities": list(capacities)}
+
+
+def accuracy(args: argparse.Namespace) -> None:
+    rows = []
+    trace = read_jsonl(args.trace, limit=args.requests if args.requests else None)
+    caps = [int(c) for c in args.capacities.split(",")]
+    for policy in args.policies.split(","):
+        rows.append(accuracy_row("trace", trace, policy, caps, args.rate, args.min_blocks,
+                                 args.seeds))
+        for name in ("zipf", "zipf+scan", "chat"):
+            rows.append(accuracy_row(name, synthetic(name), policy, (500, 2000, 5000, 10000),
+                                     args.rate, args.min_blocks, args.seeds))
+    for row in rows:
+        print(f"{row['workload']:>10} {row['policy']:>7}: " + ", ".join(
+            f"{c}: {h:.4f} (+-{e:.2f})" for c, h, e in zip(
+                row["capacities"], row["exact"], row["max_error_points"], strict=True)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ucm bench mrc", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--accuracy", action="store_true", help="the accuracy table instead")
+    parser.add_argument("--trace", default=TRACE, help="a JSONL trace (hash_ids)")
+    parser.add_argument("--requests", type=int, default=2000,
+                        help="requests of the trace (--accuracy: 0 for all)")
+    parser.add_argument("--block", type=int, default=64 * KiB, help="bytes a block")
+    parser.add_argument("--capacity", type=int, default=256 * MiB, help="the tier's bytes")
+    parser.add_argument("--policy", default="shadow")
+    parser.add_argument("--policies", default="lru,shadow", help="--accuracy")
+    parser.add_argument("--capacities", default="1000,2000,4000,8000,16000,32000,64000",
+                        help="--accuracy, on the trace (blocks)")
+    parser.add_argument("--rate", type=float, help="default: 0.01 (cost), 0.1 (--accuracy)")
+    parser.add_argument("--min-blocks", type=int, help="default: 0 (cost), 1000 (--accuracy)")
+    parser.add_argument("--max-keys", type=int, default=16384)
+    parser.add_argument("--seeds", type=int, default=4, help="--accuracy: samples drawn")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.rate is None:
+        args.rate = 0.1 if args.accuracy else 0.01
+    if args.min_blocks is None:
+        args.min_blocks = 1000 if args.accuracy else 0
+    (accuracy if args.accuracy else overhead)(args)
+    return 0

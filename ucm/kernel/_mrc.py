@@ -1,0 +1,247 @@
+"""A sampled miss-ratio curve of one tier's reference stream, for the tier's own policy.
+
+Spatial sampling (SHARDS, Waldspurger et al., FAST'15): a key is in the sample when a hash of
+it falls below a threshold, so every reference of a sampled key is seen and none of the
+others. Each capacity of the curve gets a miniature cache (Waldspurger et al., ATC'17): the
+tier's policy class (`make_policy`, any policy, not only LRU) at the capacity times the
+sampling rate, fed the sampled references; its hit ratio estimates the full-size cache's.
+
+The memory is bounded (SHARDS' fixed-size variant): when the miniatures together hold more
+than `max_keys` keys, the threshold drops by a quarter, sampled keys above it leave every
+miniature and the miniatures shrink to the new rate. The hash is CRC-32 times a Fibonacci
+constant: the `shadow` policy samples its own keys by plain CRC-32, and a miniature fed only
+keys of low CRC would see its own sample as the whole stream.
+
+Hot keys are counted outside the sample: a key that begins requests (a chain's head: in a
+prefix cache the most reused blocks are the shared prompts' first ones) and takes 1 % of a
+window's references is hot, and its references are hits. A sample either holds such a key or
+not, and a key with 4 % of the references moves the estimate by 4 points either way. The
+other references count with SHARDS_adj (`curve`).
+
+References are per key: a key the miniature holds is a hit. The kernel's lookups are prefix
+lookups (a request stops at its first miss), which this does not model; on the Mooncake
+conversation trace the per-key curve at rate 1 equals the prefix simulator's within 0.1
+points (docs/autotune.md).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from ucm.kernel._policy import Policy, make_policy
+
+SPACE = 1 << 32
+_FIBONACCI = 0x9E3779B1
+SHRINK = 0.75  # the threshold's factor each time the sample outgrows its budget
+HOT_WINDOW = 4096  # references between two reviews of the hot keys
+HOT_SHARE = 0.01  # a first key with this share of a window's references is hot
+MAX_HOT = 16
+
+
+def multiplier(seed: int) -> int:
+    """The odd factor of a seed's hash. CRC-32 is linear, so seeding the CRC itself only
+    XORs a constant into every key's value and draws nearly the same sample; another factor
+    draws another one (for measuring the estimate's spread)."""
+    return (_FIBONACCI + 2 * seed * 0x2545F491) & (SPACE - 1) | 1
+
+
+def sample_hash(key: bytes, seed: int = 0) -> int:
+    """The key's place in [0, 2**32): sampled when below the threshold."""
+    return (zlib.crc32(key) * multiplier(seed)) & (SPACE - 1)
+
+
+def _no_time() -> float:
+    return 0.0
+
+
+class MissRatioCurve:
+    """Hit ratios at `capacities` (bytes, or blocks when every size is 1) of `policy`, from
+    the references passed to `access`. Not thread-safe: one caller (the kernel's trio thread).
+
+    Each miniature samples at `rate`, or more where that would leave it under `min_blocks`
+    blocks (sized by the first reference): a miniature of a few dozen blocks misjudges a
+    small cache. The thresholds nest (a key sampled for a large capacity is sampled for every
+    smaller one), so one hash decides for all."""
+
+    def __init__(self, policy: str, capacities: Sequence[int], *, rate: float = 0.1,
+                 max_keys: int = 16384, min_blocks: int = 0, seed: int = 0) -> None:
+        if not 0 < rate <= 1:
+            raise ValueError(f"mrc sample rate must be in (0, 1], got {rate}")
+        if max_keys < 1:
+            raise ValueError(f"mrc max_keys must be >= 1, got {max_keys}")
+        caps = sorted({int(c) for c in capacities})
+        if not caps or caps[0] <= 0:
+            raise ValueError("mrc capacities must be a non-empty list of positive sizes")
+        self.policy = policy
+        self.seed = seed
+        self._factor = multiplier(seed)
+        self.capacities = caps
+        self.max_keys = max_keys
+        self.min_blocks = min_blocks
+        self.base_rate = rate  # before any lowering
+        self.scale = 1.0  # the rates' factor after lowering for the budget
+        self._rates = [rate] * len(caps)  # each miniature's rate at scale 1
+        self._thresholds = [int(rate * SPACE)] * len(caps)
+        self._top = self._thresholds[0]  # the highest threshold: above it, no miniature
+        self._sized = False
+        self.accesses = 0  # every reference offered
+        self.sampled = [0] * len(caps)  # references each miniature saw
+        self.sampled_bytes = 0  # of references under the top threshold
+        self.top_sampled = 0
+        self.hits = [0] * len(caps)
+        self.lowered = 0  # times the rates dropped
+        self.hot_refs = 0  # references of hot keys (counted exactly, outside the sample)
+        self.hot_hits = 0
+        self._scaled_cold = 0.0  # sum over earlier epochs of their cold references x scale
+        self._epoch_cold = 0  # cold references when the current scale began
+        self._hot: dict[bytes, int] = {}  # hot key -> its references in the current window
+        self._candidates: dict[bytes, int] = {}  # first keys -> references this window
+        self._review_at = HOT_WINDOW
+        self._held = 0
+        self._minis: list[Policy] = [make_policy(policy, self._scaled(i), clock=_no_time)
+                                     for i in range(len(caps))]
+
+    @property
+    def rate(self) -> float:
+        """The sampling rate of the largest capacities (smaller ones may sample more)."""
+        return self.base_rate * self.scale
+
+    @property
+    def threshold(self) -> int:
+        """Keys whose hash is below it reach some miniature (the smallest capacity's)."""
+        return self._top
+
+    def _scaled(self, i: int) -> int:
+        # the hot keys, held at any capacity, leave the rest of it to the sampled keys
+        room = self.capacities[i] - len(self._hot) * self.mean_size
+        return max(1, round(room * self._rates[i] * self.scale))
+
+    def _size_rates(self, size: int) -> None:
+        """Raises the rate of miniatures that would hold under `min_blocks` blocks."""
+        self._sized = True
+        for i, capacity in enumerate(self.capacities):
+            floor = self.min_blocks * max(1, size) / capacity
+            self._rates[i] = min(1.0, max(self.base_rate, floor))
+        self._apply_scale()
+
+    def _apply_scale(self) -> None:
+        self._thresholds = [min(SPACE, int(r * self.scale * SPACE)) for r in self._rates]
+        self._top = max(self._thresholds)
+        held = 0
+        for i, mini in enumerate(self._minis):
+            threshold = self._thresholds[i]
+            for key in [k for k in mini if sample_hash(k, self.seed) >= threshold]:
+                mini.remove(key)
+            mini.resize(self._scaled(i))
+            held += len(mini)
+        self._held = held
+
+    def access(self, key: bytes, size: int = 1, first: bool = False) -> None:
+        """One reference of `key` (a lookup hit loaded, or a block stored); `first`: the
+        first key of its request or batch (a chain's head, where hot keys are)."""
+        self.accesses += 1
+        hot = self._hot
+        if key in hot:
+            hot[key] += 1
+            self.hot_refs += 1
+            self.hot_hits += 1
+            return
+        if first:
+            self._candidates[key] = self._candidates.get(key, 0) + 1
+        if self.accesses >= self._review_at:
+            self._review()
+        h = (zlib.crc32(key) * self._factor) & (SPACE - 1)
+        if h >= self._top:
+            if self._sized:
+                return
+            self._size_rates(size)
+            if h >= self._top:
+                return
+        elif not self._sized:
+            self._size_rates(size)
+        self.top_sampled += 1
+        self.sampled_bytes += size
+        hits, sampled, thresholds = self.hits, self.sampled, self._thresholds
+        for i, mini in enumerate(self._minis):
+            if h >= thresholds[i]:
+                continue
+            sampled[i] += 1
+            if key in mini:
+                mini.touch(key)
+                hits[i] += 1
+                continue
+            victims = mini.make_room(size)
+            if victims is None:
+                continue  # larger than the miniature: a miss, not kept
+            mini.insert(key, size)
+            self._held += 1 - len(victims)
+        if self._held > self.max_keys:
+            self._lower()
+
+    def _review(self) -> None:
+        """Each window: first keys with HOT_SHARE of the window's references become hot (and
+        leave the miniatures); a hot key goes back to the sample only after a window without
+        a reference, since each move between the two costs the miniatures a false miss."""
+        self._review_at = self.accesses + HOT_WINDOW
+        keep = HOT_SHARE * HOT_WINDOW
+        before = set(self._hot)
+        self._hot = {k: 0 for k, n in self._hot.items() if n > 0}
+        for key, n in sorted(self._candidates.items(), key=lambda kv: -kv[1]):
+            if n < keep or len(self._hot) >= MAX_HOT:
+                break
+            self._hot[key] = 0
+            for mini in self._minis:
+                mini.remove(key)
+        self._candidates.clear()
+        if set(self._hot) != before and self._sized:
+            self._apply_scale()
+
+    def _lower(self) -> None:
+        while self._held > self.max_keys and self._top > 1:
+            cold = self.accesses - self.hot_refs
+            self._scaled_cold += (cold - self._epoch_cold) * self.scale
+            self._epoch_cold = cold
+            self.scale *= SHRINK
+            self.lowered += 1
+            self._apply_scale()
+
+    def expected(self, i: int) -> float:
+        """The cold references miniature `i` would have sampled in expectation."""
+        cold = self.accesses - self.hot_refs
+        scaled = self._scaled_cold + (cold - self._epoch_cold) * self.scale
+        return min(float(cold), self._rates[i] * scaled)
+
+    def curve(self) -> list[tuple[int, float]]:
+        """(capacity, hit ratio) at each capacity; 0.0 before any reference.
+
+        Hot keys are hits (each had a share of a whole window's references when it became
+        hot: no cache evicts it). The other references hit as often as each miniature's did,
+        with SHARDS_adj: the miniature's references minus those its rate leads to expect
+        are, mostly, those of a few warm keys the sample took or missed, which hit at any
+        capacity the curve is useful at; so the difference corrects the hits, over the
+        expected count."""
+        if not self.accesses:
+            return [(c, 0.0) for c in self.capacities]
+        cold = self.accesses - self.hot_refs
+        out = []
+        for i, capacity in enumerate(self.capacities):
+            expected = self.expected(i)
+            ratio = 0.0
+            if self.sampled[i] and expected > 0:
+                ratio = min(1.0, max(0.0, (self.hits[i] + expected - self.sampled[i])
+                                     / expected))
+            out.append((capacity, (self.hot_hits + ratio * cold) / self.accesses))
+        return out
+
+    @property
+    def mean_size(self) -> float:
+        """The sampled references' mean size (a tier's block bytes)."""
+        return self.sampled_bytes / self.top_sampled if self.top_sampled else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for statistics and metrics."""
+        return {"policy": self.policy, "rate": self.rate, "accesses": self.accesses,
+                "sampled": self.top_sampled, "block_bytes": self.mean_size,
+                "held_keys": self._held, "curve": [list(p) for p in self.curve()]}
