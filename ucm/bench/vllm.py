@@ -63,6 +63,7 @@ these choices: docs/performance.md, How the benchmarks are built.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import random
@@ -73,6 +74,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ucm.bench.lmcache_server import (
+    SETUP_SCRIPT,
+    LMCacheMissing,
+    LMCacheServer,
+    lmcache_env,
+    lmcache_venv,
+)
 from ucm.bench.models import ModelSpec, build_model
 
 SPEC = ModelSpec(layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=2048,
@@ -185,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--batch takes batch sizes of 1 or more, e.g. 1,4,16")
         if args.tail == 1 and "example" in setups:
             ap.error("--tail 1 makes ExampleConnector miss every prompt: use 0 or 2 and more")
+        if "lmcache" in setups:
+            try:
+                lmcache_venv()
+            except LMCacheMissing as e:
+                ap.error(str(e))
         for k in range(args.runs):
             if args.runs > 1:
                 _say(f"run {k + 1} of {args.runs} (load average {os.getloadavg()[0]:.2f})")
@@ -194,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tail < 0:
         ap.error("--tail must be 0 or more")
+    if "lmcache" in setups:
+        ap.error("the lmcache setup runs with --batch only (its engine has no single-prompt "
+                 "table here)")
     if args.repeat < 1 or args.rounds < 1 or args.miss_engines < 1 or args.runs < 1:
         ap.error("--repeat, --rounds, --miss-engines and --runs must be 1 or more")
     if args.tail == 1 and "example" in setups:
@@ -459,21 +475,39 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                **({"map_bytes": args.posix_map_bytes} if args.posix_map_bytes else {})}]}},
            "ucm-shm": {"connector": "ucm", "ucm": {"tiers": [{
                "driver": "memory", "shared": True, "shm_dir": shm, "size": tier_bytes}]}}}
+    kws["lmcache"] = {"connector": "lmcache"}  # its server's address: when it starts
     unknown = [name for name in setups if name not in kws]
     if unknown:
         _say(f"batches run {', '.join(kws)}; skipping {', '.join(unknown)}")
+    if "lmcache" not in setups:
+        _say(f"LMCache not timed: add lmcache to --setups (it runs in its own venv, built by "
+             f"bash {SETUP_SCRIPT})")
     rows: list[BatchRow] = []
     try:
         for name in (n for n in kws if n in setups):
             kw = kws[name]
-            _say(f"{name} store pass: fresh engine process")
-            run_in_subprocess(EngineSpec(**{**base, **kw}), store, log_path=log,
-                              progress=lambda m, name=name: _say(f"  {name} store: {m}"))
-            os.sync()
-            _say(f"{name}: fresh engine process")
-            result = run_in_subprocess(EngineSpec(**{**base, **kw, "prefix_caching": True}),
-                                       [warmup, *timed], log_path=log,
-                                       progress=lambda m, name=name: _say(f"  {name}: {m}"))
+            with contextlib.ExitStack() as stack:
+                python, env = None, None
+                if name == "lmcache":  # its server runs through both of its engines
+                    venv = lmcache_venv()
+                    server = stack.enter_context(LMCacheServer(
+                        venv, os.path.join(work, "lmcache"), chunk_size=args.block_size,
+                        l1_gb=max(1, -(-5 * top * sum(lengths) * kv // (4 * 2**30)))))
+                    _say(f"lmcache: server on 127.0.0.1:{server.port}, L1 {server.l1_gb} GiB "
+                         f"in {server.shm_path}, log {server.log_path}")
+                    kw = {**kw, "extra": server.connector_config()}
+                    python = str(venv / "bin" / "python")
+                    env = lmcache_env({}, os.path.join(work, "lmcache"))
+                _say(f"{name} store pass: fresh engine process")
+                run_in_subprocess(EngineSpec(**{**base, **kw}), store, log_path=log,
+                                  progress=lambda m, name=name: _say(f"  {name} store: {m}"),
+                                  python=python, env=env)
+                os.sync()
+                _say(f"{name}: fresh engine process")
+                result = run_in_subprocess(EngineSpec(**{**base, **kw, "prefix_caching": True}),
+                                           [warmup, *timed], log_path=log,
+                                           progress=lambda m, name=name: _say(f"  {name}: {m}"),
+                                           python=python, env=env)
             by_name = {p["name"]: p for p in result["phases"]}
             for n in lengths:
                 for b in sizes:
@@ -485,6 +519,10 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                     if name.startswith("ucm") and loaded < b * n * kv:
                         _say(f"  {name}: {n} tokens x {b}: loaded {loaded} bytes of "
                              f"{b * n * kv} (a partial hit: see {log})")
+                    short = [c for p in hits for c in p["num_cached_tokens"] if c < n]
+                    if name == "lmcache" and short:  # LMCache's own count is not reported
+                        _say(f"  {name}: {n} tokens x {b}: {len(short)} requests found fewer "
+                             f"tokens ({min(short)} the fewest; a partial hit: see {log})")
                     _say(f"  {name}: {n}+{args.tail} tokens x {b}, ms loaded / vLLM's own hit: "
                          + ", ".join(f"{x:.0f}/{y:.0f}" for x, y in zip(h, a, strict=True)))
                     rows.append(BatchRow(name, n, b, statistics.median(h), statistics.median(a),
@@ -520,6 +558,12 @@ def _print_batches(rows: list[BatchRow], *, tail: int) -> None:
               + (f"{r.memcpy:>8.1f}" if r.memcpy is not None else f"{'':>8}") + ratio
               + (f"{limit:>8.1f}  {'yes' if r.overhead <= limit else 'NO'}"
                  if limit is not None else ""))
+    if any(r.setup == "lmcache" for r in rows):
+        print("lmcache: LMCache 0.5.6 in its multi-process mode (LMCacheMPConnector), its L1 "
+              "the server process's DRAM, copied through /dev/shm; the server shares the CPUs "
+              "with the engine and its copies are inside the TTFT. Its MiB are the batch's KV "
+              "(LMCache's own count is not read); vLLM's hybrid KV cache manager is off in its "
+              "engines (needed to start with lmcache imported)")
 
 
 def _print_distribution(per_run: list[dict[str, dict[int, Row]]], loads: list[float], *,
