@@ -72,7 +72,8 @@ def free_port() -> int:
 class LMCacheServer:
     """An `lmcache server` on loopback (free ports, a shared-memory name of its own, its log
     and scratch files under `workdir`), stopped on exit, also on failure, and its /dev/shm
-    segment removed if it is left behind (a killed server does not unlink it)."""
+    segment removed if it is left behind (a server killed with its process group, its
+    multiprocessing resource tracker included, does not unlink it)."""
 
     def __init__(self, venv: Path, workdir: str, *, chunk_size: int = 128, l1_gb: float = 2.0,
                  start_timeout: float = 120.0) -> None:

@@ -30,7 +30,13 @@ engine (the floor), `--rounds` times (vLLM's cache emptied before each load); th
 is the wall time of one `generate(max_tokens=1)` for all N. Beside the overhead (median of the
 per-round differences) it prints the time one thread's memcpy takes for the bytes the batch
 loaded (median of 7, buffers touched beforehand, measured in the same run), and whether the
-overhead holds 1.25 x that + 5 ms. With `--batch`, only the batch table runs.
+overhead holds 1.25 x that + 5 ms. With `--batch`, only the batch table runs. The batches
+also take the setup
+    lmcache     LMCache 0.5.6 in its multi-process mode (the only one that runs on vLLM's CPU
+                backend): an `lmcache server` on loopback, started for the setup, holds the KV
+                in its DRAM (L1, a /dev/shm segment the engine copies through); its engines
+                run in .venv-lmcache (scripts/lmcache/setup.sh), with vLLM's hybrid KV cache
+                manager off (ucm.bench.lmcache_server)
 A prompt of length n is n KV tokens (`--lengths`, whole blocks) and then `--tail` more (2 by
 default), so every setup loads or finds the same n tokens and computes only the tail: the floor
 is a 2-token step, not a recomputed block (vLLM always computes a prompt's last token, so a
@@ -185,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="batch sizes, e.g. 1,4,16: time N prompts submitted together per "
                          "length instead of the single-prompt table (with --lengths 1536,4096 "
                          "and --setups example,ucm-posix,ucm-shm, say)")
+    ap.add_argument("--lmcache-venv", default=None,
+                    help="--batch: LMCache's venv for the lmcache setup (default: "
+                         "$UCM_LMCACHE_VENV, else .venv-lmcache in the repository, which "
+                         "scripts/lmcache/setup.sh builds)")
     args = ap.parse_args(argv)
     setups = args.setups.split(",")
     if args.batch is not None:
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--tail 1 makes ExampleConnector miss every prompt: use 0 or 2 and more")
         if "lmcache" in setups:
             try:
-                lmcache_venv()
+                lmcache_venv(args.lmcache_venv)
             except LMCacheMissing as e:
                 ap.error(str(e))
         for k in range(args.runs):
@@ -489,7 +499,7 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
             with contextlib.ExitStack() as stack:
                 python, env = None, None
                 if name == "lmcache":  # its server runs through both of its engines
-                    venv = lmcache_venv()
+                    venv = lmcache_venv(args.lmcache_venv)
                     server = stack.enter_context(LMCacheServer(
                         venv, os.path.join(work, "lmcache"), chunk_size=args.block_size,
                         l1_gb=max(1, -(-5 * top * sum(lengths) * kv // (4 * 2**30)))))
