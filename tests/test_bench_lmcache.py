@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_lmcaches_scratch_files_stay_in_the_work_directory(tmp_path):
         assert env[key].startswith(str(tmp_path)) and os.path.isdir(env[key])
 
 
-def _venv() -> object:
+def _venv() -> Path:
     try:
         return lmcache_venv()
     except LMCacheMissing as e:
@@ -69,7 +70,7 @@ def _venv() -> object:
 
 
 def test_a_server_killed_mid_run_leaves_no_process_and_no_segment(tmp_path):
-    server = LMCacheServer(_venv(), str(tmp_path), l1_gb=0.25)  # type: ignore[arg-type]
+    server = LMCacheServer(_venv(), str(tmp_path), l1_gb=0.25)
     with pytest.raises(RuntimeError, match="the bench failed"), server:
         assert server.running() and os.path.exists(server.shm_path)
         socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
@@ -100,8 +101,43 @@ class _BadFlag(LMCacheServer):
 
 
 def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
-    server = _BadFlag(_venv(), str(tmp_path), l1_gb=0.25)  # type: ignore[arg-type]
+    server = _BadFlag(_venv(), str(tmp_path), l1_gb=0.25)
     with pytest.raises(RuntimeError, match=r"exited with 2 before it was ready(.|\n)*"
                                            r"no-such-flag"):
         server.__enter__()
     assert not server.running() and not os.path.exists(server.shm_path)
+
+
+def test_the_batch_bench_runs_lmcaches_engines_in_its_venv_beside_its_server(tmp_path,
+                                                                              monkeypatch,
+                                                                              capsys):
+    """Engines replaced by a recorder (the vLLM tests run real ones), the server real: both
+    lmcache engines get the venv's python, the server's address and LMCache's environment
+    while the server is up; it is gone, with its segment, when the bench returns."""
+    import ucm.bench.engines as engines
+    import ucm.bench.vllm as bench
+
+    venv = _venv()
+    seen = []
+
+    def fake_run(spec, phases, *, python=None, env=None, **_):
+        port = spec.extra["lmcache.mp.port"]
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # the server is up
+        seen.append((spec.connector, spec.prefix_caching, python, env, port))
+        return {"phases": [{"name": p.name, "wall_s": [0.01], "worker_delta": {},
+                            "num_cached_tokens": [len(x) - 2 for x in p.prompts]}
+                           for p in phases], "allocator": "glibc"}
+
+    monkeypatch.setattr(engines, "run_in_subprocess", fake_run)
+    monkeypatch.setattr(bench, "build_model", lambda path, spec: path)
+    assert main(["--batch", "1,2", "--lengths", "256", "--rounds", "1", "--setups", "lmcache",
+                 "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert [(c, pc) for c, pc, *_ in seen] == [("lmcache", False), ("lmcache", True)]
+    assert {python for _, _, python, _, _ in seen} == {str(venv / "bin" / "python")}
+    assert all(env["LMCACHE_TRACK_USAGE"] == "false" for *_, env, _ in seen)
+    assert "partial hit" not in out and "lmcache: LMCache 0.5.6 in its multi-process" in out
+    assert len([line for line in out.splitlines() if line.startswith("lmcache ")]) == 2
+    shm = out.split(" in /dev/shm/", 1)[1].split(",", 1)[0]
+    assert not os.path.exists(f"/dev/shm/{shm}")
+    assert "cache server is running" in (tmp_path / "lmcache" / "lmcache-server.log").read_text()

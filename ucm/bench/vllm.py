@@ -493,31 +493,24 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
         _say(f"LMCache not timed: add lmcache to --setups (it runs in its own venv, built by "
              f"bash {SETUP_SCRIPT})")
     rows: list[BatchRow] = []
+    servers = contextlib.ExitStack()  # the lmcache server, stopped also on failure
     try:
         for name in (n for n in kws if n in setups):
-            kw = kws[name]
-            with contextlib.ExitStack() as stack:
-                python, env = None, None
-                if name == "lmcache":  # its server runs through both of its engines
-                    venv = lmcache_venv(args.lmcache_venv)
-                    server = stack.enter_context(LMCacheServer(
-                        venv, os.path.join(work, "lmcache"), chunk_size=args.block_size,
-                        l1_gb=max(1, -(-5 * top * sum(lengths) * kv // (4 * 2**30)))))
-                    _say(f"lmcache: server on 127.0.0.1:{server.port}, L1 {server.l1_gb} GiB "
-                         f"in {server.shm_path}, log {server.log_path}")
-                    kw = {**kw, "extra": server.connector_config()}
-                    python = str(venv / "bin" / "python")
-                    env = lmcache_env({}, os.path.join(work, "lmcache"))
-                _say(f"{name} store pass: fresh engine process")
-                run_in_subprocess(EngineSpec(**{**base, **kw}), store, log_path=log,
-                                  progress=lambda m, name=name: _say(f"  {name} store: {m}"),
-                                  python=python, env=env)
-                os.sync()
-                _say(f"{name}: fresh engine process")
-                result = run_in_subprocess(EngineSpec(**{**base, **kw, "prefix_caching": True}),
-                                           [warmup, *timed], log_path=log,
-                                           progress=lambda m, name=name: _say(f"  {name}: {m}"),
-                                           python=python, env=env)
+            kw, python, env = kws[name], None, None
+            if name == "lmcache":  # its server runs through both of its engines
+                kw, python, env = _start_lmcache(servers, args, os.path.join(work, "lmcache"),
+                                                 top * sum(lengths) * kv)
+            _say(f"{name} store pass: fresh engine process")
+            run_in_subprocess(EngineSpec(**{**base, **kw}), store, log_path=log,
+                              progress=lambda m, name=name: _say(f"  {name} store: {m}"),
+                              python=python, env=env)
+            os.sync()
+            _say(f"{name}: fresh engine process")
+            result = run_in_subprocess(EngineSpec(**{**base, **kw, "prefix_caching": True}),
+                                       [warmup, *timed], log_path=log,
+                                       progress=lambda m, name=name: _say(f"  {name}: {m}"),
+                                       python=python, env=env)
+            servers.close()
             by_name = {p["name"]: p for p in result["phases"]}
             for n in lengths:
                 for b in sizes:
@@ -546,11 +539,25 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                 copies[row.loaded_bytes] = memcpy_ms(row.loaded_bytes)
         rows = [BatchRow(**{**r.__dict__, "memcpy": copies.get(r.loaded_bytes)}) for r in rows]
     finally:
+        servers.close()
         shutil.rmtree(shm, ignore_errors=True)
         if not workdir:
             _drop_bulk(work)
     _print_batches(rows, tail=args.tail)
     return rows
+
+
+def _start_lmcache(stack: contextlib.ExitStack, args: argparse.Namespace, work: str,
+                   stored: int) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """Starts an LMCache server on `stack` with an L1 for `stored` bytes and a quarter more;
+    returns the engine spec's keys, the python and the environment of its engines."""
+    venv = lmcache_venv(args.lmcache_venv)
+    server = stack.enter_context(LMCacheServer(venv, work, chunk_size=args.block_size,
+                                               l1_gb=max(1, -(-5 * stored // (4 * 2**30)))))
+    _say(f"lmcache: server on 127.0.0.1:{server.port}, L1 {server.l1_gb:g} GiB in "
+         f"{server.shm_path}, log {server.log_path}")
+    return ({"connector": "lmcache", "extra": server.connector_config()},
+            str(venv / "bin" / "python"), lmcache_env({}, work))
 
 
 def _print_batches(rows: list[BatchRow], *, tail: int) -> None:
@@ -572,8 +579,9 @@ def _print_batches(rows: list[BatchRow], *, tail: int) -> None:
         print("lmcache: LMCache 0.5.6 in its multi-process mode (LMCacheMPConnector), its L1 "
               "the server process's DRAM, copied through /dev/shm; the server shares the CPUs "
               "with the engine and its copies are inside the TTFT. Its MiB are the batch's KV "
-              "(LMCache's own count is not read); vLLM's hybrid KV cache manager is off in its "
-              "engines (needed to start with lmcache imported)")
+              "(LMCache's own count is not read); its floor, vLLM's own hit, still passes its "
+              "connector; vLLM's hybrid KV cache manager is off in its engines (needed to start "
+              "with lmcache imported)")
 
 
 def _print_distribution(per_run: list[dict[str, dict[int, Row]]], loads: list[float], *,
