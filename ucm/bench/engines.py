@@ -69,7 +69,7 @@ class EngineSpec:
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_bytes: int = 256 * 2**20
-    connector: str | None = None  # None, "ucm", "example" or "null"
+    connector: str | None = None  # None, "ucm", "example", "null" or "lmcache"
     ucm: dict | None = None  # the ucm config; None is the embedded default
     extra: dict = field(default_factory=dict)  # more kv_connector_extra_config keys
     prefix_caching: bool = False
@@ -118,6 +118,9 @@ def kv_transfer_config(spec: EngineSpec) -> Any:
         return KVTransferConfig(kv_connector="UCMConnector",
                                 kv_connector_module_path="ucm.vllm_hook", kv_role="kv_both",
                                 kv_connector_extra_config=extra)
+    if spec.connector == "lmcache":  # LMCache's multi-process mode: ucm.bench.lmcache_server
+        return KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both",
+                                kv_connector_extra_config=dict(spec.extra))
     raise ValueError(f"unknown connector {spec.connector!r}")
 
 
@@ -134,6 +137,11 @@ def make_engine(spec: EngineSpec) -> Any:
         kwargs["enable_chunked_prefill"] = True
     else:
         kwargs["max_num_batched_tokens"] = max(spec.max_model_len, 2048)
+    if spec.connector == "lmcache":
+        # Said explicitly, vLLM does not import the connector (lmcache, numba, llvmlite) while
+        # it builds its config, before the CPU worker's Triton override scan, which fails on
+        # llvmlite's module objects in vLLM 0.32.0.
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     return LLM(model=spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
                enforce_eager=True, block_size=spec.block_size, seed=0,
                kv_cache_memory_bytes=spec.kv_cache_bytes,
@@ -159,7 +167,7 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     walls, ttft = [], []
     steps: list[dict[str, Any]] = []
     outs: list[Any] = []
-    if phase.reset_prefix_cache and not llm.reset_prefix_cache():
+    if phase.reset_prefix_cache and not _reset_prefix_cache(llm):
         raise RuntimeError(f"phase {phase.name}: vLLM did not reset its prefix cache")
     before = _worker_counters()
     for _ in range(phase.repeat):
@@ -185,6 +193,19 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
         result["tail_logprobs"] = [_tail_logprobs(p, o, phase.logprob_tail)
                                    for p, o in zip(phase.prompts, outs, strict=True)]
     return result
+
+
+def _reset_prefix_cache(llm: Any, timeout: float = 60.0) -> bool:
+    """Empties vLLM's prefix cache. vLLM refuses while a connector still holds the blocks of
+    finished requests (LMCache's stores in flight), and frees them only in engine steps, which
+    run with no request in the engine while such requests wait: so it steps until then."""
+    deadline = time.monotonic() + timeout
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.005)
+    return True
 
 
 def _tail_logprobs(prompt: list[int], out: Any, tail: int) -> list[float]:
@@ -391,11 +412,13 @@ def engine_allocator() -> str:
 
 def run_in_subprocess(spec: EngineSpec, phases: list[Phase], *, timeout: float = 900,
                       env: dict[str, str] | None = None, log_path: str | None = None,
-                      progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                      progress: Callable[[str], None] | None = None,
+                      python: str | None = None) -> dict[str, Any]:
     """Runs `run(spec, phases)` in a fresh Python process and returns its result. `progress`
-    gets the child's progress lines as they come."""
+    gets the child's progress lines as they come; `python`, another venv's interpreter (one
+    with ucm installed), runs it instead of this one."""
     with EngineProcess(spec, timeout=timeout, env=env, log_path=log_path,
-                       progress=progress) as engine:
+                       progress=progress, python=python) as engine:
         results = [engine.run(p) for p in phases]
         return {**engine.finish(), "phases": results}
 
@@ -410,14 +433,16 @@ class EngineProcess:
             stats = engine.finish()                # engine_start_s, stats, preemptions, ...
 
     `timeout` bounds the process's whole life; `progress` gets its progress lines; `wrap`
-    prefixes its command line (`["ip", "netns", "exec", NS]`: an engine on another "host")."""
+    prefixes its command line (`["ip", "netns", "exec", NS]`: an engine on another "host");
+    `python` is the interpreter (default: this one)."""
 
     def __init__(self, spec: EngineSpec, *, timeout: float = 900,
                  env: dict[str, str] | None = None, log_path: str | None = None,
                  progress: Callable[[str], None] | None = None,
-                 wrap: list[str] | None = None) -> None:
+                 wrap: list[str] | None = None, python: str | None = None) -> None:
         self.spec = spec
         self._wrap = list(wrap or [])
+        self._python = python or sys.executable
         self._timeout = timeout
         self._env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), **(env or {})}
         self._log_path = log_path
@@ -429,7 +454,7 @@ class EngineProcess:
         self._log = open(self._log_path, "a") if self._log_path else open(os.devnull, "w")
         # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
         # keep our pipe open, so once the result is in, the whole group is killed.
-        self._proc = subprocess.Popen([*self._wrap, sys.executable, "-m", "ucm.bench.engines"],
+        self._proc = subprocess.Popen([*self._wrap, self._python, "-m", "ucm.bench.engines"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log, text=True, env=self._env,
                                       start_new_session=True)

@@ -30,7 +30,13 @@ engine (the floor), `--rounds` times (vLLM's cache emptied before each load); th
 is the wall time of one `generate(max_tokens=1)` for all N. Beside the overhead (median of the
 per-round differences) it prints the time one thread's memcpy takes for the bytes the batch
 loaded (median of 7, buffers touched beforehand, measured in the same run), and whether the
-overhead holds 1.25 x that + 5 ms. With `--batch`, only the batch table runs.
+overhead holds 1.25 x that + 5 ms. With `--batch`, only the batch table runs. The batches
+also take the setup
+    lmcache     LMCache 0.5.6 in its multi-process mode (the only one that runs on vLLM's CPU
+                backend): an `lmcache server` on loopback, started for the setup, holds the KV
+                in its DRAM (L1, a /dev/shm segment the engine copies through); its engines
+                run in .venv-lmcache (scripts/lmcache/setup.sh), with vLLM's hybrid KV cache
+                manager off (ucm.bench.lmcache_server)
 A prompt of length n is n KV tokens (`--lengths`, whole blocks) and then `--tail` more (2 by
 default), so every setup loads or finds the same n tokens and computes only the tail: the floor
 is a 2-token step, not a recomputed block (vLLM always computes a prompt's last token, so a
@@ -63,6 +69,7 @@ these choices: docs/performance.md, How the benchmarks are built.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import random
@@ -73,6 +80,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ucm.bench.lmcache_server import (
+    SETUP_SCRIPT,
+    LMCacheMissing,
+    LMCacheServer,
+    lmcache_env,
+    lmcache_venv,
+)
 from ucm.bench.models import ModelSpec, build_model
 
 SPEC = ModelSpec(layers=8, hidden=1024, heads=16, kv_heads=8, intermediate=2816, vocab=2048,
@@ -177,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="batch sizes, e.g. 1,4,16: time N prompts submitted together per "
                          "length instead of the single-prompt table (with --lengths 1536,4096 "
                          "and --setups example,ucm-posix,ucm-shm, say)")
+    ap.add_argument("--lmcache-venv", default=None,
+                    help="--batch: LMCache's venv for the lmcache setup (default: "
+                         "$UCM_LMCACHE_VENV, else .venv-lmcache in the repository, which "
+                         "scripts/lmcache/setup.sh builds)")
     args = ap.parse_args(argv)
     setups = args.setups.split(",")
     if args.batch is not None:
@@ -185,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--batch takes batch sizes of 1 or more, e.g. 1,4,16")
         if args.tail == 1 and "example" in setups:
             ap.error("--tail 1 makes ExampleConnector miss every prompt: use 0 or 2 and more")
+        if "lmcache" in setups:
+            try:
+                lmcache_venv(args.lmcache_venv)
+            except LMCacheMissing as e:
+                ap.error(str(e))
         for k in range(args.runs):
             if args.runs > 1:
                 _say(f"run {k + 1} of {args.runs} (load average {os.getloadavg()[0]:.2f})")
@@ -194,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tail < 0:
         ap.error("--tail must be 0 or more")
+    if "lmcache" in setups:
+        ap.error("the lmcache setup runs with --batch only (its engine has no single-prompt "
+                 "table here)")
     if args.repeat < 1 or args.rounds < 1 or args.miss_engines < 1 or args.runs < 1:
         ap.error("--repeat, --rounds, --miss-engines and --runs must be 1 or more")
     if args.tail == 1 and "example" in setups:
@@ -459,21 +485,32 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                **({"map_bytes": args.posix_map_bytes} if args.posix_map_bytes else {})}]}},
            "ucm-shm": {"connector": "ucm", "ucm": {"tiers": [{
                "driver": "memory", "shared": True, "shm_dir": shm, "size": tier_bytes}]}}}
+    kws["lmcache"] = {"connector": "lmcache"}  # its server's address: when it starts
     unknown = [name for name in setups if name not in kws]
     if unknown:
         _say(f"batches run {', '.join(kws)}; skipping {', '.join(unknown)}")
+    if "lmcache" not in setups:
+        _say(f"LMCache not timed: add lmcache to --setups (it runs in its own venv, built by "
+             f"bash {SETUP_SCRIPT})")
     rows: list[BatchRow] = []
+    servers = contextlib.ExitStack()  # the lmcache server, stopped also on failure
     try:
         for name in (n for n in kws if n in setups):
-            kw = kws[name]
+            kw, python, env = kws[name], None, None
+            if name == "lmcache":  # its server runs through both of its engines
+                kw, python, env = _start_lmcache(servers, args, os.path.join(work, "lmcache"),
+                                                 top * sum(lengths) * kv)
             _say(f"{name} store pass: fresh engine process")
             run_in_subprocess(EngineSpec(**{**base, **kw}), store, log_path=log,
-                              progress=lambda m, name=name: _say(f"  {name} store: {m}"))
+                              progress=lambda m, name=name: _say(f"  {name} store: {m}"),
+                              python=python, env=env)
             os.sync()
             _say(f"{name}: fresh engine process")
             result = run_in_subprocess(EngineSpec(**{**base, **kw, "prefix_caching": True}),
                                        [warmup, *timed], log_path=log,
-                                       progress=lambda m, name=name: _say(f"  {name}: {m}"))
+                                       progress=lambda m, name=name: _say(f"  {name}: {m}"),
+                                       python=python, env=env)
+            servers.close()
             by_name = {p["name"]: p for p in result["phases"]}
             for n in lengths:
                 for b in sizes:
@@ -485,6 +522,10 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                     if name.startswith("ucm") and loaded < b * n * kv:
                         _say(f"  {name}: {n} tokens x {b}: loaded {loaded} bytes of "
                              f"{b * n * kv} (a partial hit: see {log})")
+                    short = [c for p in hits for c in p["num_cached_tokens"] if c < n]
+                    if name == "lmcache" and short:  # LMCache's own count is not reported
+                        _say(f"  {name}: {n} tokens x {b}: {len(short)} requests found fewer "
+                             f"tokens ({min(short)} the fewest; a partial hit: see {log})")
                     _say(f"  {name}: {n}+{args.tail} tokens x {b}, ms loaded / vLLM's own hit: "
                          + ", ".join(f"{x:.0f}/{y:.0f}" for x, y in zip(h, a, strict=True)))
                     rows.append(BatchRow(name, n, b, statistics.median(h), statistics.median(a),
@@ -498,11 +539,25 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                 copies[row.loaded_bytes] = memcpy_ms(row.loaded_bytes)
         rows = [BatchRow(**{**r.__dict__, "memcpy": copies.get(r.loaded_bytes)}) for r in rows]
     finally:
+        servers.close()
         shutil.rmtree(shm, ignore_errors=True)
         if not workdir:
             _drop_bulk(work)
     _print_batches(rows, tail=args.tail)
     return rows
+
+
+def _start_lmcache(stack: contextlib.ExitStack, args: argparse.Namespace, work: str,
+                   stored: int) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """Starts an LMCache server on `stack` with an L1 for `stored` bytes and a quarter more;
+    returns the engine spec's keys, the python and the environment of its engines."""
+    venv = lmcache_venv(args.lmcache_venv)
+    server = stack.enter_context(LMCacheServer(venv, work, chunk_size=args.block_size,
+                                               l1_gb=max(1, -(-5 * stored // (4 * 2**30)))))
+    _say(f"lmcache: server on 127.0.0.1:{server.port}, L1 {server.l1_gb:g} GiB in "
+         f"{server.shm_path}, log {server.log_path}")
+    return ({"connector": "lmcache", "extra": server.connector_config()},
+            str(venv / "bin" / "python"), lmcache_env({}, work))
 
 
 def _print_batches(rows: list[BatchRow], *, tail: int) -> None:
@@ -520,6 +575,13 @@ def _print_batches(rows: list[BatchRow], *, tail: int) -> None:
               + (f"{r.memcpy:>8.1f}" if r.memcpy is not None else f"{'':>8}") + ratio
               + (f"{limit:>8.1f}  {'yes' if r.overhead <= limit else 'NO'}"
                  if limit is not None else ""))
+    if any(r.setup == "lmcache" for r in rows):
+        print("lmcache: LMCache 0.5.6 in its multi-process mode (LMCacheMPConnector), its L1 "
+              "the server process's DRAM, copied through /dev/shm; the server shares the CPUs "
+              "with the engine and its copies are inside the TTFT. Its MiB are the batch's KV "
+              "(LMCache's own count is not read); its floor, vLLM's own hit, still passes its "
+              "connector; vLLM's hybrid KV cache manager is off in its engines (needed to start "
+              "with lmcache imported)")
 
 
 def _print_distribution(per_run: list[dict[str, dict[int, Row]]], loads: list[float], *,
