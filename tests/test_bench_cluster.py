@@ -24,8 +24,8 @@ def test_trace_hash_ids_become_shared_token_blocks(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({"timestamp": i, "hash_ids": ids}) for i, ids in
                                enumerate([[0, 1], [0, 2, 3], [4]])))
-    requests = trace_requests(str(trace), 2, block_tokens=8, vocab=100)
-    assert [len(r) for r in requests] == [16, 24]
+    requests = trace_requests(str(trace), 2, block_tokens=8, vocab=100, max_tokens=20)
+    assert [len(r) for r in requests] == [16, 20]  # the second cut to max_tokens
     assert requests[0][:8] == requests[1][:8]  # hash id 0: the same tokens
     assert requests[0][8:] != requests[1][8:16]
 

@@ -2,9 +2,9 @@
 sent in turn (round robin) against sent to the instance that holds the longest prefix (prefix
 routing on ucm's KV events), against one instance alone.
 
-Each instance is `ucm serve` (kv_role both) with a ucm config of its own: a memory tier of
-`--memory-mib` over one posix store that all share, and vLLM's KV events published on a ZMQ
-endpoint of its own; `ucm proxy --instances ... --route roundrobin|prefix` is the front. Every
+Each instance is `ucm serve` (kv_role both), on a CPU of its own (one instance: on all), with a
+ucm config of its own: a memory tier of `--memory-mib` over one posix store that all share, and
+vLLM's KV events published on a ZMQ endpoint of its own; `ucm proxy --instances ... --route roundrobin|prefix` is the front. Every
 (instances, route) pair starts fresh instances on an empty store, and replays the same
 requests, `--concurrency` at a time:
     chat      `--sessions` chats, each a document of `--doc-tokens` tokens of its own and
@@ -63,7 +63,9 @@ def chat_requests(sessions: int, turns: int, doc_tokens: int, vocab: int,
 
 
 def trace_requests(path: str, count: int, block_tokens: int, vocab: int,
-                   ) -> list[list[int]]:
+                   max_tokens: int) -> list[list[int]]:
+    """The first `count` requests, each hash id `block_tokens` token ids of its own, a prompt
+    cut to `max_tokens`."""
     from ucm.autotune._traces import jsonl_records
 
     out = []
@@ -72,7 +74,7 @@ def trace_requests(path: str, count: int, block_tokens: int, vocab: int,
         for h in ids:
             rng = random.Random(h)
             prompt += [rng.randrange(3, vocab) for _ in range(block_tokens)]
-        out.append(prompt)
+        out.append(prompt[:max_tokens])
         if len(out) >= count:
             break
     if not out:
@@ -89,7 +91,8 @@ def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def _server(args: argparse.Namespace, work: str, i: int, store: str) -> tuple[_Process, int]:
+def _server(args: argparse.Namespace, work: str, i: int, store: str, cpus: str,
+            ) -> tuple[_Process, int]:
     from ucm.bench.engines import engine_env, find_tcmalloc
 
     config = os.path.join(work, f"instance{i}.yaml")
@@ -97,7 +100,8 @@ def _server(args: argparse.Namespace, work: str, i: int, store: str) -> tuple[_P
         f.write(f"tiers:\n  - driver: memory\n    capacity: {args.memory_mib}MiB\n"
                 f"  - driver: posix\n    path: {store}\n")
     port, events = _free_port(), _free_port()
-    argv = [*_ucm(), "serve", args.model, "--ucm-config", config, "--port", str(port),
+    argv = ["taskset", "-c", cpus, *_ucm(), "serve", args.model, "--ucm-config", config,
+            "--port", str(port),
             "--max-model-len", str(args.max_model_len), "--enforce-eager", "--seed", "0",
             "--kv-cache-memory-bytes", str(args.kv_cache_mib * 2**20),
             "--kv-events-config", json.dumps({"enable_kv_cache_events": True,
@@ -105,7 +109,8 @@ def _server(args: argparse.Namespace, work: str, i: int, store: str) -> tuple[_P
                                               "endpoint": f"tcp://*:{events}"})]
     if args.dtype:
         argv += ["--dtype", args.dtype]
-    env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), "HF_HUB_OFFLINE": "1"}
+    env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), "HF_HUB_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": cpus}
     return _Process(argv, env, os.path.join(work, f"instance{i}.log"), port), events
 
 
@@ -117,8 +122,11 @@ def run_one(args: argparse.Namespace, work: str, instances: int, route: str,
     procs: list[_Process] = []
     try:
         servers = []
+        cpus = sorted(os.sched_getaffinity(0))
         for i in range(instances):
-            server, events = _server(args, run_dir, i, store)
+            # one instance: every CPU; more: each its own CPU (in turn when fewer CPUs)
+            mine = ",".join(map(str, cpus)) if instances == 1 else str(cpus[i % len(cpus)])
+            server, events = _server(args, run_dir, i, store, mine)
             procs.append(server)
             servers.append((server, events))
         urls = ",".join(f"http://127.0.0.1:{s.port}" for s, _ in servers)
@@ -215,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instances", default="1,2", help="instance counts, e.g. 1,2,4")
     p.add_argument("--routes", default="roundrobin,prefix")
     p.add_argument("--workload", choices=("chat", "mooncake"), default="chat")
-    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--sessions", type=int, default=7,
+                   help="sessions (odd, so that round robin moves a session between 2 instances)")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--doc-tokens", type=int, default=1024)
     p.add_argument("--trace", default=TRACE)
@@ -226,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=4, help="tokens generated per request")
     p.add_argument("--memory-mib", type=int, default=96)
     p.add_argument("--model", help="a model directory (default: the random test model)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-mib", type=int, default=80,
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-mib", type=int, default=48,
                    help="vLLM's own KV cache per instance (small, so that ucm's tiers matter)")
     p.add_argument("--work", help="work directory (default: a temporary one, removed)")
     args = p.parse_args(argv)
@@ -262,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             args.dtype, vocab = spec.dtype, spec.vocab
         requests = (chat_requests(args.sessions, args.turns, args.doc_tokens, vocab)
                     if args.workload == "chat" else
-                    trace_requests(args.trace, args.requests, args.block_tokens, vocab))
+                    trace_requests(args.trace, args.requests, args.block_tokens, vocab,
+                                   args.max_model_len - args.gen))
         longest = max(len(r) for r in requests) + args.gen
         if longest > args.max_model_len:
             p.error(f"the longest prompt and its tokens ({longest}) exceed --max-model-len")
