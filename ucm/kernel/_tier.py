@@ -11,6 +11,7 @@ import trio
 from ucm.block import PAYLOAD_OFFSET
 from ucm.config import TierConfig
 from ucm.drivers import Driver, InMemoryLoads, ScatterLoads, ScatterStores
+from ucm.kernel._holds import Holds
 from ucm.kernel._limiter import PriorityLimiter
 from ucm.kernel._mrc import MissRatioCurve
 from ucm.kernel._policy import Policy
@@ -36,6 +37,7 @@ class Tier:
             driver if isinstance(driver, InMemoryLoads) else None)
         self.policy = policy
         self.mrc = mrc  # the tier's sampled miss-ratio curve, where configured
+        self.holds: Holds | None = None  # session holds (the kernel sets them up)
         self.limiter = PriorityLimiter(config.concurrency)
         self.raw_sizes: dict[bytes, int] = {}  # bytes a loader needs, where this kernel knows
         self.reserved = 0  # bytes promised to stores in flight
@@ -87,6 +89,8 @@ class Tier:
         or None if pinned blocks leave too little room. The caller deletes the victims and
         calls `unreserve(needed)` once the store is accounted."""
         if self.policy.capacity is not None:
+            if self.holds is not None:
+                self.holds.expire()
             victims = self.policy.make_room(needed + self.reserved)
             if victims is None:
                 return None
@@ -102,6 +106,8 @@ class Tier:
         for the caller to delete), or None when nothing can be evicted (an empty tier, or
         pinned blocks in the way): then the capacity is left as it was."""
         policy = self.policy
+        if self.holds is not None:
+            self.holds.expire()
         held = policy.used
         if held == 0:
             return None

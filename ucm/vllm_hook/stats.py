@@ -54,9 +54,11 @@ TIER_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tier_capacity_bytes": ("A tier's capacity", ("tier",)),
     "tier_blocks": ("Blocks held by a tier", ("tier",)),
     "tier_pinned_blocks": ("Blocks pinned in a tier", ("tier",)),
+    "tier_held_bytes": ("Bytes of a tier that session holds keep from eviction", ("tier",)),
 }
 _TIER_STATS = {"bytes": "tier_used_bytes", "capacity": "tier_capacity_bytes",
-               "blocks": "tier_blocks", "pinned": "tier_pinned_blocks"}
+               "blocks": "tier_blocks", "pinned": "tier_pinned_blocks",
+               "held_bytes": "tier_held_bytes"}
 # WorkerSide.stats counters -> (op, result) of connector_blocks
 _OUTCOMES: dict[str, tuple[str, ...]] = {
     "loaded_blocks": ("load", "ok"), "saved_blocks": ("store", "ok"),
