@@ -1,0 +1,76 @@
+"""The session-hint scenario of tests/vllm/test_sessions_engine.py, on one vLLM engine in this
+process (`python _session_engine.py MODEL STORE`): prints one JSON line of what each step's
+next turn loaded from which tier, and the connector's counters.
+
+Three sessions take a first turn: "held" with `retain_s`, "plain" with no hint, "bad" with a
+malformed hint. A flood of other prompts (several times the memory tier) follows, then each
+session's next turn (its first turn's prompt and more): which tier served its blocks? Then
+"held" ends its session, another flood, and its next turn again."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from conftest import prompt
+
+from ucm.bench.engines import EngineSpec, make_engine
+from ucm.vllm_hook.connector import live_connectors
+
+MEMORY = 2 * 2**20  # about 56 blocks of the tiny model (32 tokens of 1 KiB each, a header)
+TURN = 256  # tokens of a first turn: 8 full blocks
+
+
+def main(model: str, store: str) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ucm = {"tiers": [{"driver": "memory", "capacity": MEMORY},
+                     {"driver": "posix", "path": store}]}
+    llm = make_engine(EngineSpec(model=model, connector="ucm", ucm=ucm,
+                                 kv_cache_bytes=64 * 2**20, max_model_len=2048))
+    [worker] = [c.worker for c in live_connectors() if c.worker is not None]
+    [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]
+
+    def generate(prompts: list[list[int]], hint: Any = None) -> None:
+        extra = {"kv_transfer_params": hint} if hint is not None else None
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                extra_args=extra)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                     use_tqdm=False)
+        assert worker.wait_for_stores(120)
+
+    def hits(prompt_tokens: list[int], hint: Any = None) -> dict[str, int]:
+        before = worker.kernel.statistics()
+        generate([prompt_tokens], hint)
+        after = worker.kernel.statistics()
+        return {tier: after.get(f"load_hits.{tier}", 0) - before.get(f"load_hits.{tier}", 0)
+                for tier in ("memory", "posix")}
+
+    def flood(seed: int) -> None:
+        for i in range(12):  # 2 prompts a call: each step's stores fit the memory tier
+            generate([prompt(TURN, seed + 2 * i), prompt(TURN, seed + 2 * i + 1)])
+
+    first = {name: prompt(TURN, 10 + i) for i, name in enumerate(("held", "plain", "bad"))}
+    generate([first["held"]], {"ucm": {"session": "held", "retain_s": 300}})
+    generate([first["plain"]])
+    generate([first["bad"]], {"ucm": {"session": "bad", "retain_s": -5, "pin": True}})
+    flood(1000)
+    out: dict[str, Any] = {"next": {}}
+    for i, (name, tokens) in enumerate(first.items()):
+        out["next"][name] = hits(tokens + prompt(40, 20 + i))
+    out["held_after_flood"] = worker.kernel.statistics().get("tier.memory.held_sessions")
+    generate([first["held"] + prompt(40, 30)], {"ucm": {"session": "held", "end": True}})
+    flood(2000)
+    out["after_end"] = hits(first["held"] + prompt(40, 31))
+    stats = worker.kernel.statistics()
+    out["kernel"] = {k: v for k, v in stats.items() if k.startswith("session")}
+    out["held_sessions"] = stats.get("tier.memory.held_sessions")
+    out["scheduler"] = {k: v for k, v in scheduler.stats.items() if k.startswith("session")}
+    out["worker"] = {k: v for k, v in worker.stats.items() if k.startswith("session")}
+    print("UCM_SESSIONS " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
