@@ -5,18 +5,22 @@ next turn loaded from which tier, and the connector's counters.
 Three sessions take a first turn: "held" with `retain_s`, "plain" with no hint, "bad" with a
 malformed hint. A flood of other prompts (several times the memory tier) follows, then each
 session's next turn (its first turn's prompt and more): which tier served its blocks? Then
-"held" ends its session, another flood, and its next turn again."""
+"held" ends its session, another flood, and its next turn again; then a turn with `prefetch`,
+and the next turn once more."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 from conftest import prompt
 
 from ucm.bench.engines import EngineSpec, make_engine
+from ucm.kernel import Lookup
 from ucm.vllm_hook.connector import live_connectors
+from ucm.vllm_hook.keys import chain_digests, chain_seed, rank_key
 
 MEMORY = 2 * 2**20  # about 56 blocks of the tiny model (32 tokens of 1 KiB each, a header)
 TURN = 256  # tokens of a first turn: 8 full blocks
@@ -48,6 +52,17 @@ def main(model: str, store: str) -> None:
         return {tier: after.get(f"load_hits.{tier}", 0) - before.get(f"load_hits.{tier}", 0)
                 for tier in ("memory", "posix")}
 
+    def in_memory(tokens: list[int]) -> int:
+        """Blocks of `tokens` in the memory tier, once the prefetch in flight has finished."""
+        digests = chain_digests(chain_seed(worker.settings.namespace), tokens, 32, TURN // 32)
+        keys = [rank_key(d, 0, 1) for d in digests]
+        for _ in range(300):  # the Prefetch runs in the kernel's background
+            tiers = worker.kernel.submit(Lookup(keys, promote=False)).result(10).tiers
+            if all(t == "memory" for t in tiers):
+                break
+            time.sleep(0.1)
+        return sum(t == "memory" for t in tiers)
+
     def flood(seed: int) -> None:
         for i in range(12):  # 2 prompts a call: each step's stores fit the memory tier
             generate([prompt(TURN, seed + 2 * i), prompt(TURN, seed + 2 * i + 1)])
@@ -64,6 +79,10 @@ def main(model: str, store: str) -> None:
     generate([first["held"] + prompt(40, 30)], {"ucm": {"session": "held", "end": True}})
     flood(2000)
     out["after_end"] = hits(first["held"] + prompt(40, 31))
+    # prefetch: the session's blocks go up to memory before its next turn
+    generate([first["held"] + prompt(40, 32)], {"ucm": {"session": "held", "prefetch": True}})
+    out["prefetched"] = in_memory(first["held"])
+    out["after_prefetch"] = hits(first["held"] + prompt(40, 33))
     stats = worker.kernel.statistics()
     out["kernel"] = {k: v for k, v in stats.items() if k.startswith("session")}
     out["held_sessions"] = stats.get("tier.memory.held_sessions")

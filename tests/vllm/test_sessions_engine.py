@@ -1,6 +1,7 @@
 """Session hints on a real vLLM engine (tests/vllm/_session_engine.py runs the scenario in a
 fresh process): a held session's next turn is served from the memory tier after a flood that
-pushes an unheld one down to disk; `end` releases it; a malformed hint changes nothing."""
+pushes an unheld one down to disk; `end` releases it; `prefetch` brings it back up; a malformed
+hint changes nothing."""
 
 from __future__ import annotations
 
@@ -49,8 +50,12 @@ def test_sessions_on_vllm(scenario) -> None:
     # `end` released the hold: after the next flood its blocks come from disk
     assert scenario["after_end"] == {"memory": 0, "posix": BLOCKS}, scenario
     assert scenario["held_sessions"] == 0
+    # prefetch: the blocks went back up to memory, and the next turn loads them from there
+    assert scenario["prefetched"] == BLOCKS
+    assert scenario["after_prefetch"] == {"memory": BLOCKS, "posix": 0}, scenario
     assert scenario["kernel"]["session_holds"] == 1
     assert scenario["kernel"]["session_releases.end"] == 1
     assert scenario["scheduler"] == {"session_hints.hold": 1, "session_hints.end": 1,
+                                     "session_hints.prefetch": 1,
                                      "session_hints_malformed": 1}
-    assert scenario["worker"] == {"session_ops": 2}
+    assert scenario["worker"] == {"session_ops": 3}

@@ -354,7 +354,12 @@ class SchedulerSide:
                          ("prefetch", op.prefetch)):
             if on:
                 self.stats[f"session_hints.{kind}"] += 1
-        if op.digests or op.end:
+        if not (op.digests or op.end):
+            return
+        # One process: the worker side applies it now (an idle engine runs no next step);
+        # otherwise it goes to the workers with the next step.
+        shared = self._shared
+        if shared is None or not shared.apply_sessions([op]):
             self._session_ops.append(op)
 
     def hit_tokens(self, req_id: str) -> int:

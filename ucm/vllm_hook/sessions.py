@@ -10,8 +10,9 @@ never an error into the engine.
 Where: vLLM hands `kv_transfer_params` to the scheduler side (`request_finished`), but the
 blocks live in the worker side's kernel (the scheduler process's own kernel only looks up, and
 holds no process-local memory tier). So the scheduler side turns a hint into a `SessionOp` of
-the request's block digests and sends it to the workers in the next step's metadata; each
-worker holds, releases or prefetches its own shard's keys in its kernel.
+the request's block digests and sends it to the workers in the next step's metadata (in one
+process, straight to the worker side); each worker holds, releases or prefetches its own
+shard's keys in its kernel.
 """
 
 from __future__ import annotations
