@@ -11,7 +11,7 @@ import trio
 
 from ucm.config import load_config
 from ucm.errors import ConfigError, InvalidRequest
-from ucm.kernel import Kernel, KernelCore, Lookup, Store
+from ucm.kernel import Delete, Kernel, KernelCore, Lookup, Store
 from ucm.kernel._holds import Holds
 from ucm.kernel._policy import LRUPolicy
 
@@ -152,3 +152,23 @@ def test_max_pinned_in_bytes_and_shares() -> None:
     assert cfg.sessions.cap_bytes(None) == 1 << 20  # type: ignore[attr-defined]
     assert memory(4).sessions.cap_bytes(1000) == 500  # type: ignore[attr-defined]
     assert memory(4).sessions.cap_bytes(None) is None  # type: ignore[attr-defined]
+
+
+async def test_blocks_that_arrive_after_the_hold_count_against_the_cap(autojump_clock):
+    keys, data = blocks(8, 9)
+    async with KernelCore.open(memory(20, max_pinned="25%")) as core:  # 5 blocks' bytes
+        holds = core.tiers[0].holds
+        assert holds is not None
+        await core.run(Store(keys[:2], buffers=data[:2]))
+        core.hold("old", keys[:2], 300)
+        await trio.sleep(1)
+        core.hold("new", keys[2:6], 300)  # not stored yet: nothing counts
+        assert holds.held_bytes == 2 * SLOT
+        await core.run(Store(keys[2:5], buffers=data[2:5]))  # 5 blocks: at the cap
+        assert holds.held_bytes == 5 * SLOT and not core.stats["session_releases.cap"]
+        await core.run(Store(keys[5:6], buffers=data[5:6]))  # over it: the oldest goes
+        assert core.stats["session_releases.cap"] == 1 and core.session_keys("old") == set()
+        assert holds.held_bytes == 4 * SLOT
+        await core.run(Delete(keys[2:3]))
+        assert holds.held_bytes == 3 * SLOT == sum(
+            core.tiers[0].policy.size_of(k) or 0 for k in core.session_keys("new"))

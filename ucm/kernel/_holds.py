@@ -3,9 +3,10 @@
 
 A held key is skipped by the tier's policy as a pinned one is (`Policy.held`), whether the
 block is in the tier already or arrives later. The bytes held are capped (`sessions.max_pinned`):
-a hold that goes over the cap releases the oldest holds first. Holds end on `release` (the
-session's `end`), on expiry (checked before each eviction and each hold), or over the cap;
-each way is counted in the kernel's statistics as `session_releases.<reason>`.
+a hold, or a held block's arrival, that goes over the cap releases the oldest holds first.
+Holds end on `release` (the session's `end`), on expiry (checked before each eviction and each
+hold), or over the cap; each way is counted in the kernel's statistics as
+`session_releases.<reason>`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Holds:
         self._sessions: OrderedDict[str, _Hold] = OrderedDict()  # oldest hold first
         self._held: Counter[bytes] = Counter()  # key -> sessions holding it
         self._next_expiry = float("inf")
+        self.held_bytes = 0  # bytes of the held keys the tier holds
         policy.held = self._held
 
     def __len__(self) -> int:
@@ -45,10 +47,16 @@ class Holds:
         hold = self._sessions.get(session)
         return set(hold.keys) if hold else set()
 
-    @property
-    def held_bytes(self) -> int:
-        size_of = self.policy.size_of
-        return sum(size_of(key) or 0 for key in self._held)
+    def added(self, key: bytes, old: int | None) -> None:
+        """The tier indexed `key` (it held `old` bytes of it before, None: not at all)."""
+        if key in self._held:
+            self.held_bytes += (self.policy.size_of(key) or 0) - (old or 0)
+            self._enforce_cap()
+
+    def removed(self, key: bytes, size: int) -> None:
+        """The tier dropped `key` (`size` bytes of it)."""
+        if key in self._held:
+            self.held_bytes -= size
 
     def hold(self, session: str, keys: Sequence[bytes], retain_s: float) -> int:
         """Holds `keys` for `session` until `retain_s` from now (a session's later hold adds
@@ -58,8 +66,10 @@ class Holds:
         hold = self._sessions.pop(session, None)
         if hold is None:
             hold = _Hold(set(), 0.0)
-        new = [k for k in keys if k not in hold.keys]
+        new = [k for k in dict.fromkeys(keys) if k not in hold.keys]
         hold.keys.update(new)
+        size_of = self.policy.size_of
+        self.held_bytes += sum(size_of(k) or 0 for k in new if k not in self._held)
         self._held.update(new)
         hold.expires = self._clock() + retain_s
         self._sessions[session] = hold
@@ -73,10 +83,12 @@ class Holds:
         hold = self._sessions.pop(session, None)
         if hold is None:
             return False
-        self._held.subtract(hold.keys)
+        size_of = self.policy.size_of
         for key in hold.keys:
+            self._held[key] -= 1
             if self._held[key] <= 0:
                 del self._held[key]
+                self.held_bytes -= size_of(key) or 0
         self.stats[f"session_releases.{reason}"] += 1
         if hold.expires <= self._next_expiry:
             self._next_expiry = min((h.expires for h in self._sessions.values()),

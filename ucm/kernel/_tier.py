@@ -61,11 +61,14 @@ class Tier:
             reference: bool = True, first: bool = False) -> None:
         """Indexes a stored block; `reference`: a store the workload made (not a listing);
         `first`: the first key of its batch (for the miss-ratio curve's hot keys)."""
+        old = self.policy.size_of(key) if self.holds is not None else None
         self.policy.insert(key, stored_bytes)
         if raw_bytes is not None:
             self.raw_sizes[key] = raw_bytes
         if reference and self.mrc is not None:
             self.mrc.access(key, stored_bytes, first)
+        if self.holds is not None:
+            self.holds.added(key, old)
 
     def touch(self, key: bytes, depth: int | None = None, *, first: bool = False) -> None:
         """A held block was used (loaded); `depth` its index in the batch, if known."""
@@ -74,7 +77,9 @@ class Tier:
             self.mrc.access(key, self.policy.size_of(key) or 0, first or depth == 0)
 
     def discard(self, key: bytes) -> None:
-        self.policy.remove(key)
+        size = self.policy.remove(key)
+        if self.holds is not None and size:
+            self.holds.removed(key, size)
         self.raw_sizes.pop(key, None)
         if self.indexing:
             self.removed_while_indexing.add(key)
