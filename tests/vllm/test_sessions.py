@@ -5,6 +5,7 @@ holding, releasing and prefetching its keys in its kernel (real kernel, CPU KV t
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -132,5 +133,32 @@ def test_a_worker_holds_releases_and_prefetches_its_keys() -> None:
         assert stats["tier.memory.held_sessions"] == 0
         assert stats["session_releases.end"] == 1
         assert worker.stats["session_ops"] == 3 and not worker.stats["session_ops_dropped"]
+    finally:
+        worker.shutdown()
+
+
+def test_a_steps_session_ops_reach_the_worker_through_its_metadata() -> None:
+    """vLLM's multiprocess layout: the op travels pickled in the step's metadata and the
+    worker applies it in start_load_kv."""
+    import pickle
+
+    from ucm.vllm_hook.connector import StepMetadata
+
+    worker = WorkerSide(_settings(16))
+    worker.register_kv_caches({f"l{i}": torch.randn(12, 16, 2, 8) for i in range(2)})
+    assert wait_running(worker.kernel, 30)
+    try:
+        digests = [bytes([i]) * 16 for i in range(2)]
+        meta = pickle.loads(pickle.dumps(StepMetadata(sessions=[SessionOp("m", 60.0,
+                                                                          digests=digests)])))
+        assert meta.sessions == [SessionOp("m", 60.0, digests=digests)]
+        worker.start_load_kv(meta)
+        for _ in range(100):  # the hold runs on the kernel's thread
+            stats = worker.kernel.statistics()
+            if stats.get("session_holds"):
+                break
+            time.sleep(0.05)
+        assert stats["session_holds"] == 1 and stats["tier.memory.held_sessions"] == 1
+        assert worker.stats["session_ops"] == 1
     finally:
         worker.shutdown()
