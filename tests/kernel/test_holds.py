@@ -134,8 +134,12 @@ def test_kernel_holds_from_a_host_thread() -> None:
         assert kernel.release("chat-1").result() is True
         assert kernel.release("chat-1").result() is False
         assert kernel.submit(Lookup(keys)).result().hits == (True,) * 3
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(InvalidRequest, match="retain_s"):
             kernel.hold("chat-1", keys, 0)
+        with pytest.raises(InvalidRequest, match="empty batch"):
+            kernel.hold("chat-1", [], 10)
+        with pytest.raises(InvalidRequest):
+            kernel.hold("chat-1", ["not bytes"], 10)  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("value, message", [

@@ -26,7 +26,7 @@ from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UC
 from ucm.kernel._accounting import trace_fields
 from ucm.kernel._completion import Completion
 from ucm.kernel._core import KernelCore, _configured_tracer
-from ucm.kernel._events import Event, _Event
+from ucm.kernel._events import Event, _check_keys, _Event
 from ucm.kernel._fastpath import FastPath
 from ucm.kernel._tier import Tier
 
@@ -226,9 +226,9 @@ class Kernel:
     def hold(self, session: str, keys: Sequence[bytes], retain_s: float) -> Completion:
         """Keeps `keys` from eviction in the fastest tier for `retain_s` seconds, for
         `session` (within `sessions.max_pinned`); resolves to the keys the session holds."""
-        if not session or not keys or not retain_s > 0:
-            raise InvalidRequest("a hold needs a session, keys and retain_s > 0")
-        keys = list(keys)
+        if not isinstance(session, str) or not session or not retain_s > 0:
+            raise InvalidRequest("a hold needs a session name and retain_s > 0")
+        keys = list(_check_keys(keys))
         if self._token is None:
             self.start()
         return self._submit(None, lambda core, _: _sync(core.hold, session, keys, retain_s))
