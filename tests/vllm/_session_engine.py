@@ -6,7 +6,7 @@ Three sessions take a first turn: "held" with `retain_s`, "plain" with no hint, 
 malformed hint. A flood of other prompts (several times the memory tier) follows, then each
 session's next turn (its first turn's prompt and more): which tier served its blocks? Then
 "held" ends its session, another flood, and its next turn again; then a turn with `prefetch`,
-and the next turn once more."""
+and the next turn once more; then a hold that expires, and holds over the cap."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ucm.kernel import Lookup
 from ucm.vllm_hook.connector import live_connectors
 from ucm.vllm_hook.keys import chain_digests, chain_seed, rank_key
 
-MEMORY = 2 * 2**20  # about 56 blocks of the tiny model (32 tokens of 1 KiB each, a header)
+MEMORY = 2 * 2**20  # 64 blocks of the tiny model (32 tokens of 1 KiB each)
 TURN = 256  # tokens of a first turn: 8 full blocks
 
 
@@ -31,7 +31,8 @@ def main(model: str, store: str) -> None:
     from vllm.inputs import TokensPrompt
 
     ucm = {"tiers": [{"driver": "memory", "capacity": MEMORY},
-                     {"driver": "posix", "path": store}]}
+                     {"driver": "posix", "path": store}],
+           "sessions": {"max_pinned": "40%"}}  # 25.6 blocks: three sessions of 8, not four
     llm = make_engine(EngineSpec(model=model, connector="ucm", ucm=ucm,
                                  kv_cache_bytes=64 * 2**20, max_model_len=2048))
     [worker] = [c.worker for c in live_connectors() if c.worker is not None]
@@ -79,13 +80,27 @@ def main(model: str, store: str) -> None:
     generate([first["held"] + prompt(40, 30)], {"ucm": {"session": "held", "end": True}})
     flood(2000)
     out["after_end"] = hits(first["held"] + prompt(40, 31))
+    out["held_after_end"] = worker.kernel.statistics().get("tier.memory.held_sessions")
     # prefetch: the session's blocks go up to memory before its next turn
     generate([first["held"] + prompt(40, 32)], {"ucm": {"session": "held", "prefetch": True}})
     out["prefetched"] = in_memory(first["held"])
     out["after_prefetch"] = hits(first["held"] + prompt(40, 33))
+    # expiry and the cap: "short" holds for 0.5 s; then four sessions of 8 blocks each ask
+    # for more than sessions.max_pinned allows, so the oldest goes
+    short = prompt(TURN, 40)
+    generate([short], {"ucm": {"session": "short", "retain_s": 0.5}})
+    time.sleep(1.0)  # past its retain_s: the next hold's expiry check releases it
+    capped = [prompt(TURN, 50 + i) for i in range(4)]
+    for i, tokens in enumerate(capped):
+        generate([tokens], {"ucm": {"session": f"c{i}", "retain_s": 300}})
+    flood(3000)
+    out["expired"] = hits(short + prompt(40, 41))
+    out["capped"] = [hits(tokens + prompt(40, 60 + i)) for i, tokens in enumerate(capped)]
     stats = worker.kernel.statistics()
     out["kernel"] = {k: v for k, v in stats.items() if k.startswith("session")}
     out["held_sessions"] = stats.get("tier.memory.held_sessions")
+    out["held_bytes"] = stats.get("tier.memory.held_bytes")
+    out["block_bytes"] = stats["tier.memory.bytes"] // max(1, stats["tier.memory.blocks"])
     out["scheduler"] = {k: v for k, v in scheduler.stats.items() if k.startswith("session")}
     out["worker"] = {k: v for k, v in worker.stats.items() if k.startswith("session")}
     print("UCM_SESSIONS " + json.dumps(out), flush=True)

@@ -1,7 +1,7 @@
 """Session hints on a real vLLM engine (tests/vllm/_session_engine.py runs the scenario in a
 fresh process): a held session's next turn is served from the memory tier after a flood that
-pushes an unheld one down to disk; `end` releases it; `prefetch` brings it back up; a malformed
-hint changes nothing."""
+pushes an unheld one down to disk; `end` and expiry release it; over `sessions.max_pinned` the
+oldest hold goes; `prefetch` brings a session back up; a malformed hint changes nothing."""
 
 from __future__ import annotations
 
@@ -49,13 +49,21 @@ def test_sessions_on_vllm(scenario) -> None:
     assert scenario["held_after_flood"] == 1
     # `end` released the hold: after the next flood its blocks come from disk
     assert scenario["after_end"] == {"memory": 0, "posix": BLOCKS}, scenario
-    assert scenario["held_sessions"] == 0
+    assert scenario["held_after_end"] == 0
     # prefetch: the blocks went back up to memory, and the next turn loads them from there
     assert scenario["prefetched"] == BLOCKS
     assert scenario["after_prefetch"] == {"memory": BLOCKS, "posix": 0}, scenario
-    assert scenario["kernel"]["session_holds"] == 1
+    # expiry released "short"; over the cap the oldest of c0..c3 went, the others stayed
+    assert scenario["expired"] == {"memory": 0, "posix": BLOCKS}, scenario
+    assert scenario["capped"] == [{"memory": 0, "posix": BLOCKS}] + [
+        {"memory": BLOCKS, "posix": 0}] * 3, scenario
+    assert scenario["held_sessions"] == 3  # c1, c2, c3
+    assert scenario["held_bytes"] == 3 * BLOCKS * scenario["block_bytes"]
+    assert scenario["kernel"]["session_holds"] == 6
     assert scenario["kernel"]["session_releases.end"] == 1
-    assert scenario["scheduler"] == {"session_hints.hold": 1, "session_hints.end": 1,
+    assert scenario["kernel"]["session_releases.expired"] == 1
+    assert scenario["kernel"]["session_releases.cap"] == 1
+    assert scenario["scheduler"] == {"session_hints.hold": 6, "session_hints.end": 1,
                                      "session_hints.prefetch": 1,
                                      "session_hints_malformed": 1}
-    assert scenario["worker"] == {"session_ops": 3}
+    assert scenario["worker"] == {"session_ops": 8}
