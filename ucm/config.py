@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from pydantic import (
     SecretBytes,
     SecretStr,
     SerializeAsAny,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -156,6 +158,45 @@ class MRCConfig(_Strict):
         return sizes
 
 
+class SessionsConfig(_Strict):
+    max_pinned: str | ByteSize = Field(
+        default="50%", description="bytes of each tier that session holds may keep from "
+        "eviction: a share of its capacity (\"50%\"; a tier without capacity: no cap) or "
+        "bytes; over it, the oldest holds are released first")
+    max_retain_s: float = Field(default=3600.0, gt=0,
+                                description="the longest retain_s a session hint may ask for; "
+                                "a hint over it is ignored (counted)")
+
+    @field_validator("max_pinned", mode="before")
+    @classmethod
+    def _share_or_bytes(cls, value: Any) -> str | ByteSize:
+        if isinstance(value, str) and value.strip().endswith("%"):
+            try:
+                share = float(value.strip()[:-1])
+            except ValueError:
+                raise ValueError(f"must be a share such as '50%' or bytes, got {value!r}"
+                                 ) from None
+            if not 0 <= share <= 100 or math.isnan(share):
+                raise ValueError(f"a share must be 0% to 100%, got {value!r}")
+            return value.strip()
+        if isinstance(value, str):
+            try:
+                value = TypeAdapter(ByteSize).validate_python(value)
+            except Exception:
+                raise ValueError(f"must be a share such as '50%' or bytes, got {value!r}"
+                                 ) from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"must be a share such as '50%' or bytes >= 0, got {value!r}")
+        return ByteSize(value)
+
+    def cap_bytes(self, capacity: int | None) -> int | None:
+        """The held-bytes cap of a tier of `capacity` bytes (None: unbounded)."""
+        value = self.max_pinned
+        if isinstance(value, str):
+            return None if capacity is None else int(capacity * float(value[:-1]) / 100)
+        return int(value)
+
+
 class UCMConfig(_Strict):
     tiers: list[TierConfig] = Field(min_length=1, description="the tier stack, fastest first")
     durability: Durability = Field(
@@ -178,6 +219,10 @@ class UCMConfig(_Strict):
         "docs/autotune.md), s3fifo, lru, or adaptive (S3-FIFO whose small-queue share follows "
         "its ghost hits, as ARC's split does)")
     promote: bool = Field(default=True, description="copy hits from slower tiers upwards")
+    sessions: SessionsConfig = Field(default_factory=SessionsConfig,
+                                     description="session holds: blocks a session keeps in "
+                                     "the fastest tier between its requests (docs/vllm.md, "
+                                     "Sessions)")
     threads: ThreadsConfig = Field(default_factory=ThreadsConfig,
                                    description="the threads the kernel owns and lends to its "
                                    "drivers")

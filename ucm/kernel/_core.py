@@ -52,6 +52,7 @@ from ucm.kernel._events import (
 )
 from ucm.kernel._flight import FlightTable
 from ucm.kernel._groups import unwrap_single
+from ucm.kernel._holds import Holds
 from ucm.kernel._movement import Background, Movement
 from ucm.kernel._mrc import MissRatioCurve
 from ucm.kernel._policy import make_policy
@@ -135,6 +136,8 @@ class KernelCore:
                              int(tier_config.capacity) if tier_config.capacity else None,
                              clock=trio.current_time)
         tier = Tier(tier_config, driver, policy, _mrc_of(self.config, policy.capacity))
+        tier.holds = Holds(policy, self.config.sessions.cap_bytes(policy.capacity), self.stats,
+                           clock=trio.current_time)
         self.tiers.insert(len(self.tiers) if position is None else position, tier)
         if isinstance(driver, Listing):
             # Blocks already in storage (a restart) enter the index in the background: a tier
@@ -411,6 +414,26 @@ class KernelCore:
                                        list(event.keys))
         return DoneResult(len(event.keys))
 
+    # -- session holds ---------------------------------------------------------------------------
+    def hold(self, session: str, keys: Sequence[bytes], retain_s: float) -> int:
+        """Holds `keys` in the fastest tier for `session` (`_holds.Holds.hold`)."""
+        if not self.tiers or self.tiers[0].holds is None:
+            raise KernelClosed("no tiers are attached")
+        return self.tiers[0].holds.hold(session, keys, retain_s)
+
+    def release(self, session: str) -> bool:
+        """Ends `session`'s holds in every tier (the fastest may have changed since)."""
+        released = False
+        for tier in self.tiers:
+            if tier.holds is not None and tier.holds.release(session, "end"):
+                released = True
+        return released
+
+    def session_keys(self, session: str) -> set[bytes]:
+        """The keys `session` holds (in any tier)."""
+        return set().union(*(t.holds.keys_of(session) for t in self.tiers
+                             if t.holds is not None))
+
     async def wait_background_idle(self) -> None:
         """Waits until promotions, propagations and cleanups have finished."""
         await self.background.wait_idle()
@@ -438,6 +461,10 @@ class KernelCore:
             out[f"tier.{tier.name}.bytes"] = tier.policy.used
             out[f"tier.{tier.name}.capacity"] = tier.policy.capacity
             out[f"tier.{tier.name}.pinned"] = tier.policy.pinned_count
+            if tier.holds is not None:
+                tier.holds.expire()
+                out[f"tier.{tier.name}.held_bytes"] = tier.holds.held_bytes
+                out[f"tier.{tier.name}.held_sessions"] = len(tier.holds)
             out[f"tier.{tier.name}.driver"] = tier.driver.statistics()
             if tier.mrc is not None:
                 out[f"tier.{tier.name}.mrc"] = tier.mrc.snapshot()

@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -26,7 +26,7 @@ from ucm.errors import InvalidRequest, KernelBusy, KernelClosed, KernelError, UC
 from ucm.kernel._accounting import trace_fields
 from ucm.kernel._completion import Completion
 from ucm.kernel._core import KernelCore, _configured_tracer
-from ucm.kernel._events import Event, _Event
+from ucm.kernel._events import Event, _check_keys, _Event
 from ucm.kernel._fastpath import FastPath
 from ucm.kernel._tier import Tier
 
@@ -222,6 +222,23 @@ class Kernel:
             self.start()
         return self._submit(None, lambda core, _: core.detach(name))
 
+    # -- session holds -----------------------------------------------------------------------
+    def hold(self, session: str, keys: Sequence[bytes], retain_s: float) -> Completion:
+        """Keeps `keys` from eviction in the fastest tier for `retain_s` seconds, for
+        `session` (within `sessions.max_pinned`); resolves to the keys the session holds."""
+        if not isinstance(session, str) or not session or not retain_s > 0:
+            raise InvalidRequest("a hold needs a session name and retain_s > 0")
+        keys = list(_check_keys(keys))
+        if self._token is None:
+            self.start()
+        return self._submit(None, lambda core, _: _sync(core.hold, session, keys, retain_s))
+
+    def release(self, session: str) -> Completion:
+        """Ends `session`'s hold; resolves to whether it held anything."""
+        if self._token is None:
+            self.start()
+        return self._submit(None, lambda core, _: _sync(core.release, session))
+
     def _submit(self, event: Any, work: _Work) -> Completion:
         event_id = next(self._ids)
         completion = Completion(event, event_id)
@@ -342,3 +359,8 @@ class Kernel:
     def tier_names(self) -> list[str]:
         core = self._core
         return [t.name for t in core.tiers] if core is not None else []
+
+
+async def _sync(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs a plain call of the core's on the trio thread, as the events' work runs."""
+    return fn(*args)

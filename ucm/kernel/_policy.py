@@ -19,7 +19,7 @@ import math
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 
 
 class Policy:
@@ -32,6 +32,7 @@ class Policy:
         self._clock = clock
         self._sizes: dict[bytes, int] = {}
         self._pins: dict[bytes, list[float]] = {}  # key -> expiry times, one per pin
+        self.held: Container[bytes] = frozenset()  # keys sessions hold (`_holds.Holds`)
 
     # -- queries -----------------------------------------------------------------------------
     def __contains__(self, key: bytes) -> bool:
@@ -67,6 +68,8 @@ class Policy:
         return key in self._pins
 
     def is_pinned(self, key: bytes) -> bool:
+        if key in self.held:
+            return True
         expiries = self._pins.get(key)
         if not expiries:
             return False

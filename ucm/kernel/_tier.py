@@ -11,6 +11,7 @@ import trio
 from ucm.block import PAYLOAD_OFFSET
 from ucm.config import TierConfig
 from ucm.drivers import Driver, InMemoryLoads, ScatterLoads, ScatterStores
+from ucm.kernel._holds import Holds
 from ucm.kernel._limiter import PriorityLimiter
 from ucm.kernel._mrc import MissRatioCurve
 from ucm.kernel._policy import Policy
@@ -36,6 +37,7 @@ class Tier:
             driver if isinstance(driver, InMemoryLoads) else None)
         self.policy = policy
         self.mrc = mrc  # the tier's sampled miss-ratio curve, where configured
+        self.holds: Holds | None = None  # session holds (the kernel sets them up)
         self.limiter = PriorityLimiter(config.concurrency)
         self.raw_sizes: dict[bytes, int] = {}  # bytes a loader needs, where this kernel knows
         self.reserved = 0  # bytes promised to stores in flight
@@ -59,11 +61,14 @@ class Tier:
             reference: bool = True, first: bool = False) -> None:
         """Indexes a stored block; `reference`: a store the workload made (not a listing);
         `first`: the first key of its batch (for the miss-ratio curve's hot keys)."""
+        old = self.policy.size_of(key) if self.holds is not None else None
         self.policy.insert(key, stored_bytes)
         if raw_bytes is not None:
             self.raw_sizes[key] = raw_bytes
         if reference and self.mrc is not None:
             self.mrc.access(key, stored_bytes, first)
+        if self.holds is not None:
+            self.holds.added(key, old)
 
     def touch(self, key: bytes, depth: int | None = None, *, first: bool = False) -> None:
         """A held block was used (loaded); `depth` its index in the batch, if known."""
@@ -72,7 +77,9 @@ class Tier:
             self.mrc.access(key, self.policy.size_of(key) or 0, first or depth == 0)
 
     def discard(self, key: bytes) -> None:
-        self.policy.remove(key)
+        size = self.policy.remove(key)
+        if self.holds is not None and size:
+            self.holds.removed(key, size)
         self.raw_sizes.pop(key, None)
         if self.indexing:
             self.removed_while_indexing.add(key)
@@ -87,6 +94,8 @@ class Tier:
         or None if pinned blocks leave too little room. The caller deletes the victims and
         calls `unreserve(needed)` once the store is accounted."""
         if self.policy.capacity is not None:
+            if self.holds is not None:
+                self.holds.expire()
             victims = self.policy.make_room(needed + self.reserved)
             if victims is None:
                 return None
@@ -102,6 +111,8 @@ class Tier:
         for the caller to delete), or None when nothing can be evicted (an empty tier, or
         pinned blocks in the way): then the capacity is left as it was."""
         policy = self.policy
+        if self.holds is not None:
+            self.holds.expire()
         held = policy.used
         if held == 0:
             return None

@@ -254,15 +254,23 @@ class KernelCollector:
                                    labels=["tier"])
         pinned = GaugeMetricFamily(f"{ns}_tier_pinned_blocks", "Blocks pinned in a tier",
                                    labels=["tier"])
+        held = GaugeMetricFamily(f"{ns}_tier_held_bytes", "Bytes of a tier that session holds "
+                                 "keep from eviction", labels=["tier"])
+        releases = CounterMetricFamily(f"{ns}_session_releases", "Session holds released, by "
+                                       "reason: end, expired, cap", labels=["reason"])
         for key, value in stats.items():
+            if key.startswith("session_releases."):
+                releases.add_metric([key.partition(".")[2]], value)
             if not key.startswith("tier.") or not isinstance(value, int | float):
                 continue
             tier, _, what = key[5:].rpartition(".")
             family = {"bytes": used, "capacity": cap, "blocks": blocks,
-                      "pinned": pinned}.get(what)
+                      "pinned": pinned, "held_bytes": held}.get(what)
             if family is not None:
                 family.add_metric([tier], value)
         mrc = self._mrc(stats)
+        holds = CounterMetricFamily(f"{ns}_session_holds", "Session holds placed",
+                                    value=stats.get("session_holds", 0))
         busy = CounterMetricFamily(f"{ns}_busy_rejections", "Events refused: inbox full",
                                    value=stats.get("busy_rejections", 0))
         dropped = CounterMetricFamily(f"{ns}_background_dropped", "Background copies dropped",
@@ -270,7 +278,8 @@ class KernelCollector:
         trace_errors = CounterMetricFamily(
             f"{ns}_trace_write_errors", "Trace file writes that failed (the first turns trace "
             "files off)", value=stats.get("trace_write_errors", 0))
-        return [used, cap, blocks, pinned, busy, dropped, trace_errors, *mrc]
+        return [used, cap, blocks, pinned, held, holds, releases, busy, dropped, trace_errors,
+                *mrc]
 
     def _mrc(self, stats: dict[str, Any]) -> list[Any]:
         """Each tier's sampled miss-ratio curve (`mrc:` in the config), one point a series."""

@@ -127,7 +127,8 @@ class UCMConnector(KVConnectorBase_V1):
         scheduler = self._scheduler_side()
         meta = scheduler.build_connector_meta(scheduler_output)
         if meta.loads and self.settings.early_loads and not scheduler.shares_kernel:
-            return StepMetadata(loads=meta.loads, saves=meta.saves)  # loads on arrival
+            return StepMetadata(loads=meta.loads, saves=meta.saves,  # loads on arrival
+                                sessions=meta.sessions)
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int],

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from ucm.vllm_hook.sessions import SessionOp
+
 
 @dataclass(slots=True)
 class BlockTransfer:
@@ -23,7 +25,8 @@ class BlockTransfer:
 class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    sessions: list[SessionOp] = field(default_factory=list)  # finished requests' hints
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.saves)
+        return not (self.loads or self.saves or self.sessions)

@@ -25,6 +25,7 @@ from ucm.kernel import LookupResult
 from ucm.vllm_hook.events import SchedulerEvents
 from ucm.vllm_hook.keys import RequestChain, chain_seed, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.vllm_hook.sessions import SessionOp, parse_hint
 from ucm.vllm_hook.settings import (
     HookSettings,
     SharedKernel,
@@ -78,6 +79,7 @@ class SchedulerSide:
         # vLLM's KV events of ucm's blocks, when the engine publishes events
         self.events = SchedulerEvents(settings.ucm_config, self.block_size,
                                      settings.tp_size) if events else None
+        self._session_ops: list[SessionOp] = []  # finished requests' hints, for the next step
 
     # -- the kernel ------------------------------------------------------------------------------
     @property
@@ -297,6 +299,8 @@ class SchedulerSide:
             save = self._plan_save(st, computed_before[req_id] + n_scheduled)
             if save is not None:
                 meta.saves.append(save)
+        if self._session_ops:
+            meta.sessions, self._session_ops = self._session_ops, []
         shared = self._shared  # the worker side's kernel: that side is in this process
         if meta.loads and self.settings.early_loads and shared and shared.load_early(meta.loads):
             self.stats["early_loads"] += 1
@@ -324,9 +328,39 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
+        self._session_hint(request, st)
         # Saves snapshot their blocks inside the step that computed them, so vLLM may free
         # the blocks at once.
         return False, None
+
+    def _session_hint(self, request: Any, st: _RequestState | None) -> None:
+        """Queues a finished request's session hint (`ucm.vllm_hook.sessions`) for the workers,
+        with the digests of its full blocks that ucm holds; a malformed hint is counted and
+        logged, never raised."""
+        try:
+            op, problem = parse_hint(getattr(request, "kv_transfer_params", None),
+                                     max_retain_s=self.settings.ucm_config.sessions.max_retain_s)
+        except Exception as exc:  # whatever a client sent: never an error into the engine
+            op, problem = None, repr(exc)
+        if problem is not None:
+            self.stats["session_hints_malformed"] += 1
+            log.warning("ucm: %s: session hint ignored: %s", request.request_id, problem)
+            return
+        if op is None:
+            return
+        if st is not None and (op.retain_s is not None or op.prefetch):
+            op.digests = list(st.chain.digests[:st.saved_blocks])
+        for kind, on in (("hold", op.retain_s is not None), ("end", op.end),
+                         ("prefetch", op.prefetch)):
+            if on:
+                self.stats[f"session_hints.{kind}"] += 1
+        if not (op.digests or op.end):
+            return
+        # One process: the worker side applies it now (an idle engine runs no next step);
+        # otherwise it goes to the workers with the next step.
+        shared = self._shared
+        if shared is None or not shared.apply_sessions([op]):
+            self._session_ops.append(op)
 
     def hit_tokens(self, req_id: str) -> int:
         st = self._reqs.get(req_id)

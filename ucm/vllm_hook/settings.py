@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from ucm.codecs import KVLayout
     from ucm.kernel import Kernel
     from ucm.vllm_hook.metadata import BlockTransfer
+    from ucm.vllm_hook.sessions import SessionOp
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -394,6 +395,8 @@ class KernelOwner(Protocol):
 
     def load_early(self, loads: list[BlockTransfer]) -> bool: ...
 
+    def apply_sessions(self, ops: list[SessionOp]) -> list[Any]: ...
+
 
 class SharedKernel:
     """A worker side's kernel, as a scheduler side in the same process reaches it. vLLM in one
@@ -411,6 +414,16 @@ class SharedKernel:
         did not start there (the worker has moved on to another kernel, or declined)."""
         worker = self._worker
         return worker is not None and worker.kernel is self.kernel and worker.load_early(loads)
+
+    def apply_sessions(self, ops: list[SessionOp]) -> bool:
+        """Applies finished requests' session hints on the worker side at once
+        (`WorkerSide.apply_sessions`): an idle engine runs no step that would carry them.
+        False when the worker has moved on to another kernel."""
+        worker = self._worker
+        if worker is None or worker.kernel is not self.kernel:
+            return False
+        worker.apply_sessions(ops)
+        return True
 
 
 class ProcessKernels:

@@ -45,6 +45,9 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
                                  ("outcome",)),
     "connector_consumer_missing_blocks": ("Prompt blocks a kv_consumer recomputed: not stored "
                                           "when its wait expired", ()),
+    "connector_session_hints": ("Session hints of finished requests (docs/vllm.md, Sessions), "
+                                "by kind: hold, end, prefetch; malformed: ignored",
+                                ("kind",)),
     "connector_early_loads": ("Step loads started before start_load_kv (when the scheduler "
                               "planned the step, or when a worker process received it); "
                               "unused: the step did not ask for them", ("outcome",)),
@@ -54,9 +57,11 @@ TIER_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tier_capacity_bytes": ("A tier's capacity", ("tier",)),
     "tier_blocks": ("Blocks held by a tier", ("tier",)),
     "tier_pinned_blocks": ("Blocks pinned in a tier", ("tier",)),
+    "tier_held_bytes": ("Bytes of a tier that session holds keep from eviction", ("tier",)),
 }
 _TIER_STATS = {"bytes": "tier_used_bytes", "capacity": "tier_capacity_bytes",
-               "blocks": "tier_blocks", "pinned": "tier_pinned_blocks"}
+               "blocks": "tier_blocks", "pinned": "tier_pinned_blocks",
+               "held_bytes": "tier_held_bytes"}
 # WorkerSide.stats counters -> (op, result) of connector_blocks
 _OUTCOMES: dict[str, tuple[str, ...]] = {
     "loaded_blocks": ("load", "ok"), "saved_blocks": ("store", "ok"),
@@ -71,6 +76,10 @@ _SCHEDULER: dict[str, tuple[str, tuple[str, ...]]] = {
     "consumer_waits_complete": ("connector_consumer_waits", ("complete",)),
     "consumer_waits_expired": ("connector_consumer_waits", ("expired",)),
     "consumer_missing_blocks": ("connector_consumer_missing_blocks", ()),
+    "session_hints.hold": ("connector_session_hints", ("hold",)),
+    "session_hints.end": ("connector_session_hints", ("end",)),
+    "session_hints.prefetch": ("connector_session_hints", ("prefetch",)),
+    "session_hints_malformed": ("connector_session_hints", ("malformed",)),
 }
 _PARTS = ("counters", "histograms", "gauges")
 

@@ -39,12 +39,14 @@ from ucm.codecs.vllm import cache_layouts
 from ucm.drivers import LoadState
 from ucm.engine.pages import PageIO, PendingPages
 from ucm.errors import UCMError
+from ucm.kernel import Prefetch
 from ucm.vllm_hook.events import WorkerEvents
 from ucm.vllm_hook.hugepages import collapse_cache
 from ucm.vllm_hook.keys import layer_key, rank_key
 from ucm.vllm_hook.layerwise import LayerwiseLoad
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.vllm_hook.sessions import SessionOp
 from ucm.vllm_hook.settings import HookSettings, SharedKernel, kernels, wait_running
 
 if TYPE_CHECKING:
@@ -228,6 +230,8 @@ class WorkerSide:
             self.stats["early_loads_unused"] += 1
 
     def start_load_kv(self, meta: UCMConnectorMetadata) -> None:
+        if meta.sessions:  # before this step's stores, which may evict
+            self.apply_sessions(meta.sessions)
         if self._layerwise is not None:  # a step whose load errors nobody asked for
             self._layerwise.finish()
             self._layerwise = None
@@ -395,6 +399,37 @@ class WorkerSide:
             self._post_store()
         finally:
             self.stats["save_ns"] += int((time.perf_counter() - t0) * 1e9)
+
+    def apply_sessions(self, ops: list[SessionOp]) -> list[Any]:
+        """Holds, releases or prefetches this rank's keys of finished requests' session hints
+        (`ucm.vllm_hook.sessions`); a kernel that is not running or refuses one is counted,
+        never raised. Returns the kernel's completions (the step does not wait for them)."""
+        kernel = self._kernel
+        done: list[Any] = []
+        if kernel is None or not kernel.running:
+            self.stats["session_ops_dropped"] += len(ops)
+            return done
+        for op in ops:
+            keys = [self._key(d) for d in op.digests]
+            if self.settings.layerwise and self.layout is not None:
+                layers = len(self.layout.by_layer)
+                keys = [layer_key(k, j) for k in keys for j in range(layers)]
+            try:
+                if op.end:
+                    done.append(kernel.release(op.session))
+                if op.retain_s is not None and keys:
+                    done.append(kernel.hold(op.session, keys, op.retain_s))
+                if op.prefetch and keys:
+                    size = None if self.settings.layerwise or self.layout is None else \
+                        self.layout.block_bytes
+                    done.append(kernel.submit(Prefetch(keys, block_bytes=size,
+                                                       request_id=op.session)))
+            except UCMError as exc:
+                self.stats["session_ops_dropped"] += 1
+                log.debug("ucm: session %s: %s", op.session, exc)
+                continue
+            self.stats["session_ops"] += 1
+        return done
 
     def _post_store(self) -> None:
         staging, rows = self._save_staging, self._save_rows
