@@ -4,9 +4,9 @@ routing on ucm's KV events), against one instance alone.
 
 Each instance is `ucm serve` (kv_role both), on a CPU of its own (one instance: on all), with a
 ucm config of its own: a memory tier of `--memory-mib` over one posix store that all share, and
-vLLM's KV events published on a ZMQ endpoint of its own; `ucm proxy --instances ... --route roundrobin|prefix` is the front. Every
-(instances, route) pair starts fresh instances on an empty store, and replays the same
-requests, `--concurrency` at a time:
+vLLM's KV events published on a ZMQ endpoint of its own; `ucm proxy --instances ... --route
+roundrobin|prefix` is the front. Every (instances, route) pair starts fresh instances on an
+empty store, and replays the same requests, `--concurrency` at a time:
     chat      `--sessions` chats, each a document of `--doc-tokens` tokens of its own and
               `--turns` turns, every turn's prompt the whole conversation so far (the demo's
               shape, in token ids: turn 1 of every session, then turn 2, ...)
