@@ -47,3 +47,21 @@ def test_table_prints_both_setups_and_their_ratio(capsys):
     assert "decode: status 500" in out
     ratio_line = next(line for line in out.splitlines() if line.startswith("disagg/col."))
     assert "0.50x" in ratio_line and "0.40x" in ratio_line and "1.50x" in ratio_line
+
+
+def test_hit_ttft_arguments_and_line(capsys):
+    import argparse
+
+    from ucm.bench.pd import _print_hits
+
+    with pytest.raises(SystemExit):
+        main(["--hit-tokens", "5000"])
+    assert "--hit-tokens and 2 generated tokens must fit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--settle", "-1"])
+    assert "must be at least 0" in capsys.readouterr().err
+    _print_hits({"consumer": [0.110, 0.120, 0.130], "colocated": [0.100, 0.125, 0.120]},
+                argparse.Namespace(hit_tokens=4000))
+    out = capsys.readouterr().out
+    assert "decode instance TTFT 120.0 ms, colocated ucm hit 120.0 ms" in out
+    assert "median +10.0 ms (min -5.0, max +10.0)" in out

@@ -15,6 +15,13 @@ time to first token (TTFT) and the gaps between their streamed tokens (ITL) are 
 the long prompts' TTFT is printed too. That is the trade people split for: decode steps that
 no prefill interrupts, against a prompt's KV crossing the store. The model is `ucm bench
 vllm`'s random 8-layer model unless `--model` names one.
+
+`--hit-prompts N` (0: off) then measures the decode side alone, with nothing else running: a
+producer instance computes each of N prompts of `--hit-tokens` tokens (its store finished,
+`--settle` seconds), then a consumer (decode) instance and a colocated instance (kv_role
+both), neither of which has the prompt in vLLM's own cache, each load it from ucm and answer;
+their TTFTs, measured at the instance, in turn (which goes first alternates), and the median
+of their differences.
 """
 
 from __future__ import annotations
@@ -260,6 +267,50 @@ def run(args: argparse.Namespace, work: str, vocab: int) -> dict[str, Figures]:
     return results
 
 
+def hit_ttft(args: argparse.Namespace, work: str, vocab: int) -> dict[str, list[float]]:
+    """The decode instance's TTFT of a prompt the producer stored, beside a colocated
+    instance's ucm hit of the same prompt (module docstring)."""
+    all_cpus = ",".join(map(str, _cpus(args.cpus)))
+    config = os.path.join(work, "hit.yaml")
+    with open(config, "w") as f:
+        f.write(f"tiers:\n  - driver: posix\n    path: {os.path.join(work, 'store-hit')}\n")
+    procs: list[_Process] = []
+    out: dict[str, list[float]] = {"consumer": [], "colocated": []}
+    try:
+        for role in ("producer", "consumer", "both"):
+            print(f"hit: starting the {role} instance ...", flush=True)
+            procs.append(_server(args, role, all_cpus, config,
+                                 os.path.join(work, f"hit-{role}.log")))
+        producer, consumer, both = (f"http://127.0.0.1:{p.port}" for p in procs)
+        rng = random.Random(args.seed + 1)
+        for i in range(args.hit_prompts + 1):  # the first warms each instance up
+            prompt = _prompt(rng, args.hit_tokens, vocab)
+            _stream(producer, args.model, prompt, 1)
+            time.sleep(args.settle)  # its blocks are stored: the consumer waits for none
+            order = [("consumer", consumer), ("colocated", both)]
+            for name, url in (order if i % 2 else order[::-1]):
+                ttft, _ = _stream(url, args.model, prompt, 2)
+                if i:
+                    out[name].append(ttft)
+            if i:
+                print(f"  {i}/{args.hit_prompts}: consumer {out['consumer'][-1] * 1000:.1f} ms, "
+                      f"colocated {out['colocated'][-1] * 1000:.1f} ms", flush=True)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    return out
+
+
+def _print_hits(hits: dict[str, list[float]], args: argparse.Namespace) -> None:
+    cons, col = hits["consumer"], hits["colocated"]
+    diffs = [a - b for a, b in zip(cons, col, strict=True)]
+    print(f"\n{args.hit_tokens}-token prompts stored by a producer, then loaded from ucm "
+          f"(median of {len(cons)}): decode instance TTFT {_pct(cons, 0.5):.1f} ms, "
+          f"colocated ucm hit {_pct(col, 0.5):.1f} ms; difference, prompt by prompt: median "
+          f"{statistics.median(diffs) * 1000:+.1f} ms (min {min(diffs) * 1000:+.1f}, max "
+          f"{max(diffs) * 1000:+.1f})")
+
+
 def _print(results: dict[str, Figures], args: argparse.Namespace) -> None:
     print(f"\ndecode requests: {args.short_tokens}-token prompts, {args.gen} tokens each, "
           f"{args.concurrency} at a time; long prompts: {args.long_tokens} tokens, one every "
@@ -298,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-mib", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hit-prompts", type=int, default=7,
+                   help="prompts of the decode-side hit TTFT measurement (0: skip it)")
+    p.add_argument("--hit-tokens", type=int, default=4000)
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds the producer's stores get before the prompt is loaded")
     p.add_argument("--work", help="work directory (default: a temporary one, removed)")
     args = p.parse_args(argv)
     for name in ("long_tokens", "short_tokens", "gen", "decodes", "concurrency"):
@@ -305,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.long_every <= 0:
         p.error("--long-every must be > 0")
+    if args.hit_prompts < 0 or args.settle < 0:
+        p.error("--hit-prompts and --settle must be at least 0")
+    if args.hit_prompts and args.hit_tokens + 2 > args.max_model_len:
+        p.error("--hit-tokens and 2 generated tokens must fit --max-model-len")
     if args.long_tokens + 1 > args.max_model_len or args.short_tokens + args.gen > \
             args.max_model_len:
         p.error("a prompt and its tokens must fit --max-model-len")
@@ -321,9 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             spec = replace(SPEC, max_positions=max(SPEC.max_positions, args.max_model_len))
             args.model = str(build_model(os.path.join(work, "model"), spec))
             args.dtype, vocab = spec.dtype, spec.vocab
-        results = run(args, work, vocab)
+        results = run(args, work, vocab) if args.setups else {}
+        hits = hit_ttft(args, work, vocab) if args.hit_prompts else None
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    _print(results, args)
+    if results:
+        _print(results, args)
+    if hits is not None:
+        _print_hits(hits, args)
     return 0 if all(not r.errors for r in results.values()) else 1
