@@ -7,6 +7,9 @@ with the script's output and the log tail.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from ._redis import RedisServer, shared_redis
@@ -37,3 +40,27 @@ def redis_server():
 def redis_options(redis_server: RedisServer, tmp_path):
     """Options for a redis driver on the session's server, under a prefix of this test."""
     return redis_server.options(scratch_prefix(tmp_path))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Starts the Mooncake namespace suite's inner runs as soon as the session knows it will
+    run that test (tests/backends/test_mooncake.py: their minute of waiting overlaps the
+    tests before it)."""
+    from ._mooncake_nfs import mooncake_contract_enabled
+
+    if mooncake_contract_enabled() or session.config.option.collectonly:
+        return
+    from . import test_mooncake
+
+    if any(item.nodeid == test_mooncake.INNER_TEST for item in session.items):
+        out = Path(tempfile.mkdtemp(prefix="ucm-mooncake-inner-"))
+        test_mooncake.AHEAD["runs"] = test_mooncake.InnerRuns(out)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Inner runs the test never collected (a stopped session) end with it."""
+    from . import test_mooncake
+
+    runs = test_mooncake.AHEAD.pop("runs", None)
+    if runs is not None:
+        runs.close()

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,46 +42,96 @@ inside = pytest.mark.skipif(not mooncake_contract_enabled(),
 # The inner run is mostly waiting, not computing: a store client's close() takes about a second
 # (once per contract test). So it runs as three pytests at once, each on a store of its own
 # (own master, metadata server and holder, on ports of its own): together they select what one
-# `pytest tests/contract -k mooncake tests/backends/test_mooncake.py` would.
+# `pytest tests/contract -k mooncake tests/backends/test_mooncake.py` would. They start when
+# the session's collection ends (tests/backends/conftest.py), so their minute of waiting
+# overlaps the tests that run before this one; the test collects their results.
 INNER_RUNS = [
     (["tests/contract", "-k", "mooncake and not mooncake-zstd"], {}),
     (["tests/contract", "-k", "mooncake-zstd"], {"rpc": 50161, "meta": 8190, "metrics": 9113}),
     (["tests/backends/test_mooncake.py"], {"rpc": 50171, "meta": 8200, "metrics": 9123}),
 ]
+INNER_TEST = "tests/backends/test_mooncake.py::test_suite_inside_the_namespace"
 
 
-@pytest.mark.skipif(mooncake_contract_enabled(), reason="the outer run only")
-@pytest.mark.timeout(240)
-def test_suite_inside_the_namespace(tmp_path):
-    stores = [Mooncake(**ports) for _, ports in INNER_RUNS]
-    runs: list[tuple[subprocess.Popen, Path]] = []
-    try:
-        for store in stores:
+class InnerRuns:
+    """The inner pytests, each started in a thread of its own on a store of its own."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.stores = [Mooncake(**ports) for _, ports in INNER_RUNS]
+        self.procs: list[subprocess.Popen | None] = [None] * len(INNER_RUNS)
+        self.outs = [out_dir / f"inner{i}" for i in range(len(INNER_RUNS))]
+        self.errors: list[BaseException | None] = [None] * len(INNER_RUNS)
+        self._closed = False
+        self._lock = threading.Lock()
+        # the namespace first: three `ip netns add` of one name at once race
+        run_script("netns.sh", self.stores[0].env, "up", self.stores[0].netns)
+        self.threads = [threading.Thread(target=self._start, args=(i,), daemon=True)
+                        for i in range(len(INNER_RUNS))]
+        for t in self.threads:
+            t.start()
+
+    def _start(self, i: int) -> None:
+        (selection, _), store = INNER_RUNS[i], self.stores[i]
+        try:
             store.start()
-        for i, ((selection, _), store) in enumerate(zip(INNER_RUNS, stores, strict=True)):
             opts = store.options
             env = store.client_env(UCM_MOONCAKE_MASTER=opts["master"],
                                    UCM_MOONCAKE_METADATA=opts["metadata"])
-            out = tmp_path / f"inner{i}"
-            with open(f"{out}.out", "w") as stdout, open(f"{out}.err", "w") as stderr:
-                runs.append((subprocess.Popen(
-                    store.python_cmd("-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                                     *selection),
-                    cwd=REPO, env=env, stdout=stdout, stderr=stderr), out))
-        for (selection, _), (proc, out) in zip(INNER_RUNS, runs, strict=True):
-            returncode = proc.wait(timeout=230)
-            lines = Path(f"{out}.out").read_text().splitlines()
+            with open(f"{self.outs[i]}.out", "w") as stdout, \
+                    open(f"{self.outs[i]}.err", "w") as stderr, self._lock:
+                if not self._closed:
+                    self.procs[i] = subprocess.Popen(
+                        store.python_cmd("-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                         "-x", *selection),
+                        cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+        except BaseException as exc:  # reported by results()
+            self.errors[i] = exc
+
+    def results(self, timeout: float) -> list[tuple[list[str], int, str, str]]:
+        """(selection, return code, stdout, stderr tail) of each run, once all have ended."""
+        end = time.monotonic() + timeout
+        out = []
+        for i, ((selection, _), thread) in enumerate(zip(INNER_RUNS, self.threads,
+                                                          strict=True)):
+            thread.join(max(0.0, end - time.monotonic()))
+            if self.errors[i] is not None:
+                raise AssertionError(f"inner run {selection} did not start") from self.errors[i]
+            proc = self.procs[i]
+            assert proc is not None, f"inner run {selection} did not start in time"
+            code = proc.wait(timeout=max(1.0, end - time.monotonic()))
+            out.append((selection, code, Path(f"{self.outs[i]}.out").read_text(),
+                        Path(f"{self.outs[i]}.err").read_text()[-3000:]))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for t in self.threads:
+            t.join(120)
+        for proc in self.procs:
+            if proc is not None:
+                kill_quietly(proc)
+        for store in self.stores:
+            store.stop()
+        run_script("netns.sh", self.stores[0].env, "down", self.stores[0].netns)
+
+
+AHEAD: dict[str, InnerRuns] = {}  # the session's inner runs, started by the conftest
+
+
+@pytest.mark.skipif(mooncake_contract_enabled(), reason="the outer run only")
+@pytest.mark.timeout(300)
+def test_suite_inside_the_namespace(tmp_path):
+    runs = AHEAD.pop("runs", None) or InnerRuns(tmp_path)  # alone: started here
+    try:
+        for selection, returncode, stdout, stderr in runs.results(timeout=280):
+            lines = stdout.splitlines()
             tail = "\n".join(lines[-40:])
-            assert returncode == 0, (f"inner pytest {selection} failed:\n{tail}\n"
-                                     f"{Path(f'{out}.err').read_text()[-3000:]}")
+            assert returncode == 0, f"inner pytest {selection} failed:\n{tail}\n{stderr}"
             print(selection, lines[-1])
             assert " passed" in tail and "failed" not in tail
     finally:
-        for proc, _ in runs:
-            kill_quietly(proc)
-        for store in stores:
-            store.stop()
-        run_script("netns.sh", stores[0].env, "down", stores[0].netns)  # leave no namespace
+        runs.close()
 
 
 # --- inside the namespace --------------------------------------------------------------------
