@@ -31,9 +31,9 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from ucm.bench.pd import _free_port, _pct, _Process, _stream, _ucm
+from ucm.bench.pd import _free_port, _pct, _Process, _stream, _ucm, bench_model
 
 TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
 
@@ -256,19 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "mooncake" and not os.path.exists(args.trace):
         p.error(f"--trace {args.trace}: no such file")
     work = args.work or tempfile.mkdtemp(prefix="ucm-bench-cluster-")
-    args.dtype = None
     runs: list[Run] = []
     try:
-        if args.model:
-            with open(os.path.join(args.model, "config.json")) as f:
-                vocab = int(json.load(f)["vocab_size"])
-        else:
-            from ucm.bench.models import build_model
-            from ucm.bench.vllm import SPEC
-
-            spec = replace(SPEC, max_positions=max(SPEC.max_positions, args.max_model_len))
-            args.model = str(build_model(os.path.join(work, "model"), spec))
-            args.dtype, vocab = spec.dtype, spec.vocab
+        vocab = bench_model(args, work)
         requests = (chat_requests(args.sessions, args.turns, args.doc_tokens, vocab)
                     if args.workload == "chat" else
                     trace_requests(args.trace, args.requests, args.block_tokens, vocab,

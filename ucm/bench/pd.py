@@ -335,6 +335,22 @@ def _print(results: dict[str, Figures], args: argparse.Namespace) -> None:
               "decode requests per setup; ITL over all their token gaps)")
 
 
+def bench_model(args: argparse.Namespace, work: str) -> int:
+    """Sets args.model (built in `work` unless given) and args.dtype; the model's vocabulary
+    size (the benches' prompts are random token ids below it)."""
+    args.dtype = None
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    from ucm.bench.models import build_model
+    from ucm.bench.vllm import SPEC
+
+    spec = replace(SPEC, max_positions=max(SPEC.max_positions, args.max_model_len))
+    args.model = str(build_model(os.path.join(work, "model"), spec))
+    args.dtype = spec.dtype
+    return spec.vocab
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ucm bench pd", description=__doc__.split("\n")[0])
     p.add_argument("--setups", default="colocated,disagg")
@@ -369,18 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             args.max_model_len:
         p.error("a prompt and its tokens must fit --max-model-len")
     work = args.work or tempfile.mkdtemp(prefix="ucm-bench-pd-")
-    args.dtype = None
     try:
-        if args.model:
-            with open(os.path.join(args.model, "config.json")) as f:
-                vocab = int(json.load(f)["vocab_size"])
-        else:
-            from ucm.bench.models import build_model
-            from ucm.bench.vllm import SPEC
-
-            spec = replace(SPEC, max_positions=max(SPEC.max_positions, args.max_model_len))
-            args.model = str(build_model(os.path.join(work, "model"), spec))
-            args.dtype, vocab = spec.dtype, spec.vocab
+        vocab = bench_model(args, work)
         results = run(args, work, vocab) if args.setups else {}
         hits = hit_ttft(args, work, vocab) if args.hit_prompts else None
     finally:
