@@ -65,3 +65,21 @@ def test_hit_ttft_arguments_and_line(capsys):
     out = capsys.readouterr().out
     assert "decode instance TTFT 120.0 ms, colocated ucm hit 120.0 ms" in out
     assert "median +10.0 ms (min -5.0, max +10.0)" in out
+
+
+def test_a_server_process_is_waited_for_and_stopped_with_its_group(tmp_path):
+    import os
+    import sys
+
+    from ucm.bench.processes import ServerProcess, free_port
+
+    port = free_port()
+    server = ServerProcess("http.server", [sys.executable, "-m", "http.server", str(port),
+                                           "--bind", "127.0.0.1"], dict(os.environ),
+                           str(tmp_path / "http.log"), port, health="/", timeout=60)
+    assert server.proc.poll() is None
+    server.stop()
+    assert server.proc.poll() is not None
+    with pytest.raises(RuntimeError, match=r"quitter did not start; see .*quit\.log"):
+        ServerProcess("quitter", [sys.executable, "-c", "pass"], dict(os.environ),
+                      str(tmp_path / "quit.log"), free_port(), timeout=60)

@@ -33,7 +33,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from ucm.bench.pd import _free_port, _pct, _Process, _stream, _ucm, bench_model
+from ucm.bench.pd import _pct, _stream, bench_model
+from ucm.bench.processes import ServerProcess, free_port, ucm_command
 
 TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
 
@@ -92,15 +93,15 @@ def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _server(args: argparse.Namespace, work: str, i: int, store: str, cpus: str,
-            ) -> tuple[_Process, int]:
+            ) -> tuple[ServerProcess, int]:
     from ucm.bench.engines import engine_env, find_tcmalloc
 
     config = os.path.join(work, f"instance{i}.yaml")
     with open(config, "w") as f:
         f.write(f"tiers:\n  - driver: memory\n    capacity: {args.memory_mib}MiB\n"
                 f"  - driver: posix\n    path: {store}\n")
-    port, events = _free_port(), _free_port()
-    argv = ["taskset", "-c", cpus, *_ucm(), "serve", args.model, "--ucm-config", config,
+    port, events = free_port(), free_port()
+    argv = ["taskset", "-c", cpus, *ucm_command(), "serve", args.model, "--ucm-config", config,
             "--port", str(port),
             "--max-model-len", str(args.max_model_len), "--enforce-eager", "--seed", "0",
             "--kv-cache-memory-bytes", str(args.kv_cache_mib * 2**20),
@@ -111,7 +112,8 @@ def _server(args: argparse.Namespace, work: str, i: int, store: str, cpus: str,
         argv += ["--dtype", args.dtype]
     env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": cpus}
-    return _Process(argv, env, os.path.join(work, f"instance{i}.log"), port), events
+    return ServerProcess(f"instance {i}", argv, env, os.path.join(work, f"instance{i}.log"),
+                         port), events
 
 
 def run_one(args: argparse.Namespace, work: str, instances: int, route: str,
@@ -119,7 +121,7 @@ def run_one(args: argparse.Namespace, work: str, instances: int, route: str,
     run_dir = os.path.join(work, f"{instances}-{route}")
     os.makedirs(run_dir)
     store = os.path.join(run_dir, "store")
-    procs: list[_Process] = []
+    procs: list[ServerProcess] = []
     try:
         servers = []
         cpus = sorted(os.sched_getaffinity(0))
@@ -130,12 +132,12 @@ def run_one(args: argparse.Namespace, work: str, instances: int, route: str,
             procs.append(server)
             servers.append((server, events))
         urls = ",".join(f"http://127.0.0.1:{s.port}" for s, _ in servers)
-        argv = [*_ucm(), "proxy", "--instances", urls, "--route", route,
-                "--port", str(port := _free_port())]
+        argv = [*ucm_command(), "proxy", "--instances", urls, "--route", route,
+                "--port", str(port := free_port())]
         if route == "prefix":
             argv += ["--kv-events", ",".join(f"tcp://127.0.0.1:{e}" for _, e in servers)]
-        proxy = _Process(argv, dict(os.environ), os.path.join(run_dir, "proxy.log"), port,
-                         timeout=120)
+        proxy = ServerProcess("ucm proxy", argv, dict(os.environ),
+                              os.path.join(run_dir, "proxy.log"), port, timeout=120)
         procs.append(proxy)
         time.sleep(0.5)  # the proxy's subscriptions join before the first events
         ttft, errors = _replay(f"http://127.0.0.1:{port}", args, requests)

@@ -32,67 +32,20 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field, replace
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ucm.bench.processes import ServerProcess, free_port, ucm_command
 
 
-def _ucm() -> list[str]:
-    """The `ucm` command of this interpreter's environment (the installed entry point)."""
-    return [sys.executable, "-c", "import sys; from ucm.cli import main; sys.exit(main())"]
-
-
-class _Process:
-    """A server process in its own session, its output in a log file of the work dir."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: str, port: int,
-                 health: str = "/health", timeout: float = 600) -> None:
-        self.port, self.log_path = port, log
-        self._log = open(log, "w")  # noqa: SIM115 (closed by stop)
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        end = time.monotonic() + timeout
-        while not self._ok(health):
-            if self.proc.poll() is not None or time.monotonic() > end:
-                self.stop()
-                raise RuntimeError(f"{argv[3:6]} did not start; see {log}")
-            time.sleep(1)
-
-    def _ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5):
-                return True
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait)
-            except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-                pass
-        self._log.close()
-
-
-def _server(args: argparse.Namespace, role: str, cpus: str, config: str, log: str) -> _Process:
+def _server(args: argparse.Namespace, role: str, cpus: str, config: str, log: str) -> ServerProcess:
     from ucm.bench.engines import engine_env, find_tcmalloc
 
-    port = _free_port()
-    argv = ["taskset", "-c", cpus, *_ucm(), "serve", args.model, "--ucm-config", config,
+    port = free_port()
+    argv = ["taskset", "-c", cpus, *ucm_command(), "serve", args.model, "--ucm-config", config,
             "--kv-role", role, "--port", str(port), "--max-model-len", str(args.max_model_len),
             "--enforce-eager", "--seed", "0", "--kv-cache-memory-bytes",
             str(args.kv_cache_mib * 2**20)]
@@ -100,14 +53,14 @@ def _server(args: argparse.Namespace, role: str, cpus: str, config: str, log: st
         argv += ["--dtype", args.dtype]
     env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), "HF_HUB_OFFLINE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": cpus}
-    return _Process(argv, env, log, port)
+    return ServerProcess(f"the {role} instance", argv, env, log, port)
 
 
-def _proxy(prefill: int, decode: int, log: str) -> _Process:
-    port = _free_port()
-    argv = [*_ucm(), "proxy", "--prefill", f"http://127.0.0.1:{prefill}", "--decode",
+def _proxy(prefill: int, decode: int, log: str) -> ServerProcess:
+    port = free_port()
+    argv = [*ucm_command(), "proxy", "--prefill", f"http://127.0.0.1:{prefill}", "--decode",
             f"http://127.0.0.1:{decode}", "--port", str(port)]
-    return _Process(argv, dict(os.environ), log, port, timeout=120)
+    return ServerProcess("ucm proxy", argv, dict(os.environ), log, port, timeout=120)
 
 
 @dataclass
@@ -235,7 +188,7 @@ def run(args: argparse.Namespace, work: str, vocab: int) -> dict[str, Figures]:
         config = os.path.join(work, f"{setup}.yaml")
         with open(config, "w") as f:
             f.write(f"tiers:\n  - driver: posix\n    path: {store}\n")
-        procs: list[_Process] = []
+        procs: list[ServerProcess] = []
         try:
             if setup == "colocated":
                 print(f"colocated: one instance on CPUs {all_cpus} ...", flush=True)
@@ -274,7 +227,7 @@ def hit_ttft(args: argparse.Namespace, work: str, vocab: int) -> dict[str, list[
     config = os.path.join(work, "hit.yaml")
     with open(config, "w") as f:
         f.write(f"tiers:\n  - driver: posix\n    path: {os.path.join(work, 'store-hit')}\n")
-    procs: list[_Process] = []
+    procs: list[ServerProcess] = []
     out: dict[str, list[float]] = {"consumer": [], "colocated": []}
     try:
         for role in ("producer", "consumer", "both"):

@@ -23,10 +23,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,17 +32,12 @@ import urllib.request
 from dataclasses import replace
 from typing import Any
 
+from ucm.bench.processes import ServerProcess, free_port
 from ucm.bench.vllm import SPEC  # the random 8-layer model of `ucm bench vllm`
 
 SETUPS = ("none", "ucm", "example")
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _kv_config(setup: str, work: str) -> dict[str, Any] | None:
@@ -68,7 +60,7 @@ class _Server:
         from ucm.bench.engines import engine_env, find_tcmalloc
         from ucm.vllm_hook.serve import SERVER_MODULE
 
-        self.port = _free_port()
+        self.port = free_port()
         argv = [sys.executable, "-m", SERVER_MODULE, "--model", args.model,
                 "--max-model-len", str(args.max_model_len), "--enforce-eager", "--seed", "0",
                 "--kv-cache-memory-bytes", str(args.kv_cache_mib * 2**20),
@@ -81,22 +73,8 @@ class _Server:
         if kvt is not None:
             argv += ["--kv-transfer-config", json.dumps(kvt)]
         env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), "HF_HUB_OFFLINE": "1"}
-        self.log = open(os.path.join(work, f"{setup}-{name}.log"), "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        end = time.monotonic() + 600
-        while not self._ok("/health"):
-            if self.proc.poll() is not None or time.monotonic() > end:
-                self.stop()
-                raise RuntimeError(f"{setup} server did not start; see {self.log.name}")
-            time.sleep(1)
-
-    def _ok(self, path: str) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5):
-                return True
-        except OSError:
-            return False
+        self._process = ServerProcess(f"{setup} server", argv, env,
+                                      os.path.join(work, f"{setup}-{name}.log"), self.port)
 
     def prompt_tokens_by_source(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -112,13 +90,7 @@ class _Server:
         return out
 
     def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait)
-            except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-                pass
-        self.log.close()
+        self._process.stop()
 
 
 def _document(seed: int, n_words: int) -> str:
