@@ -19,7 +19,7 @@ TOOLS = ROOT.parent / "tools"  # shipped inside the package as ucm.tools
 ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 PRODUCT = ("kernel", "drivers", "engine", "vllm_hook", "sglang_hook", "sparse", "trace", "ops",
            "codecs", "autotune", "testing", "__init__.py", "_version.py", "block.py",
-           "config.py", "errors.py", "proxy.py")
+           "config.py", "errors.py", "proxy")
 # A string that is a bench module path: kv_connector_module_path values, import_module names.
 BENCH_PATH = re.compile(r"ucm\.bench(\.\w+)*")
 

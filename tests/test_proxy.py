@@ -10,18 +10,8 @@ import socket
 
 import pytest
 
-from ucm.proxy import (
-    DEFAULT_HOST,
-    PrefixIndex,
-    Proxy,
-    RoundRobin,
-    chain_keys,
-    main,
-    parse_endpoints,
-    parse_urls,
-    prefill_body,
-    tokenize_body,
-)
+from ucm.proxy import DEFAULT_HOST, Proxy, RoundRobin, main, parse_urls, prefill_body
+from ucm.proxy.index import PrefixIndex, chain_keys, parse_endpoints, tokenize_body
 
 
 def test_instance_urls():
