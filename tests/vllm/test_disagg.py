@@ -384,6 +384,27 @@ def test_the_producer_publishes_the_blocks_ucm_stored_as_kv_events(pair):
         assert event.parent_block_hash == before.block_hashes[-1]
 
 
+def proxy_health(front: Proxy) -> dict:
+    with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def stored_and_indexed(front: Proxy, producer: Server, seed: int) -> tuple[str, dict]:
+    """A document the producer answers (its greedy answer) and stores, once the proxy's
+    prefix index holds all its full blocks (the producer's later steps publish the events)."""
+    time.sleep(0.5)  # the proxy's subscriptions join before the producer publishes
+    doc = words(250, seed)
+    full = (len(tokenize(producer, doc)) - 1) // BLOCK
+    direct = stream(producer.client, producer.model, "completion", doc)
+    for _ in range(40):
+        health = proxy_health(front)
+        if health["index"].get("stored_blocks", 0) >= full:
+            break
+        stream(producer.client, producer.model, "completion", words(12, seed + 1))
+    assert health["index"]["stored_blocks"] >= full
+    return doc, direct
+
+
 def test_route_prefix_sends_a_prompt_to_the_prefill_instance_that_stored_it(
         pair, tmp_path_factory):
     producer, consumer, _store = pair
@@ -393,17 +414,7 @@ def test_route_prefix_sends_a_prompt_to_the_prefill_instance_that_stored_it(
                   extra=("--route", "prefix", "--kv-events",
                          f"{consumer.events},{producer.events}"))
     try:
-        time.sleep(0.5)  # its subscriptions join before the producer publishes
-        doc = words(250, 72)
-        full = (len(tokenize(producer, doc)) - 1) // BLOCK
-        stream(producer.client, producer.model, "completion", doc)  # stored by the producer
-        for _ in range(40):
-            with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
-                health = json.loads(resp.read())
-            if health["index"].get("stored_blocks", 0) >= full:
-                break
-            stream(producer.client, producer.model, "completion", words(12, 73))
-        assert health["index"]["stored_blocks"] >= full
+        doc, _direct = stored_and_indexed(front, producer, seed=72)
         chosen = []
         for _ in range(3):  # in turn, two of three would start at the consumer
             status, headers, _answer = front.post("/v1/completions", {
@@ -411,8 +422,7 @@ def test_route_prefix_sends_a_prompt_to_the_prefill_instance_that_stored_it(
             assert status == 200
             chosen.append({k.lower(): v for k, v in headers.items()}["x-ucm-prefill"])
         assert chosen == [urls[1]] * 3
-        with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
-            health = json.loads(resp.read())
+        health = proxy_health(front)
         assert health["routed_by_prefix"] >= 1 and health["tokenize_failed"] == 0
     finally:
         front.stop()
@@ -428,17 +438,7 @@ def test_instances_that_do_both_get_whole_requests_routed_by_prefix(pair, tmp_pa
         "--instances", ",".join(urls), "--route", "prefix", "--kv-events",
         f"{consumer.events},{producer.events}"))
     try:
-        time.sleep(0.5)  # its subscriptions join before the producer publishes
-        doc = words(250, 81)
-        full = (len(tokenize(producer, doc)) - 1) // BLOCK
-        direct = stream(producer.client, producer.model, "completion", doc)  # stores it
-        for _ in range(40):
-            with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
-                health = json.loads(resp.read())
-            if health["index"].get("stored_blocks", 0) >= full:
-                break
-            stream(producer.client, producer.model, "completion", words(12, 82))
-        assert health["index"]["stored_blocks"] >= full
+        doc, direct = stored_and_indexed(front, producer, seed=81)
         for _ in range(2):  # in turn, one of two would go to the consumer
             status, headers, answer = front.post("/v1/completions", {
                 "model": producer.model, "prompt": doc, "max_tokens": 8, "temperature": 0,
@@ -447,8 +447,7 @@ def test_instances_that_do_both_get_whole_requests_routed_by_prefix(pair, tmp_pa
             assert status == 200 and marks["x-ucm-instance"] == urls[1]
             assert "x-ucm-prefill" not in marks and "x-ucm-decode" not in marks
             assert answer["choices"][0]["logprobs"]["tokens"] == direct["tokens"]
-        with urllib.request.urlopen(front.url + "/health", timeout=30) as resp:
-            health = json.loads(resp.read())
+        health = proxy_health(front)
         assert health["instances"] == urls and health["routed_by_prefix"] >= 1
         assert health["instance_unavailable"] == 0
     finally:
