@@ -1,7 +1,10 @@
 """`python -m ucm.proxy ...`: the same as `ucm proxy ...`."""
 
+from __future__ import annotations
+
 import sys
 
 from ucm.proxy.front import main
 
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
