@@ -15,6 +15,12 @@ whole batch before it inserts any, blocks already held included (the kernel stor
 again). That is exactly what one kernel tier does with a store at a time
 (docs/autotune.md, Validation on vLLM).
 
+With `retention` the first tier keeps session holds as the kernel does (`ucm.kernel._holds`,
+the very class): after each request its session's blocks are held for `retain_s` of the
+trace's clock, eviction skips them, the held blocks are capped at a share of the tier
+(`sessions.max_pinned`) with the oldest holds released first, and expiry is checked before
+each eviction and each hold.
+
 Belady's offline optimum (evict the block whose next use is farthest; a block never used
 again is not admitted) is the reference for one tier; it knows the future, so it is computed
 separately (`belady`).
@@ -23,11 +29,39 @@ separately (`belady`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ucm.autotune._traces import Request
+from ucm.kernel._holds import Holds
 from ucm.kernel._policy import Policy, make_policy
+
+
+def chain_session(request: Request) -> str | None:
+    """A request's session: the trace's own (`Request.session`), else its chain, named by its
+    second block (the first past a prompt every request shares, as in Mooncake's traces);
+    None for a request of one block."""
+    if request.session is not None:
+        return request.session
+    return request.blocks[1].hex() if len(request.blocks) > 1 else None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Session holds in the first tier (`simulate(..., retention=)`): after each request, the
+    blocks of it (but its last with `skip_last`: a hash-id trace's last block is partial, and
+    the kernel holds full blocks only) are held for its session for `retain_s` seconds,
+    within `max_pinned` of the tier's capacity (a share, as `sessions.max_pinned: 50%`)."""
+
+    retain_s: float
+    max_pinned: float = 0.5
+    skip_last: bool = True
+    session_of: Callable[[Request], str | None] = chain_session
+
+    def __post_init__(self) -> None:
+        if not (self.retain_s > 0 and 0 < self.max_pinned <= 1):
+            raise ValueError("retain_s > 0 and 0 < max_pinned <= 1")
 
 
 @dataclass(frozen=True)
@@ -60,6 +94,8 @@ class SimResult:
     prefetch_evicted: int = 0
     held: list[set[bytes]] = field(default_factory=list)  # each tier's blocks at the end
     per_request: list[int] = field(default_factory=list)  # hits of each request (kernel_stores)
+    # with retention: the kernel's counters (session_holds, session_releases.<expired|cap>)
+    sessions: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_ratio(self) -> float:
@@ -84,16 +120,17 @@ def _clock() -> float:
 
 def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
              promote: bool = True, prefetch: object | None = None,
-             kernel_stores: bool = False) -> SimResult:
+             kernel_stores: bool = False, retention: Retention | None = None) -> SimResult:
     """Replays `requests` through `tiers` (fastest first). `prefetch`, if given, is asked
     before each request, with its arrival time only, for blocks due now (`due(now)`, if it
     has one) and after each request (`after(request)`) for blocks to copy from a slower tier
     into the first (`ucm.autotune._prefetch`). `kernel_stores`: byte accounting and batch
-    reservation as the kernel's store does them (the module's docstring)."""
+    reservation as the kernel's store does them (the module's docstring). `retention`:
+    session holds in the first tier (`Retention`)."""
     if not tiers:
         raise ValueError("at least one tier")
-    if kernel_stores and prefetch is not None:
-        raise ValueError("kernel_stores replays stores only; no prefetch")
+    if kernel_stores and (prefetch is not None or retention is not None):
+        raise ValueError("kernel_stores replays stores only; no prefetch nor retention")
     if kernel_stores:
         return _simulate_kernel(requests, tiers, promote=promote)
     policies = [make_policy(t.policy, t.blocks, clock=_clock) for t in tiers]
@@ -103,6 +140,21 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     prefetched: set[bytes] = set()
     hits_by_tier = result.hits_by_tier
     single = len(policies) == 1
+    now = [0.0]  # the trace's clock, for the holds' expiry
+    holds: Holds | None = None
+    hold_stats: Counter[str] = Counter()
+    if retention is not None:
+        cap = (None if top.capacity is None
+               else int(top.capacity * retention.max_pinned))
+        holds = Holds(top, cap, hold_stats, clock=lambda: now[0])
+
+    def insert_top(key: bytes, depth: int) -> list[bytes]:
+        if holds is None:
+            return _insert(top, key, depth)
+        holds.expire()  # as `Tier.reserve` does before it evicts
+        victims = _insert(top, key, depth)
+        holds.added(key, None)
+        return victims
 
     def _evicted(victims: list[bytes], depth: int) -> None:
         if depth == 0 and prefetched:
@@ -115,7 +167,7 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     def promote_ahead(keys: Iterable[bytes]) -> None:
         for key in keys:
             if key not in top_index and any(key in ix for ix in indexes[1:]):
-                for victim in _insert(top, key, 0):
+                for victim in insert_top(key, 0):
                     if victim in prefetched:
                         prefetched.discard(victim)
                         result.prefetch_evicted += 1
@@ -123,6 +175,7 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 result.prefetched += 1
 
     for request in requests:
+        now[0] = request.timestamp
         if due is not None:
             promote_ahead(due(request.timestamp))
         blocks = request.blocks
@@ -153,7 +206,8 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 for i, depth in enumerate(sources):
                     if depth:
                         for above in range(depth):
-                            _evicted(_insert(policies[above], blocks[i], i), above)
+                            _evicted(insert_top(blocks[i], i) if above == 0
+                                     else _insert(policies[above], blocks[i], i), above)
         if hit:
             result.hits += hit
             result.requests_with_hit += 1
@@ -164,12 +218,22 @@ def simulate(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 if key in index:
                     policy.touch(key, j - hit)
                 elif policy is top:
-                    _evicted(_insert(policy, key, j - hit), 0)
+                    _evicted(insert_top(key, j - hit), 0)
                 else:
                     _insert(policy, key, j - hit)
+        if holds is not None and retention is not None:
+            session = retention.session_of(request)
+            kept = blocks[:-1] if retention.skip_last else blocks
+            if session is not None and kept:
+                holds.hold(session, kept, retention.retain_s)
         if prefetch is not None:
             promote_ahead(prefetch.after(request))  # type: ignore[attr-defined]
     result.held = [set(index) for index in indexes]
+    if holds is not None:
+        holds.expire()
+        result.sessions = dict(hold_stats)
+        result.sessions["held_sessions"] = len(holds)
+        result.sessions["held_blocks"] = holds.held_bytes
     return result
 
 
@@ -263,7 +327,13 @@ def next_uses(requests: Sequence[Request]) -> tuple[list[bytes], list[int]]:
 
 def belady(requests: Sequence[Request], capacity: int | None,
            uses: tuple[list[bytes], list[int]] | None = None) -> SimResult:
-    """Belady's offline optimum under prefix semantics, for one tier of `capacity` blocks:
+    """With `retention` the first tier keeps session holds as the kernel does (`ucm.kernel._holds`,
+the very class): after each request its session's blocks are held for `retain_s` of the
+trace's clock, eviction skips them, the held blocks are capped at a share of the tier
+(`sessions.max_pinned`) with the oldest holds released first, and expiry is checked before
+each eviction and each hold.
+
+Belady's offline optimum under prefix semantics, for one tier of `capacity` blocks:
     on a miss the block is admitted unless its next use is farther than every held block's,
     and the held block whose next use is farthest is evicted. A max-heap of next uses with
     lazy deletion makes each access O(log n)."""

@@ -21,11 +21,13 @@ class Request(NamedTuple):
     """One request: its prefix blocks in order (opaque keys) and its arrival (seconds).
     `lookup`: how many leading blocks a lookup may hit (None: all); vLLM never loads a
     prompt's last token, so a prompt of a whole number of blocks looks up one block fewer
-    than it stores."""
+    than it stores. `session`: the session (conversation, agent) the request belongs to, where
+    the trace says (None: `ucm.autotune._simulate.Retention` takes its chain)."""
 
     blocks: tuple[bytes, ...]
     timestamp: float = 0.0
     lookup: int | None = None
+    session: str | None = None
 
 
 def _id_key(block_id: int) -> bytes:

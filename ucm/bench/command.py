@@ -9,7 +9,8 @@ import importlib
 BENCHES = {"vllm": "ucm.bench.vllm", "sglang": "ucm.bench.sglang", "sparse": "ucm.bench.sparse",
            "trace": "ucm.bench.trace", "policy": "ucm.bench.policy", "codec": "ucm.bench.codec",
            "serve": "ucm.bench.serve", "quality": "ucm.bench.quality", "link": "ucm.bench.link",
-           "pd": "ucm.bench.pd", "cluster": "ucm.bench.cluster", "mrc": "ucm.bench.mrc"}
+           "pd": "ucm.bench.pd", "cluster": "ucm.bench.cluster", "mrc": "ucm.bench.mrc",
+           "retention": "ucm.bench.retention"}
 
 
 def main(argv: list[str]) -> int:

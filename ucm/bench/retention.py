@@ -1,0 +1,195 @@
+"""`ucm bench retention`: session holds (`retain_s`, within `sessions.max_pinned`) in the
+simulator, against the same fast tier without them.
+
+A fast tier of each `--capacities` (blocks, policy `shadow` and `lru`) over a slow tier
+(unbounded LRU by default), the requests of a trace replayed with every request's session
+held in the fast tier for each `--retain` time after it (`ucm.autotune._simulate.Retention`,
+the kernel's own `Holds`), and without holds. Sessions: a Mooncake trace's chains (the
+conversation its second block names), or the seeded synthetic agent workload's agents
+(`--agents`: tool-call pauses between an agent's steps, one-off requests in between, which
+carry no hint). Per cell: the hit ratio and the share of the hits served from the fast tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ucm.autotune._simulate import Retention, SimTier, chain_session, simulate
+from ucm.autotune._traces import Request, read_jsonl
+
+TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
+RETAINS = (30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def _key(n: int) -> bytes:
+    return n.to_bytes(8, "little", signed=True)
+
+
+def agent_trace(seed: int = 0, *, agents: int = 300, arrival_s: float = 6.0,
+                shared_blocks: int = 4, one_off_per_s: float = 0.5) -> list[Request]:
+    """A seeded agent workload: agents arrive `arrival_s` apart on average (Poisson), each
+    with a task of 4-16 blocks after a system prompt all share, and run 3-15 steps; each step
+    is a request of the whole context so far (plus a partial last block), after which the
+    context grows by the step's output and tool result (1-4 blocks) and the agent pauses: a
+    tool call (log-normal, median 8 s) or, one step in six, a person's approval (60-600 s).
+    One-off requests of 8-32 fresh blocks (no session) arrive at `one_off_per_s` meanwhile."""
+    rng = random.Random(seed)
+    ids = iter(range(1 << 40))
+    shared = [_key(next(ids)) for _ in range(shared_blocks)]
+    out: list[Request] = []
+    start = 0.0
+    for agent in range(agents):
+        start += rng.expovariate(1 / arrival_s)
+        context = shared + [_key(next(ids)) for _ in range(rng.randint(4, 16))]
+        t = start
+        for _ in range(rng.randint(3, 15)):
+            out.append(Request((*context, _key(next(ids))), t, session=f"agent-{agent}"))
+            context = context + [_key(next(ids)) for _ in range(rng.randint(1, 4))]
+            pause = (rng.uniform(60, 600) if rng.random() < 1 / 6
+                     else rng.lognormvariate(2.08, 1.0))  # e^2.08 = 8 s
+            t += 2.0 + pause  # the step's own generation, then the pause
+    end = max(r.timestamp for r in out)
+    t = rng.expovariate(one_off_per_s)
+    while t < end:
+        out.append(Request(tuple(_key(next(ids)) for _ in range(rng.randint(8, 32))), t))
+        t += rng.expovariate(one_off_per_s)
+    out.sort(key=lambda r: r.timestamp)
+    return out
+
+
+def trace_session(request: Request) -> str | None:
+    """The synthetic trace's own sessions (one-off requests have none, so hold nothing)."""
+    return request.session
+
+
+def retention_rows(requests: Sequence[Request], capacities: Sequence[int],
+                   retains: Sequence[float], *, policies: Sequence[str] = ("shadow", "lru"),
+                   max_pinned: float = 0.5, slow_blocks: int | None = None,
+                   agents: bool = False, progress: bool = True) -> list[dict[str, Any]]:
+    """One row per (capacity, policy, retain time or None: no holds)."""
+    rows = []
+    total = len(capacities) * len(policies) * (1 + len(retains))
+    done = 0
+    for capacity in capacities:
+        for policy in policies:
+            tiers = [SimTier(policy, capacity)]
+            if slow_blocks != 0:
+                tiers.append(SimTier("lru", slow_blocks))
+            for retain in (None, *retains):
+                began = time.perf_counter()
+                retention = (None if retain is None else Retention(
+                    retain, max_pinned, session_of=trace_session if agents
+                    else chain_session))
+                r = simulate(requests, tiers, retention=retention)
+                done += 1
+                if progress:
+                    print(f"[{done}/{total}] {policy} {capacity} blocks, retain "
+                          f"{retain if retain is not None else '-'}: hit ratio "
+                          f"{r.hit_ratio:.4f} ({time.perf_counter() - began:.1f} s)",
+                          file=sys.stderr, flush=True)
+                rows.append({"capacity_blocks": capacity, "policy": policy,
+                             "retain_s": retain, "accesses": r.accesses, "hits": r.hits,
+                             "fast_hits": r.hits_by_tier[0], "hit_ratio": r.hit_ratio,
+                             "fast_share": r.hits_by_tier[0] / r.hits if r.hits else 0.0,
+                             "sessions": r.sessions})
+    return rows
+
+
+def _retain_label(retain: float | None) -> str:
+    if retain is None:
+        return "no holds"
+    return f"{retain:g} s" if retain < 60 else f"{retain / 60:g} min"
+
+
+def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
+    """One line per (capacity, policy): each retain time's share of the hits served from the
+    fast tier, and the hit ratio (its range over the line: one figure when every cell has it,
+    as under an unbounded slow tier)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    retains = list(dict.fromkeys(r["retain_s"] for r in rows))
+    table = Table(title=title)
+    table.add_column("fast tier (blocks)", justify="right")
+    table.add_column("policy")
+    table.add_column("hit ratio", justify="right")
+    for retain in retains:
+        table.add_column(_retain_label(retain), justify="right")
+    table.add_column("holds released over the cap (longest retain)", justify="right")
+    by_line: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_line.setdefault((r["capacity_blocks"], r["policy"]), []).append(r)
+    for (capacity, policy), line in by_line.items():
+        low = min(r["hit_ratio"] for r in line)
+        high = max(r["hit_ratio"] for r in line)
+        last = line[-1]["sessions"]
+        table.add_row(f"{capacity:,}", policy,
+                      f"{low:.4f}" if f"{low:.4f}" == f"{high:.4f}" else f"{low:.4f}-{high:.4f}",
+                      *(f"{r['fast_share']:.3f}" for r in line),
+                      f"{last.get('session_releases.cap', 0):,} of "
+                      f"{last.get('session_holds', 0):,}")
+    Console(width=160).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ucm bench retention",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", default=TRACE, help="a JSONL trace (hash_ids)")
+    parser.add_argument("--agents", action="store_true",
+                        help="the seeded synthetic agent workload instead of --trace")
+    parser.add_argument("--seed", type=int, default=0, help="--agents: the workload's seed")
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--capacities", default=None,
+                        help="fast-tier capacities in blocks, comma separated (default: "
+                        "1000,4000,16000,64000; --agents: 500,1000,2000,4000)")
+    parser.add_argument("--retain", default=",".join(f"{r:g}" for r in RETAINS),
+                        help="retain times in seconds, comma separated")
+    parser.add_argument("--policies", default="shadow,lru", help="the fast tier's policies")
+    parser.add_argument("--max-pinned", type=float, default=0.5,
+                        help="held blocks at most, a share of the fast tier (sessions.max_pinned)")
+    parser.add_argument("--slow-blocks", type=int, default=None,
+                        help="the slow tier's capacity in blocks (default unbounded; 0: no "
+                        "slow tier)")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    if not 0 < args.max_pinned <= 1:
+        parser.error("--max-pinned must be in (0, 1]")
+    try:
+        retains = [float(r) for r in args.retain.split(",")]
+        capacities = [int(c) for c in (args.capacities or (
+            "500,1000,2000,4000" if args.agents else "1000,4000,16000,64000")).split(",")]
+    except ValueError as exc:
+        parser.error(f"--retain and --capacities take comma-separated numbers ({exc})")
+    if min(retains) <= 0 or min(capacities) <= 0:
+        parser.error("--retain and --capacities must be > 0")
+    if args.agents:
+        requests = agent_trace(args.seed)[:args.limit]
+        source = f"synthetic agent workload (seed {args.seed})"
+    else:
+        try:
+            requests = read_jsonl(args.trace, limit=args.limit)
+        except (OSError, ValueError) as exc:
+            print(f"ucm bench retention: {exc}", file=sys.stderr)
+            return 2
+        source = args.trace
+    if not requests:
+        print(f"ucm bench retention: no requests in {source}", file=sys.stderr)
+        return 2
+    slow = ("no slow tier" if args.slow_blocks == 0 else "over an unbounded LRU tier"
+            if args.slow_blocks is None else f"over an LRU tier of {args.slow_blocks} blocks")
+    print(f"ucm bench retention: {len(requests)} requests of {source}; fast tier {slow}; "
+          f"max_pinned {args.max_pinned:g}", flush=True)
+    rows = retention_rows(requests, capacities, retains,
+                          policies=args.policies.split(","), max_pinned=args.max_pinned,
+                          slow_blocks=args.slow_blocks, agents=args.agents)
+    print_rows(rows, "share of the hits served from the fast tier, by retain time")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
