@@ -288,8 +288,9 @@ def restarted_pair(model: str, root: Path) -> dict[str, Any]:
 
     One pair of server starts for both; each test's counts are its own workload's."""
     store = root / "store"
+    # mrc: the dashboard's miss-ratio-curve panels read the memory tier's curve
     config = {"tiers": [{"driver": "memory", "capacity": f"{MEMORY_BLOCKS * BLOCK}KiB"},
-                        {"driver": "posix", "path": str(store)}]}
+                        {"driver": "posix", "path": str(store)}], "mrc": {}}
     with Server(model, root, config, name="cold") as server:
         first = stream(server.client, server.model, "completion", DOCS[0])
         n_first = (first["prompt_tokens"] - 1) // BLOCK

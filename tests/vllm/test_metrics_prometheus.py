@@ -12,6 +12,8 @@ import shutil
 import pytest
 from serving_support import BLOCK, MEMORY_BLOCKS, metric_sum
 
+from ucm.kernel._core import MRC_FRACTIONS
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -54,5 +56,9 @@ def test_ucm_series_in_the_servers_metrics(observed):
     assert grown("ucm_event_duration_seconds_count", type="load") >= 2
     assert grown("ucm_event_duration_seconds_count", type="store") >= 1
     assert metric_sum(m, "ucm_tier_capacity_bytes", tier="memory") == MEMORY_BLOCKS * 32 * 1024
+    curve = [dict(labels) for (name, labels) in m if name == "ucm_mrc_hit_ratio"]
+    assert {c["capacity_bytes"] for c in curve if c["tier"] == "memory"} == {
+        str(max(1, int(MEMORY_BLOCKS * 32 * 1024 * f))) for f in MRC_FRACTIONS}
+    assert metric_sum(m, "ucm_mrc_sample_rate", tier="memory") == 0.01  # one series: a max
     inbox = [dict(labels) for (name, labels) in m if name == "ucm_inbox_depth"]
     assert inbox and {"engine", "model_name"} <= set(inbox[0])  # vLLM's labels too

@@ -97,3 +97,52 @@ def test_the_dashboard_names_only_series_the_server_exports():
             for target in panel["targets"]
             for name in re.findall(r"\bucm_[a-z_]+", target["expr"])}
     assert used and used <= exported, used - exported
+
+
+def test_the_miss_ratio_curves_reach_the_servers_series_as_peaks():
+    """A worker's `mrc:` curve goes through its stats and vLLM's aggregation as gauges taken
+    at their largest over the ranks (each rank's tier sees the same keys), not summed."""
+    side = SideStats()
+    config = {"tiers": [{"driver": "memory", "capacity": f"{8 * BLOCK}B"}],
+              "mrc": {"sample_rate": 1.0}}
+    kernel = start_kernel(config, (side.sink,))
+    try:
+        assert wait_running(kernel, 30)
+        keys = _keys(3, 4)
+        kernel.submit(Store(keys, buffers=[bytes(BLOCK)] * 4)).result(10)
+        kernel.submit(Load(keys, buffers=[bytearray(BLOCK) for _ in keys])).result(10)
+        snapshot = kernel.statistics()["tier.memory.mrc"]
+        rank0 = side.take(side_stats=Counter(), kernel=kernel)
+        scheduler = SideStats().take(scheduler_stats=Counter())  # no kernel: no curve
+    finally:
+        kernel.close(timeout=10)
+
+    curve = {int(c): h for c, h in snapshot["curve"]}
+    assert len(curve) == 9 and curve[8 * BLOCK] == 0.5  # 4 stores missed, 4 loads hit
+    peaks = rank0.data["peaks"]
+    policy = snapshot["policy"]
+    assert {k: v for k, v in peaks.items() if k.startswith("mrc_hit_ratio")} == {
+        series_key("mrc_hit_ratio", ("memory", policy, str(c))): h for c, h in curve.items()}
+    assert peaks[series_key("mrc_sampled_references", ("memory",))] == 8
+    assert peaks[series_key("mrc_sample_rate", ("memory",))] == 1.0
+    assert peaks[series_key("mrc_block_bytes", ("memory",))] == BLOCK
+    assert not scheduler.data["peaks"]
+
+    # a second rank whose curve is lower and whose sample is smaller: the larger is kept
+    rank1 = {**rank0.data, "peaks": {k: v / 2 for k, v in peaks.items()}}
+    both = UCMConnectorStats(data=json.loads(json.dumps(rank0.data)))  # crosses processes
+    both.aggregate(UCMConnectorStats(data=rank1)).aggregate(scheduler)
+    assert both.data["peaks"] == peaks
+
+    registry = prom.CollectorRegistry()
+    metrics = _prom_metrics(registry)
+    metrics.observe(both.data, 0)
+    metrics.observe(both.data, 0)  # a later step: set again, not added
+    m = _samples(registry)
+    labels = (("engine", "0"), ("model_name", "m"))
+    got = {int(dict(ls)["capacity_bytes"]): v for (name, ls), v in m.items()
+           if name == "ucm_mrc_hit_ratio"}
+    assert got == curve
+    key = (*labels, ("capacity_bytes", str(8 * BLOCK)), ("policy", policy), ("tier", "memory"))
+    assert m[("ucm_mrc_hit_ratio", tuple(sorted(key)))] == 0.5
+    assert m[("ucm_mrc_sampled_references", (*labels, ("tier", "memory")))] == 8

@@ -7,7 +7,9 @@ second) its tiers' occupancy; the scheduler side its own lookup kernel's counts,
 one. vLLM sums the workers' and the scheduler's (`UCMConnectorStats.aggregate`), sends the
 result to the API server, and there `UCMPromMetrics` adds it to `ucm_*` series named as
 `ucm.trace.metrics` names them (the Grafana dashboard's), labelled with vLLM's `model_name`
-and `engine` as well.
+and `engine` as well. The tiers' miss-ratio curves (`mrc:`) travel as "peaks": gauges merged
+by their largest value, not summed, since every TP rank's tier sees the same keys (its own
+shard of each block) and so estimates the same curve.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ TIER_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tier_pinned_blocks": ("Blocks pinned in a tier", ("tier",)),
     "tier_held_bytes": ("Bytes of a tier that session holds keep from eviction", ("tier",)),
 }
+# Each tier's sampled miss-ratio curve (Kernel.statistics()["tier.NAME.mrc"]), named as
+# KernelCollector names it.
+MRC_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "mrc_hit_ratio": ("Estimated hit ratio of a tier at a capacity, for its policy (sampled "
+                      "miss-ratio curve)", ("tier", "policy", "capacity_bytes")),
+    "mrc_sample_rate": ("Share of keys the curve samples", ("tier",)),
+    "mrc_block_bytes": ("Mean size of the sampled blocks", ("tier",)),
+    "mrc_sampled_references": ("References the curve has sampled", ("tier",)),
+}
 _TIER_STATS = {"bytes": "tier_used_bytes", "capacity": "tier_capacity_bytes",
                "blocks": "tier_blocks", "pinned": "tier_pinned_blocks",
                "held_bytes": "tier_held_bytes"}
@@ -81,16 +92,18 @@ _SCHEDULER: dict[str, tuple[str, tuple[str, ...]]] = {
     "session_hints.prefetch": ("connector_session_hints", ("prefetch",)),
     "session_hints_malformed": ("connector_session_hints", ("malformed",)),
 }
-_PARTS = ("counters", "histograms", "gauges")
+_PARTS = ("counters", "histograms", "gauges", "peaks")
 
 
 def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Two sides' stats in one: counts and gauges add up (each worker holds its own shard),
-    latencies are pooled."""
+    latencies are pooled, peaks (the miss-ratio curves) take the larger."""
     out: dict[str, Any] = {part: dict(a.get(part) or {}) for part in _PARTS}
     for part in ("counters", "gauges"):
         for key, value in (b.get(part) or {}).items():
             out[part][key] = out[part].get(key, 0) + value
+    for key, value in (b.get("peaks") or {}).items():
+        out["peaks"][key] = max(out["peaks"].get(key, value), value)
     for key, values in (b.get("histograms") or {}).items():
         out["histograms"][key] = [*out["histograms"].get(key, ()), *values]
     return out
@@ -151,6 +164,7 @@ class SideStats:
                             side_stats.get(stat, 0))
         else:
             data["gauges"] = {}  # the scheduler's lookup kernel holds no occupancy of its own
+        data["peaks"] = {}
         now = time.monotonic()
         if kernel is not None and kernel.running and now - self._occupancy_at >= \
                 self.OCCUPANCY_EVERY:
@@ -164,6 +178,8 @@ class SideStats:
                 name = _TIER_STATS.get(what)
                 if key.startswith("tier.") and name and isinstance(value, int | float):
                     data["gauges"][series_key(name, (tier,))] = value
+                elif key.startswith("tier.") and what == "mrc" and isinstance(value, dict):
+                    data["peaks"].update(mrc_peaks(tier, value))
             self._delta(counters, "busy_rejections", (), "busy_rejections",
                         stats.get("busy_rejections", self._last.get("busy_rejections", 0)))
         return UCMConnectorStats(data=data)
@@ -175,6 +191,16 @@ class SideStats:
         if delta > 0:
             key = series_key(name, labels)
             counters[key] = counters.get(key, 0) + delta
+
+
+def mrc_peaks(tier: str, snapshot: dict[str, Any]) -> dict[str, float]:
+    """A tier's miss-ratio curve (`MissRatioCurve.snapshot()`) as MRC_GAUGES series."""
+    out = {series_key("mrc_hit_ratio", (tier, str(snapshot["policy"]), str(int(capacity)))):
+           float(hit) for capacity, hit in snapshot["curve"]}
+    for name, field in (("mrc_sample_rate", "rate"), ("mrc_block_bytes", "block_bytes"),
+                        ("mrc_sampled_references", "sampled")):
+        out[series_key(name, (tier,))] = float(snapshot[field])
+    return out
 
 
 class UCMPromMetrics(KVConnectorPromMetrics):
@@ -198,7 +224,7 @@ class UCMPromMetrics(KVConnectorPromMetrics):
             self._metrics[name] = histogram(
                 name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels],
                 buckets=list(LATENCY_BUCKETS))
-        for name, (doc, labels) in {**GAUGES, **TIER_GAUGES}.items():
+        for name, (doc, labels) in {**GAUGES, **TIER_GAUGES, **MRC_GAUGES}.items():
             self._metrics[name] = gauge(
                 name=f"ucm_{name}", documentation=doc, labelnames=[*labelnames, *labels],
                 multiprocess_mode="mostrecent")
@@ -220,7 +246,7 @@ class UCMPromMetrics(KVConnectorPromMetrics):
                 series = metric.labels(*engine, *labels)
                 if part == "counters":
                     series.inc(value)
-                elif part == "gauges":
+                elif part in ("gauges", "peaks"):
                     series.set(value)
                 else:
                     for seconds in value:
