@@ -11,7 +11,7 @@ import pytest
 
 from ucm.autotune import Request, SimTier, simulate
 from ucm.autotune._simulate import Retention, chain_session
-from ucm.bench.retention import agent_trace, main, trace_session
+from ucm.bench.retention import agent_trace, main, returning_only, trace_session
 
 
 def req(t: float, *ids: int, session: str | None = None) -> Request:
@@ -45,6 +45,13 @@ def test_a_held_session_survives_the_flood(policy):
     assert r.hits == 2  # blocks 1 and 2, held through the flood
     assert r.sessions["session_holds"] == 2
     assert keys(1, 2, 3) <= r.held[0]  # the second turn's hold added block 3
+
+
+def test_returning_hints_skip_each_sessions_last_request():
+    r = simulate(TURNS, [SimTier("lru", 4)],
+                 retention=Retention(60, session_of=returning_only(TURNS, trace_session)))
+    assert r.hits == 2 and r.sessions["session_holds"] == 1  # the first turn's only
+    assert r.sessions["held_blocks"] == 2  # blocks 1 and 2 until 60 s; 3 was never held
 
 
 def test_held_blocks_are_served_from_the_fast_tier_over_a_slow_one():

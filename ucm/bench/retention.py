@@ -7,7 +7,10 @@ held in the fast tier for each `--retain` time after it (`ucm.autotune._simulate
 the kernel's own `Holds`), and without holds. Sessions: a Mooncake trace's chains (the
 conversation its second block names), or the seeded synthetic agent workload's agents
 (`--agents`: tool-call pauses between an agent's steps, one-off requests in between, which
-carry no hint). Per cell: the hit ratio and the share of the hits served from the fast tier.
+carry no hint). `--hints all`: every request of a session asks for the hold; `returning`:
+all but each session's last (a client that knows whether it will come back, as an agent
+waiting on a tool does, and ends the session otherwise). Per cell: the hit ratio and the
+share of the hits served from the fast tier.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ucm.autotune._simulate import Retention, SimTier, chain_session, simulate
@@ -68,11 +71,28 @@ def trace_session(request: Request) -> str | None:
     return request.session
 
 
+def returning_only(requests: Sequence[Request],
+                   session_of: Callable[[Request], str | None]) -> Callable[[Request], str | None]:
+    """`session_of` for the requests that their session follows with another (each session's
+    last request holds nothing)."""
+    last: dict[str, int] = {}
+    for request in requests:
+        session = session_of(request)
+        if session is not None:
+            last[session] = id(request)
+    final = set(last.values())
+    return lambda r: None if id(r) in final else session_of(r)
+
+
 def retention_rows(requests: Sequence[Request], capacities: Sequence[int],
                    retains: Sequence[float], *, policies: Sequence[str] = ("shadow", "lru"),
                    max_pinned: float = 0.5, slow_blocks: int | None = None,
-                   agents: bool = False, progress: bool = True) -> list[dict[str, Any]]:
+                   agents: bool = False, hints: str = "all",
+                   progress: bool = True) -> list[dict[str, Any]]:
     """One row per (capacity, policy, retain time or None: no holds)."""
+    session_of = trace_session if agents else chain_session
+    if hints == "returning":
+        session_of = returning_only(requests, session_of)
     rows = []
     total = len(capacities) * len(policies) * (1 + len(retains))
     done = 0
@@ -83,9 +103,8 @@ def retention_rows(requests: Sequence[Request], capacities: Sequence[int],
                 tiers.append(SimTier("lru", slow_blocks))
             for retain in (None, *retains):
                 began = time.perf_counter()
-                retention = (None if retain is None else Retention(
-                    retain, max_pinned, session_of=trace_session if agents
-                    else chain_session))
+                retention = (None if retain is None
+                             else Retention(retain, max_pinned, session_of=session_of))
                 r = simulate(requests, tiers, retention=retention)
                 done += 1
                 if progress:
@@ -156,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-blocks", type=int, default=None,
                         help="the slow tier's capacity in blocks (default unbounded; 0: no "
                         "slow tier)")
+    parser.add_argument("--hints", choices=("all", "returning"), default="all",
+                        help="which requests ask for a hold: every one of a session, or all "
+                        "but its last")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = parser.parse_args(argv)
     if not 0 < args.max_pinned <= 1:
@@ -184,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     slow = ("no slow tier" if args.slow_blocks == 0 else "over an unbounded LRU tier"
             if args.slow_blocks is None else f"over an LRU tier of {args.slow_blocks} blocks")
     print(f"ucm bench retention: {len(requests)} requests of {source}; fast tier {slow}; "
-          f"max_pinned {args.max_pinned:g}", flush=True)
+          f"max_pinned {args.max_pinned:g}; hints: {args.hints}", flush=True)
     rows = retention_rows(requests, capacities, retains,
                           policies=args.policies.split(","), max_pinned=args.max_pinned,
-                          slow_blocks=args.slow_blocks, agents=args.agents)
+                          slow_blocks=args.slow_blocks, agents=args.agents,
+                          hints=args.hints)
     print_rows(rows, "share of the hits served from the fast tier, by retain time")
     if args.json:
         with open(args.json, "w") as fh:
