@@ -146,3 +146,9 @@ def test_the_miss_ratio_curves_reach_the_servers_series_as_peaks():
     key = (*labels, ("capacity_bytes", str(8 * BLOCK)), ("policy", policy), ("tier", "memory"))
     assert m[("ucm_mrc_hit_ratio", tuple(sorted(key)))] == 0.5
     assert m[("ucm_mrc_sampled_references", (*labels, ("tier", "memory")))] == 8
+    # what `ucm tune --live` reads from such a server's /metrics
+    from ucm.autotune._mrc import parse_metrics
+
+    (report,) = parse_metrics(prom.generate_latest(registry).decode(), "vllm")
+    assert (report.tier, report.policy, report.block_bytes) == ("memory", policy, BLOCK)
+    assert report.curve == [(c / BLOCK, h) for c, h in sorted(curve.items())]
