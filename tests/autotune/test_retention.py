@@ -129,4 +129,9 @@ def test_the_command_prints_the_table_on_a_short_slice(tmp_path, capsys):
     assert main(["--agents", "--limit", "200", "--capacities", "50", "--retain", "60",
                  "--policies", "lru"]) == 0
     assert "synthetic agent workload (seed 0)" in capsys.readouterr().out
+    assert "share of the hits served from the fast tier" in captured.out
+    assert main(["--trace", str(trace), "--capacities", "4", "--retain", "30",
+                 "--slow-blocks", "0", "--hints", "returning"]) == 0
+    out = capsys.readouterr().out
+    assert "hints: returning" in out and "holds by retain time: hit ratio" in out
     assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2

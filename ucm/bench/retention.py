@@ -127,17 +127,21 @@ def _retain_label(retain: float | None) -> str:
 
 
 def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
-    """One line per (capacity, policy): each retain time's share of the hits served from the
-    fast tier, and the hit ratio (its range over the line: one figure when every cell has it,
-    as under an unbounded slow tier)."""
+    """One line per (capacity, policy). Over a slow tier: each retain time's share of the
+    hits served from the fast tier, and the hit ratio (its range over the line: one figure
+    when every cell has it, as under an unbounded slow tier); a fast tier alone: each retain
+    time's hit ratio."""
     from rich.console import Console
     from rich.table import Table
 
     retains = list(dict.fromkeys(r["retain_s"] for r in rows))
-    table = Table(title=title)
+    alone = all(r["fast_hits"] == r["hits"] for r in rows)
+    table = Table(title=title + (": hit ratio" if alone else
+                                 ": share of the hits served from the fast tier"))
     table.add_column("fast tier (blocks)", justify="right")
     table.add_column("policy")
-    table.add_column("hit ratio", justify="right")
+    if not alone:
+        table.add_column("hit ratio", justify="right")
     for retain in retains:
         table.add_column(_retain_label(retain), justify="right")
     table.add_column("holds released over the cap (longest retain)", justify="right")
@@ -145,12 +149,13 @@ def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
     for r in rows:
         by_line.setdefault((r["capacity_blocks"], r["policy"]), []).append(r)
     for (capacity, policy), line in by_line.items():
-        low = min(r["hit_ratio"] for r in line)
-        high = max(r["hit_ratio"] for r in line)
+        low = f"{min(r['hit_ratio'] for r in line):.4f}"
+        high = f"{max(r['hit_ratio'] for r in line):.4f}"
         last = line[-1]["sessions"]
         table.add_row(f"{capacity:,}", policy,
-                      f"{low:.4f}" if f"{low:.4f}" == f"{high:.4f}" else f"{low:.4f}-{high:.4f}",
-                      *(f"{r['fast_share']:.3f}" for r in line),
+                      *([] if alone else [low if low == high else f"{low}-{high}"]),
+                      *(f"{r['hit_ratio']:.4f}" if alone else f"{r['fast_share']:.3f}"
+                        for r in line),
                       f"{last.get('session_releases.cap', 0):,} of "
                       f"{last.get('session_holds', 0):,}")
     Console(width=160).print(table)
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                           policies=args.policies.split(","), max_pinned=args.max_pinned,
                           slow_blocks=args.slow_blocks, agents=args.agents,
                           hints=args.hints)
-    print_rows(rows, "share of the hits served from the fast tier, by retain time")
+    print_rows(rows, "session holds by retain time")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
