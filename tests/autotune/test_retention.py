@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ucm.autotune import Request, SimTier, simulate
-from ucm.autotune._simulate import Retention, chain_session
+from ucm.autotune import Request, Retention, SimTier, simulate
+from ucm.autotune._simulate import chain_session
 from ucm.bench.retention import agent_trace, main, returning_only, trace_session
 
 

@@ -7,7 +7,14 @@
 
 from __future__ import annotations
 
-from ucm.autotune._simulate import SimResult, SimTier, belady, next_uses, simulate
+from ucm.autotune._simulate import (
+    Retention,
+    SimResult,
+    SimTier,
+    belady,
+    next_uses,
+    simulate,
+)
 from ucm.autotune._traces import (
     Request,
     from_token_lists,
@@ -22,6 +29,7 @@ __all__ = [
     "AutoTuner",
     "Prediction",
     "Request",
+    "Retention",
     "SimResult",
     "SimTier",
     "belady",
