@@ -36,6 +36,10 @@ class ModelSpec:
     max_positions: int = 4096
     dtype: str = "float32"
     seed: int = 0
+    # Hybrid attention (Gemma-3-like): per layer "sliding_attention" or "full_attention",
+    # vLLM's Llama reading `layer_types` and `sliding_window` from the config; None: all full.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -78,7 +82,7 @@ def build_model(path: str | os.PathLike, spec: ModelSpec | None = None) -> Path:
     spec = spec or ModelSpec()
     out = Path(path)
     stamp = out / "ucm-model-spec.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
+    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(asdict(spec))):
         return out
     out.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(out, spec.vocab, spec.max_positions)
@@ -93,6 +97,10 @@ def build_model(path: str | os.PathLike, spec: ModelSpec | None = None) -> Path:
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
         "torch_dtype": spec.dtype, "initializer_range": 0.02,
     }
+    if spec.layer_types is not None:
+        if len(spec.layer_types) != spec.layers or spec.sliding_window is None:
+            raise ValueError("layer_types needs one entry per layer and a sliding_window")
+        config.update(layer_types=list(spec.layer_types), sliding_window=spec.sliding_window)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     dtype = getattr(torch, spec.dtype)
     gen = torch.Generator().manual_seed(spec.seed)
