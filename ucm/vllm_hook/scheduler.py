@@ -375,11 +375,11 @@ class SchedulerSide:
                                   digests[start:])]
         saves = []
         for g in self.settings.groups:
-            keep = range(start, n_full) if g.window_blocks is None else \
+            span = range(start, n_full) if g.window_blocks is None else \
                 _window_blocks(len(request.prompt_token_ids), self.block_size,
                                g.window_blocks, start, n_full)
             ids = st.block_ids[g.index]
-            keep = [i for i in keep if ids[i] != _NULL_BLOCK]
+            keep = [i for i in span if ids[i] != _NULL_BLOCK]
             if keep:
                 saves.append(BlockTransfer(request.request_id, [ids[i] for i in keep],
                                            [digests[i] for i in keep], g.index))
@@ -442,16 +442,14 @@ _NULL_BLOCK = 0  # vLLM's null block (its block pool's first), where a window sk
 
 
 def _window_blocks(prompt_tokens: int, block_size: int, window_blocks: int, start: int,
-                   end: int) -> list[int]:
-    """The blocks of `start..end-1` that a sliding-window group stores: those within its
-    window before the two prefix boundaries a later request can hit at, the prompt's last
-    full block (a longer prompt that extends this one) and the one before its last token (the
-    same prompt again, whose last token is always computed). Nothing else: what a sliding
-    group stores is bounded by its window, not by the prompt (docs/vllm.md, Hybrid models)."""
-    keep: set[int] = set()
-    for boundary in {prompt_tokens // block_size, (prompt_tokens - 1) // block_size}:
-        keep.update(range(max(0, boundary - window_blocks), boundary))
-    return sorted(i for i in keep if start <= i < end)
+                   end: int) -> range:
+    """The blocks of `start..end-1` that a sliding-window group stores: the `window_blocks`
+    before the boundary where the same prompt hits again (its full blocks before its last
+    token, which is always computed). Nothing else, so what a sliding group stores is one
+    window, not the prompt; a longer prompt that extends this one hits there too, and
+    computes the rest (docs/vllm.md, Hybrid models)."""
+    boundary = (prompt_tokens - 1) // block_size
+    return range(max(start, boundary - window_blocks), min(end, boundary))
 
 
 def _leading(hits: Any) -> int:

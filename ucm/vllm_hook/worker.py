@@ -137,6 +137,7 @@ class WorkerSide:
             self.layouts = [BlockLayout(kv_caches, num_blocks)]
         self.layout = self.layouts[0]
         self._row_bytes = max(lay.block_bytes for lay in self.layouts)
+        self.stats["kv_groups"] = len(self.layouts)
         # where keys and values sit, for tiers that quantize (ucm.codecs); on CPU the order
         # inside a block is the attention ISA's (`cpu_isa`, the layers' isa)
         found = [layout for caches, lay in zip(per_group, self.layouts, strict=True)

