@@ -24,13 +24,17 @@ PROMPT = prompt(400, 36)  # several windows long; 12 full blocks before its last
 HIT_BLOCKS = (len(PROMPT) - 1) // BLOCK
 HMA_OFF = "Turning off hybrid kv cache manager"
 
-# name -> the model: five sliding-window layers to one full (Gemma-3-like)
+# name -> the model, its (full, sliding) layers and its KV cache groups (full, sliding)
 FAMILIES = {
-    "sliding": models.ModelSpec(layers=6, hidden=64, heads=2, kv_heads=1, max_positions=1024,
-                                layer_types=("sliding_attention",) * 5 + ("full_attention",),
-                                sliding_window=WINDOW, seed=36),
+    # five sliding-window layers to one full (Gemma-3-like): six groups of one layer
+    "sliding": (models.ModelSpec(layers=6, hidden=64, heads=2, kv_heads=1, max_positions=1024,
+                                 layer_types=("sliding_attention",) * 5 + ("full_attention",),
+                                 sliding_window=WINDOW, seed=36), (1, 5), (1, 5)),
+    # gpt-oss's architecture: sinks, biases, a small MoE, sliding and full alternating
+    "sinks": (models.ModelSpec(layers=4, hidden=64, heads=2, kv_heads=1, max_positions=1024,
+                               family="gpt_oss", sliding_window=WINDOW, seed=37),
+              (2, 2), (1, 1)),
 }
-
 
 def _phases() -> list:
     Phase = engines.Phase
@@ -54,7 +58,7 @@ def _run(model: str, log: str) -> dict:
 def runs(request, tmp_path_factory, engine_pool) -> dict[str, Future]:
     tests = selected(request)
     out = {}
-    for name, spec in FAMILIES.items():
+    for name, (spec, _, _) in FAMILIES.items():
         if any(name in t for t in tests):
             root = tmp_path_factory.mktemp(f"hybrid-{name}")
             model = str(models.build_model(root / "model", spec))
@@ -78,19 +82,21 @@ def _check_hits(result: dict, groups: int, loaded_blocks: int) -> None:
     assert ucm["tokens"] == local["tokens"]
 
 
-def test_sliding_window_model_hits_from_ucm_as_from_vllms_own_cache(runs):
-    result = runs["sliding"].result()
-    spec = FAMILIES["sliding"]
-    sliding_layers = 5
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hybrid_model_hits_from_ucm_as_from_vllms_own_cache(runs, family):
+    result = runs[family].result()
+    spec, (full_layers, sliding_layers), (full_groups, sliding_groups) = FAMILIES[family]
     window_blocks = -(-(WINDOW - 1) // BLOCK)
-    # the full layer's every block before the hit, each sliding layer's window before it
-    _check_hits(result, groups=6, loaded_blocks=HIT_BLOCKS + sliding_layers * window_blocks)
+    # each full group's every block before the hit, each sliding group's window before it
+    _check_hits(result, groups=full_groups + sliding_groups,
+                loaded_blocks=HIT_BLOCKS * full_groups + sliding_groups * window_blocks)
     stored = _phase(result, "cold")["worker_delta"]
     per_layer_token = spec.kv_bytes_per_token() // spec.layers
-    full_bytes = (len(PROMPT) // BLOCK) * BLOCK * per_layer_token  # one full layer
-    assert stored["saved_bytes.full"] == full_bytes, stored
+    full_bytes = (len(PROMPT) // BLOCK) * BLOCK * per_layer_token * full_layers
+    assert sum(v for k, v in stored.items() if k.startswith("saved_bytes.full")) \
+        == full_bytes, stored
+    # what the sliding layers store is bounded by their window, not by the prompt
     assert 0 < stored["saved_bytes.sliding"] <= sliding_layers * WINDOW * per_layer_token
     dense = (len(PROMPT) // BLOCK) * BLOCK * spec.kv_bytes_per_token()
-    print(f"sliding model: stored {stored['saved_bytes']} bytes for a {len(PROMPT)}-token "
-          f"prompt (full {stored['saved_bytes.full']}, sliding {stored['saved_bytes.sliding']});"
-          f" a dense model of its size: {dense}")
+    print(f"{family}: stored {stored['saved_bytes']} bytes for a {len(PROMPT)}-token prompt "
+          f"({stored}); a dense model of its size: {dense}")
