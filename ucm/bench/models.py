@@ -42,8 +42,9 @@ class ModelSpec:
     # vLLM's Llama reading `layer_types` and `sliding_window` from the config; None: all full.
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
-    # "llama", or "gpt_oss": gpt-oss's architecture (attention sinks, biases, a small MoE of
-    # `experts`, sliding and full layers alternating; `sliding_window` required)
+    # "llama"; "gpt_oss": gpt-oss's architecture (attention sinks, biases, a small MoE of
+    # `experts`, sliding and full layers alternating; `sliding_window` required);
+    # "deepseek_v2": DeepSeek-V2-Lite's latent attention (MLA), dense MLPs
     family: str = "llama"
     experts: int = 4
 
@@ -115,8 +116,9 @@ def build_model(path: str | os.PathLike, spec: ModelSpec | None = None) -> Path:
         scale = 2.0 / shape[-1] ** 0.5
         return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
-    if spec.family == "gpt_oss":
-        config, weights = _gpt_oss(spec, config, rand)
+    if spec.family in ("gpt_oss", "deepseek_v2"):
+        config, weights = (_gpt_oss if spec.family == "gpt_oss" else _deepseek_v2)(
+            spec, config, rand)
         (out / "config.json").write_text(json.dumps(config, indent=1))
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         stamp.write_text(json.dumps(asdict(spec)))
@@ -189,5 +191,48 @@ def _gpt_oss(spec: ModelSpec, llama: dict[str, Any], rand: Callable[..., Any],
             p + "input_layernorm.weight": torch.ones(h, dtype=getattr(torch, spec.dtype)),
             p + "post_attention_layernorm.weight": torch.ones(
                 h, dtype=getattr(torch, spec.dtype)),
+        })
+    return config, weights
+
+
+def _deepseek_v2(spec: ModelSpec, llama: dict[str, Any], rand: Callable[..., Any],
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DeepSeek-V2-Lite's attention at `spec`'s size: latent attention (MLA, one 512 + 64
+    latent vector per token in the cache), no query compression, dense MLPs (its experts
+    start after the last layer)."""
+    import torch
+
+    lora, rope, nope, v = 512, 64, 128, 128
+    config = dict(llama)
+    config.update({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "num_key_value_heads": spec.heads, "q_lora_rank": None, "kv_lora_rank": lora,
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": nope, "v_head_dim": v,
+        "head_dim": rope, "first_k_dense_replace": spec.layers, "n_routed_experts": spec.experts,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "moe_layer_freq": 1, "norm_topk_prob": False, "topk_method": "greedy",
+        "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax", "aux_loss_alpha": 0.0, "seq_aux": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    })
+    h, n = spec.hidden, spec.heads
+    inter = spec.intermediate or h * 2
+    ones = getattr(torch, spec.dtype)
+    weights = {"model.embed_tokens.weight": rand(spec.vocab, h),
+               "model.norm.weight": torch.ones(h, dtype=ones),
+               "lm_head.weight": rand(spec.vocab, h)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        weights.update({
+            p + "self_attn.q_proj.weight": rand(n * (nope + rope), h),
+            p + "self_attn.kv_a_proj_with_mqa.weight": rand(lora + rope, h),
+            p + "self_attn.kv_a_layernorm.weight": torch.ones(lora, dtype=ones),
+            p + "self_attn.kv_b_proj.weight": rand(n * (nope + v), lora),
+            p + "self_attn.o_proj.weight": rand(h, n * v),
+            p + "mlp.gate_proj.weight": rand(inter, h),
+            p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=ones),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=ones),
         })
     return config, weights
