@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 import pytest
-from conftest import prompt, selected
+from conftest import prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -60,10 +60,12 @@ def _run(model: str, dtype: str, log: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory, engine_pool) -> dict[str, Future]:
-    tests = selected(request)
+    # the families whose test this session runs (parametrized by family)
+    tests = {item.name for item in request.session.items
+             if getattr(item, "module", None) is request.module}
     out = {}
     for name, (spec, _, _) in FAMILIES.items():
-        if any(name in t for t in tests) and not _skip(name):
+        if any(t.endswith(f"[{name}]") for t in tests) and not _skip(name):
             root = tmp_path_factory.mktemp(f"hybrid-{name}")
             model = str(models.build_model(root / "model", spec))
             out[name] = engine_pool.submit(_run, model, spec.dtype, str(root / "engine.log"))
