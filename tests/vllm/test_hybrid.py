@@ -8,6 +8,7 @@ The families' engines start at the module's start, two at a time (`engine_pool`)
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Future
 
 import pytest
@@ -69,7 +70,40 @@ def runs(request, tmp_path_factory, engine_pool) -> dict[str, Future]:
             root = tmp_path_factory.mktemp(f"hybrid-{name}")
             model = str(models.build_model(root / "model", spec))
             out[name] = engine_pool.submit(_run, model, spec.dtype, str(root / "engine.log"))
+    if any("mamba" in t for t in tests):
+        out["mamba"] = engine_pool.submit(_mamba_start, tmp_path_factory.mktemp("mamba"))
     return out
+
+
+# Granite-4-like: Mamba-2 layers beside attention ones (vLLM's dummy weights)
+GRANITE = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+           "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256,
+           "shared_intermediate_size": 256, "num_hidden_layers": 4,
+           "layer_types": ["mamba", "attention", "mamba", "attention"],
+           "num_attention_heads": 2, "num_key_value_heads": 1, "attention_bias": False,
+           "attention_multiplier": 0.0625, "embedding_multiplier": 1.0,
+           "residual_multiplier": 1.0, "logits_scaling": 1.0, "mamba_conv_bias": True,
+           "mamba_d_conv": 4, "mamba_d_head": 32, "mamba_d_state": 64, "mamba_expand": 2,
+           "mamba_n_groups": 1, "mamba_n_heads": 8, "mamba_proj_bias": False,
+           "mamba_chunk_size": 64, "max_position_embeddings": 1024, "num_local_experts": 0,
+           "num_experts_per_tok": 0, "position_embedding_type": "nope", "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0,
+           "eos_token_id": 1, "pad_token_id": 2, "torch_dtype": "float32"}
+
+
+def _mamba_start(root) -> str:
+    """Starts an engine on a Mamba hybrid with the connector; the error it stops with."""
+    model = models.build_model(root / "model", models.ModelSpec(layers=1, hidden=64))
+    (model / "config.json").write_text(json.dumps(GRANITE))
+    (model / "model.safetensors").unlink()
+    spec = engines.EngineSpec(model=str(model), max_model_len=1024, prefix_caching=True,
+                              kv_cache_bytes=64 * 2**20, connector="ucm", load_format="dummy",
+                              ucm={"tiers": [{"driver": "memory", "capacity": "64MiB"}]})
+    try:
+        engines.run_in_subprocess(spec, [], log_path=str(root / "engine.log"), timeout=300)
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
 
 
 def _phase(result: dict, name: str) -> dict:
@@ -118,3 +152,10 @@ def test_hybrid_model_hits_from_ucm_as_from_vllms_own_cache(runs, family):
     dense = (len(PROMPT) // BLOCK) * BLOCK * per_layer_token * spec.layers
     print(f"{family}: stored {stored['saved_bytes']} bytes for a {len(PROMPT)}-token prompt "
           f"(sliding layers {sliding_bytes}); all layers full: {dense}")
+
+
+def test_a_mamba_hybrid_is_refused_at_engine_start_naming_the_reason(runs):
+    error = runs["mamba"].result()
+    assert "UCMConnector cannot serve this model: KV cache group" in error, error[-2000:]
+    assert "MambaSpec: its Mamba / linear-attention layers" in error
+    assert "Failed to promote local KV cache specs" not in error and HMA_OFF not in error
