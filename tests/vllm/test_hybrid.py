@@ -48,13 +48,16 @@ def _phases() -> list:
             Phase([PROMPT], max_tokens=8, name="local")]
 
 
-def _run(model: str, dtype: str, log: str, chunk: int | None) -> dict:
+MEMORY = {"driver": "memory", "capacity": "64MiB"}
+
+
+def _run(model: str, dtype: str, log: str, chunk: int | None, tier: dict = MEMORY,
+         phases: list | None = None) -> dict:
     spec = engines.EngineSpec(model=model, dtype=dtype, block_size=BLOCK,
                               chunked_prefill_tokens=chunk, max_model_len=1024,
                               kv_cache_bytes=32 * 2**20, prefix_caching=True,
-                              connector="ucm",
-                              ucm={"tiers": [{"driver": "memory", "capacity": "64MiB"}]})
-    result = engines.run_in_subprocess(spec, _phases(), log_path=log, timeout=300)
+                              connector="ucm", ucm={"tiers": [tier]})
+    result = engines.run_in_subprocess(spec, phases or _phases(), log_path=log, timeout=300)
     with open(log) as f:
         result["log"] = f.read()
     return result
@@ -74,6 +77,12 @@ def runs(request, tmp_path_factory, engine_pool) -> dict[str, Future]:
             # computed in the prompt's last chunks, after vLLM freed the blocks before it
             out[name] = engine_pool.submit(_run, model, spec.dtype, str(root / "engine.log"),
                                            128 if name == "sliding" else None)
+    if any("failed" in t for t in tests):  # the sliding model, every load failing
+        root = tmp_path_factory.mktemp("hybrid-failing")
+        model = str(models.build_model(root / "model", FAMILIES["sliding"][0]))
+        failing = {"driver": "faulty", "error_rate": 1.0, "ops": ["load"], "inner": MEMORY}
+        out["failing"] = engine_pool.submit(_run, model, "float32", str(root / "engine.log"),
+                                            None, failing, _phases()[:2])
     if any("mamba" in t for t in tests):
         out["mamba"] = engine_pool.submit(_mamba_start, tmp_path_factory.mktemp("mamba"))
     return out
@@ -163,3 +172,14 @@ def test_a_mamba_hybrid_is_refused_at_engine_start_naming_the_reason(runs):
     assert "UCMConnector cannot serve this model: KV cache group" in error, error[-2000:]
     assert "MambaSpec: its Mamba / linear-attention layers" in error
     assert "Failed to promote local KV cache specs" not in error and HMA_OFF not in error
+
+
+def test_a_failed_hybrid_load_is_recomputed_whole(runs):
+    # vLLM takes no block-level load errors with several KV cache groups: the connector's
+    # hybrid loads are asynchronous and a failed one is reported per request
+    result = runs["failing"].result()
+    cold, again = _phase(result, "cold"), _phase(result, "ucm")
+    assert again["tokens"] == cold["tokens"]
+    assert again["worker_delta"]["load_error_blocks"] > 0
+    assert not again["worker_delta"].get("loaded_blocks")
+    assert result["stats"]["scheduler"]["load_failed_requests"] == 1

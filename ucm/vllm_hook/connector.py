@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -181,6 +182,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Hybrid loads are asynchronous: each request's load is reported when it ends (a
+        # failed one in failed_recving too, which vLLM recomputes whole).
+        if self.worker is None or not self.settings.hybrid:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self.worker.take_transfers()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker else set()
 
@@ -202,6 +211,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker.events.take()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None and connector_output.failed_recving:
+            self.scheduler.load_failed(set(connector_output.failed_recving))
         if self.scheduler is not None and self.scheduler.events is not None:
             self.scheduler.events.add(connector_output.kv_cache_events)
 

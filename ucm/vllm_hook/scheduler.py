@@ -155,7 +155,10 @@ class SchedulerSide:
                 st.hit_blocks = None  # looked up again at a later call
                 return None, False
         n_external = max(0, st.hit_blocks * self.block_size - num_computed_tokens)
-        return n_external, False
+        # With several KV cache groups vLLM takes no block-level load errors (it cannot map a
+        # block id to a request): the load is asynchronous, into blocks no step uses until
+        # it is done, and a request whose load failed is recomputed whole (load_failed).
+        return n_external, self.settings.hybrid and n_external > 0
 
     def _poll_lookup(self, st: _RequestState, tokens: Any, n_full: int) -> int | None:
         """Leading hit blocks once known; None while the lookup is in flight."""
@@ -348,6 +351,10 @@ class SchedulerSide:
             if st is None or req_id not in computed_before:
                 continue
             meta.saves.extend(self._plan_save(st, computed_before[req_id] + n_scheduled))
+        for st in self._reqs.values():  # asynchronous loads: requests vLLM did not schedule
+            if st.pending_loads:
+                meta.loads.extend(st.pending_loads)
+                st.pending_loads = []
         if self._session_ops:
             meta.sessions, self._session_ops = self._session_ops, []
         shared = self._shared  # the worker side's kernel: that side is in this process
@@ -384,6 +391,15 @@ class SchedulerSide:
                 saves.append(BlockTransfer(request.request_id, [ids[i] for i in keep],
                                            [digests[i] for i in keep], g.index))
         return saves
+
+    def load_failed(self, req_ids: set[str]) -> None:
+        """Requests whose asynchronous load failed on a worker (vLLM's failed_recving): vLLM
+        recomputes them from the start, and their next lookup is a miss, not the same hit."""
+        for req_id in req_ids:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.hit_blocks, st.looked_up_blocks = 0, 1 << 62
+                self.stats["load_failed_requests"] += 1
 
     def request_finished(self, request: Any, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:

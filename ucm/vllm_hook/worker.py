@@ -83,6 +83,9 @@ class WorkerSide:
         self._pages: PageIO | None = None
         self._early: tuple[_Plan, PendingPages] | None = None  # load_early's
         self._load_errors: set[int] = set()
+        # hybrid (asynchronous) loads by request: finished this step, and those that failed
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
         self._save_staging: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # snapshot buffers whose stores have ended
         self._snapshot_bases: dict[int, torch.Tensor] = {}  # id(snapshot) -> its buffer
@@ -371,8 +374,13 @@ class WorkerSide:
                                       if s in (LoadState.MISSING, LoadState.CORRUPT)])
             else:
                 self.stats["load_failed"] += n
+            if self.settings.hybrid:  # reported per request (vLLM takes no block ids then)
+                self._recv_done.add(t.req_id)
+                if good < n:
+                    self._recv_failed.add(t.req_id)
             if good < n:
-                self._load_errors.update(t.block_ids[good:])
+                if not self.settings.hybrid:
+                    self._load_errors.update(t.block_ids[good:])
                 self.stats["load_error_blocks"] += n - good
             self.stats["loaded_blocks"] += good
             self.stats["loaded_bytes"] += good * self.layouts[t.group].block_bytes
@@ -383,6 +391,13 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layerwise is not None:  # whole-block loads are in before start_load_kv returns
             self._layerwise.wait_layer(layer_name)
+
+    def take_transfers(self) -> tuple[set[str], set[str]]:
+        """The requests whose hybrid (asynchronous) loads ended since the last call, and those
+        of them that failed (vLLM recomputes them whole)."""
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return done, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._layerwise is not None:  # every layer waited for: nothing writes any more
