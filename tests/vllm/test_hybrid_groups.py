@@ -103,3 +103,16 @@ def test_a_sliding_group_stores_the_window_before_the_same_prompts_hit():
     assert list(_window_blocks(400, 32, 2, 0, 11)) == [10]  # a chunk that ends earlier
     assert list(_window_blocks(384, 32, 2, 0, 12)) == [9, 10]  # 383 tokens: 11 blocks
     assert list(_window_blocks(40, 32, 4, 0, 1)) == [0]
+
+
+def test_a_hybrid_hit_loads_asynchronously_and_a_failed_one_becomes_a_miss():
+    side = _side((KVGroup(0, "full", ("a",), 16), KVGroup(1, "sliding", ("b",), 16, 33)))
+    req = SimpleNamespace(request_id="r", all_token_ids=list(range(170)),
+                          prompt_token_ids=list(range(170)), cache_salt=None, lora_request=None)
+    st = side._state(req)
+    st.hit_blocks, st.looked_up_blocks = 8, 10  # as a finished lookup leaves it
+    assert side._match(req, 0) == (128, True)  # vLLM waits for the load: no block errors
+    assert side._match(req, 128) == (0, False)
+    side.load_failed({"r", "gone"})
+    assert side._match(req, 0) == (0, False)  # recomputed whole, not the same hit again
+    assert side.stats["load_failed_requests"] == 1
