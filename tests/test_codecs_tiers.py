@@ -187,6 +187,18 @@ def test_the_layout_of_vllm_caches():
     assert cache_layouts(cpu, 10, 2 * 32 * 128 * 2, interpretable=False, cpu_isa="neon") == []
 
 
+def test_an_mla_cache_is_stored_losslessly_by_name(caplog):
+    torch = pytest.importorskip("torch")
+    from ucm.codecs.vllm import cache_layouts
+
+    latent = {f"l{i}": torch.zeros(10, 32, 576, dtype=torch.bfloat16) for i in range(2)}
+    with caplog.at_level("INFO", logger="ucm.codecs"):
+        for interpretable, isa in ((True, None), (False, "amx")):
+            assert cache_layouts(latent, 10, 2 * 32 * 576 * 2, interpretable=interpretable,
+                                 cpu_isa=isa) == []
+    assert caplog.text.count("an MLA cache") == 2
+
+
 def test_posix_compressed_loads_through_the_reused_stage(tmp_path):
     """A compressed posix tier reads header and payload into one reused stage per thread:
     blocks of two sizes alternate in one thread, into buffers and Scatters, each as the

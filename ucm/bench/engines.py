@@ -77,6 +77,7 @@ class EngineSpec:
     max_num_seqs: int = 64
     tensor_parallel_size: int = 1
     multiprocess: bool = False  # vLLM's own process layout (EngineCore + worker processes)
+    load_format: str = "auto"  # vLLM's; "dummy": random weights of the config's shapes
 
 
 @dataclass
@@ -150,6 +151,7 @@ def make_engine(spec: EngineSpec) -> Any:
                max_num_seqs=spec.max_num_seqs,
                tensor_parallel_size=spec.tensor_parallel_size,
                distributed_executor_backend=None if spec.multiprocess else "uni",
+               load_format=spec.load_format,
                disable_log_stats=False, **kwargs)
 
 

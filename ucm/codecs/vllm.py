@@ -141,6 +141,10 @@ def cache_layouts(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_byt
     (`Kernel(..., layouts=)`); the vLLM hook calls it once the cache is known. [] when nothing
     in a block can be read as keys or values: its blocks are stored losslessly. On CPU, the
     ISA's orders are first checked against vLLM's own cache writes (`probe_cpu_orders`)."""
+    if kv_caches and all(t.dim() == 3 for t in kv_caches.values()):
+        log.info("ucm: an MLA cache ([blocks, tokens, latent]: one latent vector per token, no "
+                 "keys and values apart): quantizing tiers store its blocks losslessly")
+        return []
     if not interpretable and cpu_isa is not None:
         first = next(iter(kv_caches.values()))
         if first.dim() != 4 or not probe_cpu_orders(cpu_isa, first.dtype, first.shape[1],

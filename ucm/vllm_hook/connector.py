@@ -15,6 +15,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from ucm.codecs.vllm import attention_isa
@@ -65,17 +67,26 @@ def load_on_arrival(meta: UCMConnectorMetadata) -> bool:
     return len(workers) == 1 and workers[0].load_early(meta.loads)
 
 
-class UCMConnector(KVConnectorBase_V1):
+class UCMConnector(KVConnectorBase_V1, SupportsHMA):
+    """Implements `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on: with more than
+    one KV cache group (sliding-window and full layers) blocks are kept per group
+    (`HookSettings.groups`); one group is the dense path."""
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None,
                  ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.settings = settings_from_vllm(vllm_config)
+        self.settings = settings_from_vllm(vllm_config, kv_cache_config)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.sparse: SparseAttention | None = None
         self._stats = SideStats()  # fed by this side's kernel; vLLM's /metrics shows them
         kv_events = getattr(vllm_config, "kv_events_config", None)
         publishes = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        if publishes and self.settings.hybrid:
+            log.warning("ucm: KV events of ucm's blocks are not published for a hybrid KV "
+                        "cache (%d groups): a block is stored per group",
+                        len(self.settings.groups))
+            publishes = False
         sinks = (self._stats.sink,)
         if role == KVConnectorRole.SCHEDULER:
             from ucm.vllm_hook.scheduler import SchedulerSide
@@ -135,6 +146,13 @@ class UCMConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...],
+                                     ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves snapshot their blocks in the step that computed them, in every group: vLLM
+        # may free them all at once.
+        return self._scheduler_side().request_finished(request, list(block_ids[0])
+                                                       if block_ids else [])
+
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(
@@ -164,6 +182,14 @@ class UCMConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Hybrid loads are asynchronous: each request's load is reported when it ends (a
+        # failed one in failed_recving too, which vLLM recomputes whole).
+        if self.worker is None or not self.settings.hybrid:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self.worker.take_transfers()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker else set()
 
@@ -185,6 +211,8 @@ class UCMConnector(KVConnectorBase_V1):
         return self.worker.events.take()
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None and connector_output.failed_recving:
+            self.scheduler.load_failed(set(connector_output.failed_recving))
         if self.scheduler is not None and self.scheduler.events is not None:
             self.scheduler.events.add(connector_output.kv_cache_events)
 

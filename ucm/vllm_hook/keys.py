@@ -20,6 +20,14 @@ from ucm.engine.keys import (
     weights_fingerprint,
 )
 
+
+def group_key(key: bytes, group: int, kind: str) -> bytes:
+    """The storage key of a block's part in one KV cache group (vLLM's hybrid KV cache
+    manager keeps a block table per group): the group's index and its layers' kind, so a
+    sliding-window group's block never answers for a full-attention one."""
+    return key + b"/G" + group.to_bytes(2, "little") + kind.encode()
+
+
 __all__ = [
     "DIGEST_BYTES",
     "KEY_SCHEME_VERSION",
@@ -29,6 +37,7 @@ __all__ = [
     "RequestChain",
     "chain_digests",
     "chain_seed",
+    "group_key",
     "layer_key",
     "make_namespace",
     "model_identity",

@@ -14,11 +14,13 @@ from ucm.vllm_hook.sessions import SessionOp
 
 @dataclass(slots=True)
 class BlockTransfer:
-    """Blocks of one request to load or to save: `block_ids[i]` holds `digests[i]`."""
+    """Blocks of one request to load or to save: `block_ids[i]` holds `digests[i]`, in KV
+    cache group `group` (0 but with vLLM's hybrid KV cache manager)."""
 
     req_id: str
     block_ids: list[int]
     digests: list[bytes]
+    group: int = 0
 
 
 @dataclass

