@@ -4,9 +4,10 @@ starts them ahead (`engine_pool`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -34,15 +35,33 @@ def tiny_bf16_model(tmp_path_factory):
     return str(build_model(tmp_path_factory.mktemp("tiny-bf16"), spec))
 
 
-@pytest.fixture(scope="session")
-def restarted(tiny_model, tmp_path_factory):
-    """One cold and one warm `ucm serve` server on one store, shared by test_server.py's restart
-    test and test_metrics_prometheus.py: each workload's counts are its own
-    (serving_support.restarted_pair)."""
-    pytest.importorskip("openai")
+@pytest.fixture(scope="session", autouse=True)
+def session_ahead(request: pytest.FixtureRequest, tmp_path_factory) -> dict[str, Future]:
+    """Session runs started at this directory's first test, on a lane of their own beside
+    `engine_pool`: the `restarted` server pair, when a selected test reads it. Its two servers
+    start one after the other, mostly one core's work each, while the first modules here leave
+    a core idle (one engine at a time)."""
+    uses = any("restarted" in getattr(item, "fixturenames", ())
+               for item in request.session.items)
+    if not uses or any(importlib.util.find_spec(m) is None for m in ("vllm", "openai")):
+        yield {}
+        return
     from serving_support import restarted_pair
 
-    return restarted_pair(tiny_model, tmp_path_factory.mktemp("restarted"))
+    model = request.getfixturevalue("tiny_model")
+    lane = ThreadPoolExecutor(max_workers=1)
+    yield {"restarted": lane.submit(restarted_pair, model, tmp_path_factory.mktemp("restarted"))}
+    lane.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="session")
+def restarted(session_ahead: dict[str, Future]):
+    """One cold and one warm `ucm serve` server on one store, shared by test_server.py's restart
+    test and test_metrics_prometheus.py: each workload's counts are its own
+    (serving_support.restarted_pair); started ahead (`session_ahead`)."""
+    pytest.importorskip("openai")
+    pytest.importorskip("vllm")
+    return session_ahead["restarted"].result()
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ TOP_K = 4
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, engine_pool):
     from ucm.bench.models import ModelSpec, build_model
 
     root = tmp_path_factory.mktemp("sparse")
@@ -39,8 +39,10 @@ def runs(tmp_path_factory):
         return run_in_subprocess(spec, [Phase(PROMPTS, max_tokens=MAX_TOKENS, name="p")],
                                  log_path=log, timeout=300)
 
-    return {"dense": run(None), "full": run({**SPARSE, "budget": 1.0}),
-            "low": run({**SPARSE, "budget": TOP_K})}
+    futures = {"dense": engine_pool.submit(run, None),  # three engines, two at a time
+               "full": engine_pool.submit(run, {**SPARSE, "budget": 1.0}),
+               "low": engine_pool.submit(run, {**SPARSE, "budget": TOP_K})}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def _tokens(result: dict) -> list[list[int]]:
