@@ -127,9 +127,7 @@ def build_model(path: str | os.PathLike, spec: ModelSpec | None = None) -> Path:
         raise ValueError(f"unknown model family {spec.family!r}")
     (out / "config.json").write_text(json.dumps(config, indent=1))
     h, kv = spec.hidden, spec.kv_heads * spec.head_dim
-    weights = {"model.embed_tokens.weight": rand(spec.vocab, h),
-               "model.norm.weight": torch.ones(h, dtype=dtype),
-               "lm_head.weight": rand(spec.vocab, h)}
+    weights = _outer_weights(spec, rand)
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         weights.update({
@@ -146,6 +144,16 @@ def build_model(path: str | os.PathLike, spec: ModelSpec | None = None) -> Path:
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     stamp.write_text(json.dumps(asdict(spec)))
     return out
+
+
+def _outer_weights(spec: ModelSpec, rand: Callable[..., Any]) -> dict[str, Any]:
+    """The embedding, final norm and LM head that every family here has."""
+    import torch
+
+    h = spec.hidden
+    return {"model.embed_tokens.weight": rand(spec.vocab, h),
+            "model.norm.weight": torch.ones(h, dtype=getattr(torch, spec.dtype)),
+            "lm_head.weight": rand(spec.vocab, h)}
 
 
 def _gpt_oss(spec: ModelSpec, llama: dict[str, Any], rand: Callable[..., Any],
@@ -172,9 +180,7 @@ def _gpt_oss(spec: ModelSpec, llama: dict[str, Any], rand: Callable[..., Any],
     })
     h, d = spec.hidden, spec.head_dim
     q, kv, e = spec.heads * d, spec.kv_heads * d, spec.experts
-    weights = {"model.embed_tokens.weight": rand(spec.vocab, h),
-               "model.norm.weight": torch.ones(h, dtype=getattr(torch, spec.dtype)),
-               "lm_head.weight": rand(spec.vocab, h)}
+    weights = _outer_weights(spec, rand)
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         weights.update({
@@ -218,9 +224,7 @@ def _deepseek_v2(spec: ModelSpec, llama: dict[str, Any], rand: Callable[..., Any
     h, n = spec.hidden, spec.heads
     inter = spec.intermediate or h * 2
     ones = getattr(torch, spec.dtype)
-    weights = {"model.embed_tokens.weight": rand(spec.vocab, h),
-               "model.norm.weight": torch.ones(h, dtype=ones),
-               "lm_head.weight": rand(spec.vocab, h)}
+    weights = _outer_weights(spec, rand)
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         weights.update({
