@@ -440,6 +440,13 @@ class SchedulerSide:
             return
         if st is not None and (op.retain_s is not None or op.prefetch):
             op.digests = list(st.chain.digests[:st.saved_blocks])
+            if self.settings.hybrid:  # each group's blocks as _plan_save stored them
+                prompt = len(request.prompt_token_ids)
+                op.group_digests = [
+                    op.digests if g.window_blocks is None else
+                    [op.digests[i] for i in _window_blocks(prompt, self.block_size,
+                                                           g.window_blocks, 0, st.saved_blocks)]
+                    for g in self.settings.groups]
         for kind, on in (("hold", op.retain_s is not None), ("end", op.end),
                          ("prefetch", op.prefetch)):
             if on:

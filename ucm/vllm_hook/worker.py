@@ -464,8 +464,11 @@ class WorkerSide:
             self.stats["session_ops_dropped"] += len(ops)
             return done
         for op in ops:
-            keys = [self._key(d, g.index) for g in self.settings.groups for d in op.digests] \
-                if self.settings.hybrid else [self._key(d) for d in op.digests]
+            if self.settings.hybrid:  # each group's stored blocks (all, without the list)
+                per_group = op.group_digests or [op.digests] * len(self.settings.groups)
+                keys = [self._key(d, g) for g, ds in enumerate(per_group) for d in ds]
+            else:
+                keys = [self._key(d) for d in op.digests]
             if self.settings.layerwise and self.layout is not None:
                 layers = len(self.layout.by_layer)
                 keys = [layer_key(k, j) for k in keys for j in range(layers)]
