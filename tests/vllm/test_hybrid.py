@@ -14,10 +14,14 @@ The families' engines start at the module's start, two at a time (`engine_pool`)
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 from conftest import prompt
@@ -158,6 +162,10 @@ def runs(request, tmp_path_factory, engine_pool) -> dict[str, Future]:
         failing = {"driver": "faulty", "error_rate": 1.0, "ops": ["load"], "inner": MEMORY}
         out["failing"] = engine_pool.submit(_run, model, "float32", str(root / "engine.log"),
                                             None, failing, _phases()[:2])
+    if "test_a_held_sessions_blocks_of_every_group_stay_in_memory" in tests:
+        root = tmp_path_factory.mktemp("hybrid-sessions")
+        model = str(models.build_model(root / "model", FAMILIES["sliding"][0]))
+        out["sessions"] = engine_pool.submit(_sessions, model, root)
     if any("mamba" in t for t in tests):
         out["mamba"] = engine_pool.submit(_mamba_start, tmp_path_factory.mktemp("mamba"))
     return out
@@ -192,6 +200,21 @@ def _mamba_start(root) -> str:
     except RuntimeError as exc:
         return str(exc)
     return ""
+
+
+def _sessions(model: str, root) -> dict:
+    """tests/vllm/_session_engine.py's hybrid scenario in a fresh process: its JSON line."""
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(here), str(here.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    log = root / "engine.log"
+    with open(log, "w") as out:
+        proc = subprocess.run([sys.executable, str(here / "_session_engine.py"), model,
+                               str(root / "store"), "hybrid"], stdout=subprocess.PIPE,
+                              stderr=out, text=True, env=env, timeout=600, check=False)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("UCM_SESSIONS ")]
+    assert proc.returncode == 0 and lines, log.read_text()[-4000:]
+    return json.loads(lines[-1].split(" ", 1)[1])
 
 
 def _phase(result: dict, name: str) -> dict:
@@ -328,3 +351,17 @@ def test_ucms_kv_events_name_each_groups_stored_blocks(runs):
                                                                   (first + len(got)) * BLOCK]
     print(f"ucm published {sum(len(e.block_hashes) for e in ucm)} blocks in {len(ucm)} "
           f"BlockStored over {len({e.group_idx for e in ucm})} groups")
+
+
+def test_a_held_sessions_blocks_of_every_group_stay_in_memory(runs):
+    # a first turn of 256 tokens stores the full group's 8 blocks and each sliding group's 2
+    # before its hit boundary (7 blocks); its next turn (296 tokens) hits there: 7 blocks of
+    # the full group and 2 of each of the 5 sliding ones, 17 keys
+    result = runs["sessions"].result()
+    served = result["next"]
+    assert result["evictions"] > 0
+    assert served["held"] == {"memory": 17, "posix": 0, "hit_tokens": 7 * BLOCK}, result
+    assert served["plain"] == {"memory": 0, "posix": 17, "hit_tokens": 7 * BLOCK}, result
+    assert result["worker"]["session_ops"] == 1
+    per_block = FAMILIES["sliding"][0].kv_bytes_per_token() // 6 * BLOCK
+    assert result["held_bytes"] == (8 + 5 * 2) * per_block  # every group's stored blocks
