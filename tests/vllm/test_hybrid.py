@@ -7,7 +7,8 @@ the same, and a sliding-window layer must store no more than its window.
 The Gemma-3-like engine also stores a prompt more than twice as long (its sliding layers store
 one window for either), and publishes vLLM's KV events on ZMQ, which a subscriber here
 decodes: ucm's BlockStored name each group's stored blocks under its group_idx, kind and
-window, as vLLM names its own.
+window, as vLLM names its own. On another engine of that model a held session keeps every
+group's stored blocks in memory through a flood (tests/vllm/_session_engine.py, `hybrid`).
 
 The families' engines start at the module's start, two at a time (`engine_pool`)."""
 
