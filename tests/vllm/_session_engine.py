@@ -1,6 +1,8 @@
 """The session-hint scenario of tests/vllm/test_sessions_engine.py, on one vLLM engine in this
 process (`python _session_engine.py MODEL STORE`): prints one JSON line of what each step's
-next turn loaded from which tier, and the connector's counters.
+next turn loaded from which tier, and the connector's counters. `python _session_engine.py
+MODEL STORE hybrid` runs a short one on a hybrid-attention model for tests/vllm/test_hybrid.py
+(`hybrid`).
 
 Three sessions take a first turn: "held" with `retain_s`, "plain" with no hint, "bad" with a
 malformed hint. A flood of other prompts (several times the memory tier) follows, then each
@@ -106,5 +108,53 @@ def main(model: str, store: str) -> None:
     print("UCM_SESSIONS " + json.dumps(out), flush=True)
 
 
+def hybrid(model: str, store: str) -> None:
+    """A held session and a plain one on a sliding-window model (several KV cache groups,
+    blocks of 32): their first turns, a flood several times the memory tier, vLLM's prefix
+    cache emptied, then each one's next turn: which tier served its blocks, and the tokens
+    ucm supplied."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ucm.bench.engines import _reset_prefix_cache
+
+    ucm = {"tiers": [{"driver": "memory", "capacity": 2**20},
+                     {"driver": "posix", "path": store}]}
+    llm = make_engine(EngineSpec(model=model, connector="ucm", ucm=ucm, prefix_caching=True,
+                                 kv_cache_bytes=32 * 2**20, max_model_len=1024))
+    [worker] = [c.worker for c in live_connectors() if c.worker is not None]
+    [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]
+
+    def generate(prompts: list[list[int]], hint: Any = None) -> None:
+        extra = {"kv_transfer_params": hint} if hint is not None else None
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                extra_args=extra)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                     use_tqdm=False)
+        assert worker.wait_for_stores(120)
+
+    first = {"held": prompt(TURN, 70), "plain": prompt(TURN, 71)}
+    generate([first["held"]], {"ucm": {"session": "held", "retain_s": 300}})
+    generate([first["plain"]])
+    for i in range(12):  # 24 first turns' blocks: more than 3 times the memory tier
+        generate([prompt(TURN, 5000 + 2 * i), prompt(TURN, 5001 + 2 * i)])
+    assert _reset_prefix_cache(llm)
+    out: dict[str, Any] = {"next": {}}
+    for i, (name, tokens) in enumerate(first.items()):
+        before, hit = worker.kernel.statistics(), scheduler.stats["hit_tokens"]
+        generate([tokens + prompt(40, 80 + i)])
+        after = worker.kernel.statistics()
+        out["next"][name] = {
+            **{t: after.get(f"load_hits.{t}", 0) - before.get(f"load_hits.{t}", 0)
+               for t in ("memory", "posix")},
+            "hit_tokens": scheduler.stats["hit_tokens"] - hit}
+    stats = worker.kernel.statistics()
+    out["held_bytes"] = stats.get("tier.memory.held_bytes")
+    out["evictions"] = stats.get("evictions.memory", 0)
+    out["worker"] = {k: v for k, v in worker.stats.items()
+                     if k.startswith(("session", "saved_bytes", "kv_groups"))}
+    print("UCM_SESSIONS " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (hybrid if sys.argv[3:] == ["hybrid"] else main)(sys.argv[1], sys.argv[2])

@@ -1,7 +1,8 @@
 """ucm's blocks as vLLM KV events without an engine: the worker side notes only the stores that
 completed (a real kernel; a failing tier for the failed store) and the blocks a load found
 gone; the scheduler side turns the notes of every TP rank into vLLM's BlockStored (one per
-tier the store reached, with vLLM's block hashes and tokens) and BlockRemoved. The events on a
+tier the store reached, with vLLM's block hashes and tokens) and BlockRemoved, per KV cache
+group where there are several. The events on a
 real engine, through vLLM's publisher: tests/vllm/test_disagg.py."""
 
 from __future__ import annotations
@@ -83,6 +84,54 @@ def test_stored_blocks_are_published_once_every_rank_stored_them():
         (h(b"h3"), h(b"h2")[0], tokens[12:16])] * 2
     publisher.add(None)  # a step with no notes
     assert publisher.take() == []
+
+
+def test_one_group_names_no_group():
+    publisher = SchedulerEvents(load_config(TIERS), BS, ranks=1)
+    tokens = list(range(8))
+    publisher.planned(_request(tokens), 0, [b"d0", b"d1"])
+    publisher.add(_notes(UCMStoreDone(digests=[b"d0", b"d1"])))
+    events = publisher.take()
+    assert len(events) == 2
+    assert all((e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+               == (None, None, None) for e in events)
+
+
+# vLLM's hybrid KV cache manager: group 0 full attention, group 1 a sliding window of 8 tokens
+GROUPS = (("full_attention", None), ("sliding_window", 8))
+
+
+def test_with_several_groups_each_groups_stored_blocks_are_published_under_it():
+    publisher = SchedulerEvents(load_config(TIERS), BS, ranks=2, groups=GROUPS)
+    tokens = list(range(24))  # 6 blocks; the sliding group stores blocks 3 and 4 only
+    digests = [b"d%d" % i for i in range(6)]
+    publisher.planned(_request(tokens), 0, digests[:5], group=0)
+    publisher.planned(_request(tokens), 0, digests[3:5], group=1, positions=[3, 4])
+    # rank 0 stored everything; rank 1 the full group's blocks and the sliding group's block 3
+    notes = _notes(UCMStoreDone(digests=digests[:5] + digests[3:5], groups=[0] * 5 + [1] * 2))
+    notes.add_events([UCMStoreDone(digests=digests[:5] + digests[3:4], groups=[0] * 5 + [1])])
+    notes.increment_workers(1)
+    publisher.add(notes)
+    events = publisher.take()
+    assert all(isinstance(e, BlockStored) for e in events)
+    got = [(e.medium, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
+            e.block_hashes, e.parent_block_hash, e.token_ids) for e in events]
+    full = (0, "full_attention", None, h(b"h0", b"h1", b"h2", b"h3", b"h4"), None, tokens[:20])
+    sliding = (1, "sliding_window", 8, h(b"h3"), h(b"h2")[0], tokens[12:16])
+    assert got == [("ucm:memory", *full), ("ucm:memory", *sliding),
+                   ("ucm:posix", *full), ("ucm:posix", *sliding)]
+    # rank 1's note of block 4 in group 1 publishes it in that group only
+    publisher.add(_notes(UCMStoreDone(digests=digests[4:5], groups=[1])))
+    assert [(e.group_idx, e.block_hashes, e.parent_block_hash) for e in publisher.take()] == [
+        (1, h(b"h4"), h(b"h3")[0])] * 2
+    # removals name the group: a load found group 1's block 3 gone; a lookup of every key
+    # found group 0's block 1 only on posix, and group 1's block 0 (never published) nowhere
+    publisher.add(_notes(UCMGone(digests=[b"d3"], groups=[1])))
+    publisher.looked_up_each(digests[:2], ("memory", "posix"), (True, True), group=0)
+    publisher.looked_up_each(digests[:1], (None,), (False,), group=1)
+    assert [(type(e), e.group_idx, e.block_hashes, e.medium) for e in publisher.take()] == [
+        (BlockRemoved, 1, h(b"h3"), "ucm:memory"), (BlockRemoved, 1, h(b"h3"), "ucm:posix"),
+        (BlockRemoved, 0, h(b"h1"), "ucm:memory")]
 
 
 def test_blocks_found_gone_are_published_as_removed_from_the_tiers_that_lost_them():

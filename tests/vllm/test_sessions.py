@@ -17,7 +17,7 @@ from ucm.config import load_config  # noqa: E402
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata  # noqa: E402
 from ucm.vllm_hook.scheduler import SchedulerSide  # noqa: E402
 from ucm.vllm_hook.sessions import SessionOp, parse_hint  # noqa: E402
-from ucm.vllm_hook.settings import HookSettings, wait_running  # noqa: E402
+from ucm.vllm_hook.settings import HookSettings, KVGroup, wait_running  # noqa: E402
 from ucm.vllm_hook.worker import WorkerSide  # noqa: E402
 
 
@@ -54,10 +54,16 @@ def test_malformed_hints_give_a_reason(hint: object, reason: str) -> None:
     assert op is None and problem is not None and reason in problem
 
 
-def _settings(block_size: int) -> HookSettings:
+def _settings(block_size: int, groups: tuple[KVGroup, ...] = ()) -> HookSettings:
     cfg = load_config({"tiers": [{"driver": "memory", "shared": False}],
                        "namespace": "sessions"})
-    return HookSettings(ucm_config=cfg, namespace="sessions", block_size=block_size)
+    return HookSettings(ucm_config=cfg, namespace="sessions", block_size=block_size,
+                        groups=groups)
+
+
+# vLLM's hybrid KV cache manager: a full-attention group and a sliding one of 33 tokens (the
+# 2 blocks of 16 before a hit boundary)
+GROUPS = (KVGroup(0, "full", ("a",), 16), KVGroup(1, "sliding", ("b",), 16, 33))
 
 
 def _request(rid: str, tokens: list[int], params: object) -> SimpleNamespace:
@@ -160,5 +166,49 @@ def test_a_steps_session_ops_reach_the_worker_through_its_metadata() -> None:
             time.sleep(0.05)
         assert stats["session_holds"] == 1 and stats["tier.memory.held_sessions"] == 1
         assert worker.stats["session_ops"] == 1
+    finally:
+        worker.shutdown()
+
+
+def test_with_several_groups_a_hint_names_each_groups_stored_blocks() -> None:
+    side = SchedulerSide(_settings(16, GROUPS))
+    try:
+        tokens = list(range(160))  # 10 full blocks; the same prompt hits at 9 (159 tokens)
+        req = _request("a", tokens, {"ucm": {"session": "s", "retain_s": 30}})
+        side.get_num_new_matched_tokens(req, 0)
+        side.update_state_after_alloc(req, None, 0)
+        step = _step("a", [], len(tokens))
+        step.scheduled_new_reqs[0].block_ids = (list(range(1, 11)), list(range(11, 21)))
+        saves = side.build_connector_meta(step).saves
+        side.request_finished(req, [])
+        [op] = side.build_connector_meta(_empty_step()).sessions
+        assert len(op.digests) == 10
+        # what each group stored: the full one every block, the sliding one blocks 7 and 8
+        assert [t.digests for t in saves] == op.group_digests == [op.digests, op.digests[7:9]]
+    finally:
+        side.shutdown()
+
+
+def test_with_several_groups_a_worker_holds_each_groups_stored_blocks() -> None:
+    worker = WorkerSide(_settings(16, GROUPS))
+    caches = {name: torch.randn(12, 16, 2, 8) for name in ("a", "b")}
+    worker.register_kv_caches(caches)
+    assert wait_running(worker.kernel, 30)
+    try:
+        digests = [bytes([i]) * 16 for i in range(4)]
+        meta = UCMConnectorMetadata(saves=[BlockTransfer("a", [1, 2, 3, 4], digests, 0),
+                                           BlockTransfer("a", [7, 8], digests[2:], 1)])
+        for name in caches:
+            worker.save_kv_layer(meta, name)
+        worker.wait_for_save()
+        assert worker.wait_for_stores(30) and worker.stats["saved_blocks"] == 6
+        op = SessionOp("s", 60.0, digests=digests, group_digests=[digests, digests[2:]])
+        [held] = worker.apply_sessions([op])
+        assert held.result(10) == 6  # keys: 4 of the full group, 2 of the sliding one
+        stats = worker.kernel.statistics()
+        assert stats["tier.memory.held_bytes"] == 6 * 16 * 2 * 8 * 4
+        [prefetched] = worker.apply_sessions([SessionOp("s", prefetch=True, digests=digests,
+                                                        group_digests=[digests, digests[2:]])])
+        assert prefetched.result(10).resident == 6
     finally:
         worker.shutdown()

@@ -78,6 +78,7 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     multiprocess: bool = False  # vLLM's own process layout (EngineCore + worker processes)
     load_format: str = "auto"  # vLLM's; "dummy": random weights of the config's shapes
+    kv_events: str | None = None  # a ZMQ endpoint vLLM publishes its KV events on ("tcp://*:N")
 
 
 @dataclass
@@ -143,6 +144,11 @@ def make_engine(spec: EngineSpec) -> Any:
         # it builds its config, before the CPU worker's Triton override scan, which fails on
         # llvmlite's module objects in vLLM 0.32.0.
         kwargs["disable_hybrid_kv_cache_manager"] = True
+    if spec.kv_events:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
+                                                    publisher="zmq", endpoint=spec.kv_events)
     return LLM(model=spec.model, dtype=spec.dtype, max_model_len=spec.max_model_len,
                enforce_eager=True, block_size=spec.block_size, seed=0,
                kv_cache_memory_bytes=spec.kv_cache_bytes,

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm.codecs.vllm import attention_isa
-from ucm.vllm_hook.events import UCMKVEvents, WorkerEvents
+from ucm.vllm_hook.events import UCMKVEvents, WorkerEvents, group_metadata
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
 from ucm.vllm_hook.sparse import SparseAttention
@@ -82,17 +82,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats = SideStats()  # fed by this side's kernel; vLLM's /metrics shows them
         kv_events = getattr(vllm_config, "kv_events_config", None)
         publishes = bool(kv_events is not None and kv_events.enable_kv_cache_events)
-        if publishes and self.settings.hybrid:
-            log.warning("ucm: KV events of ucm's blocks are not published for a hybrid KV "
-                        "cache (%d groups): a block is stored per group",
-                        len(self.settings.groups))
-            publishes = False
         sinks = (self._stats.sink,)
         if role == KVConnectorRole.SCHEDULER:
             from ucm.vllm_hook.scheduler import SchedulerSide
 
             self.scheduler = SchedulerSide(self.settings, layers=kv_layer_count(kv_cache_config),
-                                           sinks=sinks, events=publishes)
+                                           sinks=sinks, events=publishes,
+                                           event_groups=group_metadata(kv_cache_config)
+                                           if publishes and self.settings.hybrid else ())
             # A block that does not load is a miss: vLLM recomputes it (unless the user asked
             # for "fail"). The scheduler reads this right after building its connector.
             kvt = vllm_config.kv_transfer_config

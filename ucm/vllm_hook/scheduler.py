@@ -55,12 +55,14 @@ class _RequestState:
 
 class SchedulerSide:
     def __init__(self, settings: HookSettings, *, layers: int | None = None,
-                 sinks: tuple[Any, ...] = (), events: bool = False) -> None:
+                 sinks: tuple[Any, ...] = (), events: bool = False,
+                 event_groups: tuple[tuple[str, int | None], ...] = ()) -> None:
         """`layers`: the KV cache layers of the model (vLLM's KVCacheConfig). The layerwise
         mode stores each layer of a block on its own, so a block is a hit only when every
         layer is stored; without the count only the first layer is looked up. `sinks`: tracer
         sinks of a lookup kernel of its own (the connector's stats). `events`: whether the
-        engine publishes KV events (ucm's stored and removed blocks: `self.events`)."""
+        engine publishes KV events (ucm's stored and removed blocks: `self.events`);
+        `event_groups`: each KV cache group's kind and window as the events name them."""
         self.settings = settings
         self._sinks = sinks
         self.block_size = settings.block_size
@@ -77,8 +79,8 @@ class SchedulerSide:
         self._own_kernel = False
         self._kernel_wait_since: float | None = None
         # vLLM's KV events of ucm's blocks, when the engine publishes events
-        self.events = SchedulerEvents(settings.ucm_config, self.block_size,
-                                     settings.tp_size) if events else None
+        self.events = SchedulerEvents(settings.ucm_config, self.block_size, settings.tp_size,
+                                     event_groups if settings.hybrid else ()) if events else None
         self._session_ops: list[SessionOp] = []  # finished requests' hints, for the next step
 
     # -- the kernel ------------------------------------------------------------------------------
@@ -210,7 +212,14 @@ class SchedulerSide:
         found = lookup.value  # a LookupResult: the tier of each hit
         if (self.events is not None and isinstance(found, LookupResult)
                 and self.settings.tp_size == 1 and not self.settings.layerwise):
-            self.events.looked_up(st.chain.digests[:n_full], found.tiers, _leading(found.hits))
+            digests = st.chain.digests[:n_full]
+            if self.settings.hybrid:  # every key answered, group by group
+                for g in self.settings.groups:
+                    part = slice(g.index * n_full, (g.index + 1) * n_full)
+                    self.events.looked_up_each(digests, found.tiers[part], found.hits[part],
+                                               group=g.index)
+            else:
+                self.events.looked_up(digests, found.tiers, _leading(found.hits))
         # With TP, a block is a hit only when every rank's shard is stored; layerwise, only
         # when every layer is.
         if self.settings.hybrid:
@@ -375,9 +384,9 @@ class SchedulerSide:
         digests = st.chain.upto(tokens, n_full)
         start, st.saved_blocks = st.saved_blocks, n_full
         self.stats["save_blocks"] += n_full - start
-        if self.events is not None:
-            self.events.planned(request, start, digests[start:])
         if not self.settings.hybrid:
+            if self.events is not None:
+                self.events.planned(request, start, digests[start:])
             return [BlockTransfer(request.request_id, st.block_ids[0][start:n_full],
                                   digests[start:])]
         saves = []
@@ -390,6 +399,9 @@ class SchedulerSide:
             if keep:
                 saves.append(BlockTransfer(request.request_id, [ids[i] for i in keep],
                                            [digests[i] for i in keep], g.index))
+                if self.events is not None:  # per group: a sliding one names its window
+                    self.events.planned(request, 0, [digests[i] for i in keep],
+                                        group=g.index, positions=keep)
         return saves
 
     def load_failed(self, req_ids: set[str]) -> None:
@@ -428,6 +440,13 @@ class SchedulerSide:
             return
         if st is not None and (op.retain_s is not None or op.prefetch):
             op.digests = list(st.chain.digests[:st.saved_blocks])
+            if self.settings.hybrid:  # each group's blocks as _plan_save stored them
+                prompt = len(request.prompt_token_ids)
+                op.group_digests = [
+                    op.digests if g.window_blocks is None else
+                    [op.digests[i] for i in _window_blocks(prompt, self.block_size,
+                                                           g.window_blocks, 0, st.saved_blocks)]
+                    for g in self.settings.groups]
         for kind, on in (("hold", op.retain_s is not None), ("end", op.end),
                          ("prefetch", op.prefetch)):
             if on:

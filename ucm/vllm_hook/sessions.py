@@ -12,7 +12,8 @@ blocks live in the worker side's kernel (the scheduler process's own kernel only
 holds no process-local memory tier). So the scheduler side turns a hint into a `SessionOp` of
 the request's block digests and sends it to the workers in the next step's metadata (in one
 process, straight to the worker side); each worker holds, releases or prefetches its own
-shard's keys in its kernel.
+shard's keys in its kernel. With several KV cache groups the op names each group's stored
+blocks, so a hold keeps every group's blocks of the hit the session's next turn needs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class SessionOp:
     end: bool = False  # release the session's hold
     prefetch: bool = False  # promote the digests' blocks to the fastest tier
     digests: list[bytes] = field(default_factory=list)
+    # with several KV cache groups: each group's digests of those blocks that it stored (a
+    # sliding-window group stores only the window before the prompt's hit boundary)
+    group_digests: list[list[bytes]] = field(default_factory=list)
 
 
 def parse_hint(params: Any, *, max_retain_s: float) -> tuple[SessionOp | None, str | None]:

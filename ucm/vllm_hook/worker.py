@@ -94,9 +94,9 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._store_bytes = 0  # snapshots not yet written
         # id(completion) -> (store, snapshot, keys per block, the blocks' digests, and their
-        # groups' kinds and sizes)
+        # groups' kinds, sizes and indexes)
         self._stores: dict[int, tuple[PendingPages, torch.Tensor, int, list[bytes],
-                                      list[tuple[str, int]]]] = {}
+                                      list[tuple[str, int, int]]]] = {}
         self._stores_idle = threading.Event()
         self._stores_idle.set()
 
@@ -369,9 +369,10 @@ class WorkerSide:
                 for s in states[row + good:row + n]:
                     self.stats[f"load_{(s or LoadState.FAILED).name.lower()}"] += 1
                 if self.events is not None:  # no tier holds these (a corrupt one is removed)
-                    self.events.gone([d for d, s in zip(t.digests, states[row:row + n],
-                                                        strict=True)
-                                      if s in (LoadState.MISSING, LoadState.CORRUPT)])
+                    gone = [d for d, s in zip(t.digests, states[row:row + n], strict=True)
+                            if s in (LoadState.MISSING, LoadState.CORRUPT)]
+                    self.events.gone(gone, [t.group] * len(gone) if self.settings.hybrid
+                                     else ())
             else:
                 self.stats["load_failed"] += n
             if self.settings.hybrid:  # reported per request (vLLM takes no block ids then)
@@ -463,8 +464,11 @@ class WorkerSide:
             self.stats["session_ops_dropped"] += len(ops)
             return done
         for op in ops:
-            keys = [self._key(d, g.index) for g in self.settings.groups for d in op.digests] \
-                if self.settings.hybrid else [self._key(d) for d in op.digests]
+            if self.settings.hybrid:  # each group's stored blocks (all, without the list)
+                per_group = op.group_digests or [op.digests] * len(self.settings.groups)
+                keys = [self._key(d, g) for g, ds in enumerate(per_group) for d in ds]
+            else:
+                keys = [self._key(d) for d in op.digests]
             if self.settings.layerwise and self.layout is not None:
                 layers = len(self.layout.by_layer)
                 keys = [layer_key(k, j) for k in keys for j in range(layers)]
@@ -495,7 +499,7 @@ class WorkerSide:
         keys = self._keys([t for t, _ in rows])
         sizes = [self.layouts[t.group].block_bytes for t, _ in rows for _ in t.digests]
         buffers = [staging[i, :size].numpy() for i, size in enumerate(sizes)]
-        kinds = [self._kind(t.group) for t, _ in rows for _ in t.digests]
+        kinds = [(self._kind(t.group), t.group) for t, _ in rows for _ in t.digests]
         per_block = 1
         if self.settings.layerwise:  # each layer of each block: a block of its own
             spans = [self.layout.layer_span(name) for name in self.layout.by_layer]
@@ -516,7 +520,8 @@ class WorkerSide:
         with self._lock:
             self._stores[id(completion)] = (pending, staging, per_block,
                                             [d for t, _ in rows for d in t.digests],
-                                            list(zip(kinds, sizes, strict=True)))
+                                            [(k, s, g) for (k, g), s
+                                             in zip(kinds, sizes, strict=True)])
             self._stores_idle.clear()
         completion.add_done_callback(self._store_done)
         self.stats["save_blocks"] += len(keys) // per_block
@@ -542,14 +547,17 @@ class WorkerSide:
             else:
                 whole = [all(stored[i:i + per_block]) for i in range(0, len(stored), per_block)]
                 self.stats["saved_blocks"] += sum(whole)
-                for ok, (kind, size) in zip(whole, kinds, strict=True):
+                for ok, (kind, size, _) in zip(whole, kinds, strict=True):
                     if ok:  # bytes of the cache stored, by the layers' kind (hybrid groups)
                         self.stats["saved_bytes"] += size
                         if kind:
                             self.stats[f"saved_bytes.{kind}"] += size
                 self.stats["save_failed_blocks"] += whole.count(False)
                 if self.events is not None:  # only what is stored: never a failed block
-                    self.events.stored([d for d, ok in zip(digests, whole, strict=True) if ok])
+                    done = [i for i, ok in enumerate(whole) if ok]
+                    self.events.stored([digests[i] for i in done],
+                                       [kinds[i][2] for i in done] if self.settings.hybrid
+                                       else ())
         except Exception:  # pragma: no cover - never let the trio thread see an error
             log.exception("ucm: store callback failed")
 
