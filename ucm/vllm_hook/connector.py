@@ -23,7 +23,7 @@ from ucm.codecs.vllm import attention_isa
 from ucm.vllm_hook.events import UCMKVEvents, WorkerEvents
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
-from ucm.vllm_hook.sparse import SparseAttention
+from ucm.vllm_hook.sparse import SparseAttention, install_scheduler
 from ucm.vllm_hook.stats import SideStats, UCMConnectorStats, UCMPromMetrics
 
 if TYPE_CHECKING:
@@ -93,6 +93,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
 
             self.scheduler = SchedulerSide(self.settings, layers=kv_layer_count(kv_cache_config),
                                            sinks=sinks, events=publishes)
+            if self.settings.sparse is not None:  # hands us vLLM's KV cache manager (.sparse)
+                install_scheduler()
             # A block that does not load is a miss: vLLM recomputes it (unless the user asked
             # for "fail"). The scheduler reads this right after building its connector.
             kvt = vllm_config.kv_transfer_config
@@ -139,8 +141,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         meta = scheduler.build_connector_meta(scheduler_output)
         if meta.loads and self.settings.early_loads and not scheduler.shares_kernel:
             return StepMetadata(loads=meta.loads, saves=meta.saves,  # loads on arrival
-                                sessions=meta.sessions)
+                                sessions=meta.sessions, sparse=meta.sparse)
         return meta
+
+    def attach_kv_manager(self, kv_manager: Any) -> None:
+        """vLLM's KVCacheManager, from the scheduler hook of sparse attention (.sparse)."""
+        freer = self.scheduler.sparse_blocks if self.scheduler is not None else None
+        if freer is not None and freer.kv_manager is not kv_manager:
+            freer.attach(kv_manager)
 
     def request_finished(self, request: Any, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -240,7 +248,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             if self.sparse is not None:
                 stats["sparse"] = self.sparse.statistics()
             return stats
-        return dict(self._scheduler_side().stats)
+        scheduler = self._scheduler_side()
+        out: dict[str, Any] = dict(scheduler.stats)
+        if scheduler.sparse_blocks is not None:
+            out["sparse_freed"] = list(scheduler.sparse_blocks.freed)
+        return out
 
     def shutdown(self) -> None:
         if self.worker is not None and self.sparse is not None:

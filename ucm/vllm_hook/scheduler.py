@@ -33,6 +33,7 @@ from ucm.vllm_hook.settings import (
     scheduler_config,
     start_kernel,
 )
+from ucm.vllm_hook.sparse_blocks import BlockFreer
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -80,6 +81,9 @@ class SchedulerSide:
         self.events = SchedulerEvents(settings.ucm_config, self.block_size,
                                      settings.tp_size) if events else None
         self._session_ops: list[SessionOp] = []  # finished requests' hints, for the next step
+        # sparse attention: frees sparse requests' offloaded blocks in vLLM's cache
+        self.sparse_blocks = BlockFreer(settings, lambda: self.pages, self.stats) \
+            if settings.sparse is not None else None
 
     # -- the kernel ------------------------------------------------------------------------------
     @property
@@ -327,6 +331,8 @@ class SchedulerSide:
                 continue
             st.block_ids = [list(ids) for ids in new.block_ids or ()]
             computed_before[new.req_id] = new.num_computed_tokens
+            if self.sparse_blocks is not None:
+                self.sparse_blocks.start(new.req_id, new.num_computed_tokens)
             meta.loads.extend(st.pending_loads)
             st.pending_loads = []
         cached = so.scheduled_cached_reqs
@@ -338,6 +344,8 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
                 st.block_ids = [list(ids) for ids in new_ids or ()]
+                if self.sparse_blocks is not None:
+                    self.sparse_blocks.start(req_id, cached.num_computed_tokens[i])
             elif new_ids:
                 if not st.block_ids:
                     st.block_ids = [[] for _ in new_ids]
@@ -351,6 +359,12 @@ class SchedulerSide:
             if st is None or req_id not in computed_before:
                 continue
             meta.saves.extend(self._plan_save(st, computed_before[req_id] + n_scheduled))
+            if self.sparse_blocks is not None:
+                free = self.sparse_blocks.plan(req_id, len(st.request.prompt_token_ids),
+                                               computed_before[req_id], st.saved_blocks,
+                                               st.chain.digests)
+                if free is not None:
+                    meta.sparse.append(free)
         for st in self._reqs.values():  # asynchronous loads: requests vLLM did not schedule
             if st.pending_loads:
                 meta.loads.extend(st.pending_loads)
@@ -406,6 +420,8 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
+        if self.sparse_blocks is not None:
+            self.sparse_blocks.finished(request.request_id)
         self._session_hint(request, st)
         # Saves snapshot their blocks inside the step that computed them, so vLLM may free
         # the blocks at once.

@@ -183,6 +183,7 @@ class HookSettings:
     save_generated: bool = _DEFAULTS.save_generated
     load_failure: str = _DEFAULTS.load_failure
     sparse: SparseConfig | None = None
+    steps_in_turn: bool = True  # no async scheduling, no pipeline parallelism
     role: str = "kv_both"  # vLLM's kv_role: kv_producer, kv_consumer or kv_both
     consumer_wait: float = _DEFAULTS.consumer_wait
     # vLLM's KV cache groups when it runs its hybrid KV cache manager with more than one
@@ -351,6 +352,7 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> HookSet
         save_generated=options.save_generated,
         load_failure=options.load_failure,
         sparse=options.sparse,
+        steps_in_turn=_steps_in_turn(vllm_config),
         role=str(getattr(kvt, "kv_role", None) or "kv_both"),
         consumer_wait=options.consumer_wait,
         groups=groups,
