@@ -212,6 +212,7 @@ class SparseAttention:
                 if rq is not None:
                     self._retire(rq)
                 rq = _Request(len(self.layers), dense=seq_len != qlen)
+                rq.tokens = seq_len - qlen  # a dense one's earlier tokens: not seen here
                 self.stats["requests_seen"] += 1
                 self.stats["dense_requests"] += rq.dense
                 self._requests[first] = rq
@@ -373,10 +374,10 @@ class SparseAttention:
     def _end_step(self) -> None:
         qsl = self._md_in.query_start_loc.tolist()
         for r, rq in enumerate(self._rows):
-            if rq is None or rq.dense:
+            if rq is None:
                 continue
             rq.tokens += qsl[r + 1] - qsl[r]
-            if rq.session is not None and all(k is not None for k in rq.new_keys):
+            if not rq.dense and rq.session is not None and all(k is not None for k in rq.new_keys):
                 rq.session.append(rq.new_keys)  # type: ignore[arg-type]
                 rq.new_keys = [None] * len(self.layers)
 

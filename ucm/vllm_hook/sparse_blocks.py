@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +66,8 @@ class BlockFreer:
         self.stats = stats
         self.kv_manager: Any = None
         self._reqs: dict[str, _Freeing] = {}
-        # per freed request: blocks freed, returned to the pool, slots (tests, docs)
-        self.freed: list[dict[str, Any]] = []
+        # the last freed requests: blocks offloaded, returned to the pool, slots
+        self.freed: deque[dict[str, Any]] = deque(maxlen=256)
 
     def attach(self, kv_manager: Any) -> None:
         """vLLM's KVCacheManager (the scheduler hook hands it over before each step)."""
