@@ -5,7 +5,9 @@ free (read from the scheduler's block pool), and both connector sides' counters.
 
 A phase with `"noise": true` re-stores, right after its request's blocks are freed (in the
 step's schedule, before that step's forward loads them), one freed block under its own key
-with other values: the decode must then attend what ucm holds, not what vLLM computed."""
+with other values: the decode must then attend what ucm holds, not what vLLM computed. A phase
+with `"drop": true` deletes every freed block of its request from ucm there instead: no load
+can succeed, and the decode must attend only what is resident."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from ucm.bench.engines import EngineSpec, connector_stats, make_engine
+from ucm.kernel import Delete
 from ucm.vllm_hook.connector import live_connectors
 from ucm.vllm_hook.keys import rank_key
 
@@ -32,7 +35,7 @@ def main(spec: dict[str, Any]) -> None:
     [worker] = [c.worker for c in live_connectors() if c.worker is not None]
     [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]
     frees: list[dict[str, Any]] = []
-    noise = {"armed": False, "stored": []}
+    noise: dict[str, Any] = {"armed": False, "stored": [], "drop": False, "dropped": 0}
     freer = scheduler.sparse_blocks
     if freer is not None:
         free = freer._free
@@ -47,18 +50,24 @@ def main(spec: dict[str, Any]) -> None:
                 if noise["armed"]:
                     noise["armed"] = False
                     noise["stored"].append(_restore_noise(worker, out))
+                if noise["drop"]:
+                    noise["drop"] = False
+                    keys = [rank_key(d, 0, 1) for d in out.digests]
+                    worker.kernel.submit(Delete(keys)).result(30)
+                    noise["dropped"] += len(keys)
             return out
 
         freer._free = observed
     phases = []
     for phase in spec["phases"]:
-        noise["armed"] = bool(phase.get("noise"))
+        noise["armed"], noise["drop"] = bool(phase.get("noise")), bool(phase.get("drop"))
         params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]],
                             params, use_tqdm=False)
         phases.append([list(o.outputs[0].token_ids) for o in outs])
     print("UCM_SPARSE " + json.dumps({"phases": phases, "frees": frees,
-                                      "noise": noise["stored"], "stats": connector_stats()},
+                                      "noise": noise["stored"],
+                                      "dropped": noise["dropped"], "stats": connector_stats()},
                                      default=str), flush=True)
 
 

@@ -40,25 +40,27 @@ class _Lookup:
 
 
 class _Pages:
-    """Lookups that find every key but the first `missing` ones."""
+    """Lookups that find every key but the first `missing[n]` ones at the n-th lookup (the
+    last figure from then on)."""
 
-    def __init__(self, missing: int = 0) -> None:
-        self.missing = missing  # keys reported missing, from the first
+    def __init__(self, *missing: int) -> None:
+        self.missing = list(missing) or [0]
         self.lookups = 0
 
     def start_lookup(self, keys: list[bytes], **kw: object) -> _Lookup:
+        missing = self.missing[min(self.lookups, len(self.missing) - 1)]
         self.lookups += 1
-        return _Lookup([i >= self.missing for i in range(len(keys))])
+        return _Lookup([i >= missing for i in range(len(keys))])
 
 
-def _freer(pages: _Pages, **kw: object) -> tuple[BlockFreer, Counter[str]]:
+def _freer(pages: _Pages, wait_stores=None, **kw: object) -> tuple[BlockFreer, Counter[str]]:
     sparse = SparseConfig(method="quest", budget=4, block_size=BS, sink_blocks=1,
                           local_blocks=2)
     cfg = load_config({"namespace": "ns", "tiers": [{"driver": "memory", "capacity": "1MiB"}]})
     settings = HookSettings(ucm_config=cfg, namespace="ns", block_size=BS, sparse=sparse,
                             **kw)  # type: ignore[arg-type]
     stats: Counter[str] = Counter()
-    return BlockFreer(settings, lambda: pages, stats), stats  # type: ignore[arg-type,return-value]
+    return BlockFreer(settings, lambda: pages, stats, wait_stores), stats  # type: ignore[arg-type,return-value]
 
 
 def _vllm(n_requests: int = 1) -> tuple[BlockPool, dict[str, list], SimpleNamespace]:
@@ -147,19 +149,28 @@ def test_reasons_to_stay_dense_are_counted():
 
 def test_blocks_ucm_does_not_confirm_are_not_freed():
     pool, _, kv = _vllm()
-    pages = _Pages(missing=1)  # a store not landed (or failed): one key missing
-    freer, stats = _freer(pages, load_timeout=0.0)
+    before = pool.get_num_free_blocks()
+    waits: list[float] = []
+
+    def wait_stores(timeout: float) -> bool:  # the worker's stores in flight, then idle
+        waits.append(timeout)
+        return True
+
+    # one key missing (a store that failed): looked up again after the stores in flight
+    # ended, still missing, and past load_timeout (0 here) the request stays dense
+    pages = _Pages(1)
+    freer, stats = _freer(pages, wait_stores, load_timeout=0.0)
     freer.attach(kv)
     freer.start("r0", 0)
-    before = pool.get_num_free_blocks()
-    assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is None  # looks again next step
-    assert stats["sparse_dense.not_stored"] == 0
-    assert freer.plan("r0", PROMPT, PROMPT + 1, 18, DIGESTS) is None  # past load_timeout
-    assert stats["sparse_dense.not_stored"] == 1 and pages.lookups == 2
+    assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is None
+    assert pages.lookups == 2 and waits == [0.0] and stats["sparse_store_waits"] == 1
+    assert stats["sparse_dense.not_stored"] == 1
+    assert freer.plan("r0", PROMPT, PROMPT + 1, 18, DIGESTS) is None and pages.lookups == 2
     assert pool.get_num_free_blocks() == before
-    # confirmed on a later lookup: freed then
-    pages = _Pages()
-    freer, stats = _freer(pages)
+    # the store landed while the scheduler waited: freed in the same step
+    pages = _Pages(1, 0)
+    freer, stats = _freer(pages, wait_stores, load_timeout=0.0)
     freer.attach(kv)
     freer.start("r0", 0)
     assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is not None
+    assert pages.lookups == 2 and stats["sparse_freed_requests"] == 1

@@ -172,9 +172,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sparse is not None:
             self.sparse.register(list(kv_caches))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # before the forward: vLLM 0.32 calls start_load_kv after it when no load is sync,
+        # and the step's attention must already skip the blocks freed in its schedule
+        if self.sparse is not None and isinstance(connector_metadata, UCMConnectorMetadata):
+            self.sparse.observe(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self.sparse is not None:
-            self.sparse.observe(self._meta())
         self._worker_side().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -82,7 +82,8 @@ class SchedulerSide:
                                      settings.tp_size) if events else None
         self._session_ops: list[SessionOp] = []  # finished requests' hints, for the next step
         # sparse attention: frees sparse requests' offloaded blocks in vLLM's cache
-        self.sparse_blocks = BlockFreer(settings, lambda: self.pages, self.stats) \
+        self.sparse_blocks = BlockFreer(settings, lambda: self.pages, self.stats,
+                                        self._wait_worker_stores) \
             if settings.sparse is not None else None
 
     # -- the kernel ------------------------------------------------------------------------------
@@ -109,6 +110,12 @@ class SchedulerSide:
             self._pages = PageIO(self._kernel, timeout=self.settings.lookup_timeout,
                                  deadline=None)
         return self._kernel
+
+    def _wait_worker_stores(self, timeout: float) -> bool:
+        """Waits for the stores of a worker side in this process (sparse attention frees only
+        blocks ucm holds); False where there is none."""
+        shared = self._shared
+        return shared is not None and shared.wait_for_stores(timeout)
 
     @property
     def pages(self) -> PageIO:

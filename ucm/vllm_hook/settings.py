@@ -515,6 +515,8 @@ class KernelOwner(Protocol):
 
     def apply_sessions(self, ops: list[SessionOp]) -> list[Any]: ...
 
+    def wait_for_stores(self, timeout: float | None = None) -> bool: ...
+
 
 class SharedKernel:
     """A worker side's kernel, as a scheduler side in the same process reaches it. vLLM in one
@@ -542,6 +544,13 @@ class SharedKernel:
             return False
         worker.apply_sessions(ops)
         return True
+
+    def wait_for_stores(self, timeout: float) -> bool:
+        """Waits up to `timeout` s for the worker side's stores in flight
+        (`WorkerSide.wait_for_stores`); False when they did not all end, or no worker."""
+        worker = self._worker
+        return (worker is not None and worker.kernel is self.kernel
+                and worker.wait_for_stores(timeout))
 
 
 class ProcessKernels:

@@ -58,11 +58,15 @@ class BlockFreer:
     """Frees sparse requests' offloaded blocks in vLLM's KV cache manager (see the module)."""
 
     def __init__(self, settings: HookSettings, pages: Callable[[], PageIO],
-                 stats: Counter[str]) -> None:
+                 stats: Counter[str], wait_stores: Callable[[float], bool] | None = None,
+                 ) -> None:
+        """`wait_stores`: waits for the worker's stores in flight where the worker shares
+        this process (vLLM in one process); True when they all ended."""
         assert settings.sparse is not None
         self.settings = settings
         self.config = settings.sparse
         self._pages = pages
+        self._wait_stores = wait_stores
         self.stats = stats
         self.kv_manager: Any = None
         self._reqs: dict[str, _Freeing] = {}
@@ -125,25 +129,30 @@ class BlockFreer:
         return self._free(req_id, fr, prompt_tokens, lo, hi, digests)
 
     def _confirmed(self, fr: _Freeing, digests: Sequence[bytes]) -> bool:
-        """Whether ucm holds every block (every rank's shard); looks up again next step while
-        a lookup misses, until `load_timeout`, then the request stays dense."""
+        """Whether ucm holds every block (every rank's shard). On a miss where the worker
+        shares this process, waits for its stores in flight (up to `load_timeout`: the
+        prompt's were posted at the end of the previous step) and looks up once more;
+        otherwise looks up again next step. Past `load_timeout` the request stays dense."""
         now = time.monotonic()
-        if fr.lookup is None:
-            size = self.settings.tp_size
-            keys = [rank_key(d, r, size) for r in range(size) for d in digests]
-            fr.lookup = self._pages().start_lookup(keys, prefix=False, promote=False)
-            fr.since = fr.since or now
-            self.stats["sparse_lookups"] += 1
-        lookup = fr.lookup
-        if not lookup.wait(self.settings.lookup_wait):
-            if now - (fr.since or now) > self.settings.load_timeout:
-                self._dense(fr, "not_stored")
-            return False
-        lookup.result()
-        fr.lookup = None
-        if lookup.error is None and all(lookup.hits):
-            return True
-        if now - (fr.since or now) > self.settings.load_timeout:
+        fr.since = fr.since or now
+        for again in (False, True):
+            if fr.lookup is None:
+                size = self.settings.tp_size
+                keys = [rank_key(d, r, size) for r in range(size) for d in digests]
+                fr.lookup = self._pages().start_lookup(keys, prefix=False, promote=False)
+                self.stats["sparse_lookups"] += 1
+            lookup = fr.lookup
+            if not lookup.wait(self.settings.lookup_wait):
+                break
+            lookup.result()
+            fr.lookup = None
+            if lookup.error is None and all(lookup.hits):
+                return True
+            if again or self._wait_stores is None \
+                    or not self._wait_stores(self.settings.load_timeout):
+                break
+            self.stats["sparse_store_waits"] += 1
+        if time.monotonic() - fr.since > self.settings.load_timeout:
             self._dense(fr, "not_stored")
         return False
 
