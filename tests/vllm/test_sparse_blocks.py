@@ -145,6 +145,12 @@ def test_reasons_to_stay_dense_are_counted():
     freer.start("r0", 0)
     assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is None
     assert stats["sparse_dense.async"] == 1
+    freer.start("r1", 0)  # its prefill runs, then it ends before a decode step
+    assert freer.plan("r1", PROMPT, 0, 0, DIGESTS) is None
+    freer.finished("r1")
+    assert stats["sparse_dense.unfreed"] == 1
+    freer.start("r0", 0)  # resumed after a preemption: starts over
+    assert stats["sparse_restarts"] == 1 and stats["sparse_dense.async"] == 1
 
 
 def test_blocks_ucm_does_not_confirm_are_not_freed():

@@ -8,7 +8,11 @@ scheduler's manager (`attach`) before the step is planned.
 Per sparse request, at its first decode step (its prompt computed and its full blocks' saves
 planned): one Lookup of the blocks between the sinks and the local window, every TP rank's key.
 Only when every one is found in ucm (a store confirmed, not just submitted) does `plan` free
-them, in the step's `build_connector_meta`, after vLLM allocated the step's blocks:
+them, in the step's `build_connector_meta`, after vLLM allocated the step's blocks. On a miss
+where the worker shares this process (vLLM in one process) the scheduler waits for the
+worker's stores in flight (the prompt's were posted at the end of the previous step; up to
+`load_timeout`) and looks up once more, so the blocks go at the first decode step; elsewhere
+it looks up again at the next step.
 
 - logical blocks `max(1, sink_blocks)` .. `prompt // block_size - local_blocks` leave the
   request: its block list holds vLLM's null block there (as sliding-window layers do) and
@@ -26,7 +30,9 @@ A request that cannot run sparse stays dense, its reason counted once in
 `async` (async scheduling or pipeline parallelism: a step in flight may read freed blocks),
 `prefix` (its first step found tokens computed: the worker did not see their keys), `short`
 (nothing between sinks and window), `not_stored` (ucm did not confirm the blocks within
-`load_timeout`), `blocks` (vLLM's block list is not what was expected).
+`load_timeout`), `blocks` (vLLM's block list is not what was expected), `unfreed` (it
+finished, or was preempted, before its blocks could go). A resumed request starts over
+(`sparse_restarts`).
 """
 
 from __future__ import annotations
@@ -80,15 +86,24 @@ class BlockFreer:
     def start(self, req_id: str, computed_tokens: int) -> None:
         """A request scheduled for the first time (or resumed), with this many tokens computed
         (vLLM's prefix cache, a load from ucm)."""
+        if req_id in self._reqs:  # resumed after a preemption: vLLM recomputes it
+            self.finished(req_id)
+            self.stats["sparse_restarts"] += 1
         fr = self._reqs[req_id] = _Freeing()
         self.stats["sparse_requests"] += 1
         if computed_tokens > 0:
             self._dense(fr, "prefix")
 
     def finished(self, req_id: str) -> None:
+        """The request finished (or is recomputed): one still waiting for its free is
+        counted in `sparse_dense.unfreed`."""
         fr = self._reqs.pop(req_id, None)
-        if fr is not None and fr.lookup is not None:
+        if fr is None:
+            return
+        if fr.lookup is not None:
             fr.lookup.cancel()
+        if fr.status == "wait":
+            self.stats["sparse_dense.unfreed"] += 1
 
     def _dense(self, fr: _Freeing, reason: str) -> None:
         fr.status = "dense"
