@@ -23,7 +23,7 @@ from ucm.codecs.vllm import attention_isa
 from ucm.vllm_hook.events import UCMKVEvents, WorkerEvents, group_metadata
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
-from ucm.vllm_hook.sparse import SparseAttention
+from ucm.vllm_hook.sparse import SparseAttention, install_scheduler
 from ucm.vllm_hook.stats import SideStats, UCMConnectorStats, UCMPromMetrics
 
 if TYPE_CHECKING:
@@ -90,6 +90,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                                            sinks=sinks, events=publishes,
                                            event_groups=group_metadata(kv_cache_config)
                                            if publishes and self.settings.hybrid else ())
+            if self.settings.sparse is not None:  # hands us vLLM's KV cache manager (.sparse)
+                install_scheduler()
             # A block that does not load is a miss: vLLM recomputes it (unless the user asked
             # for "fail"). The scheduler reads this right after building its connector.
             kvt = vllm_config.kv_transfer_config
@@ -136,8 +138,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         meta = scheduler.build_connector_meta(scheduler_output)
         if meta.loads and self.settings.early_loads and not scheduler.shares_kernel:
             return StepMetadata(loads=meta.loads, saves=meta.saves,  # loads on arrival
-                                sessions=meta.sessions)
+                                sessions=meta.sessions, sparse=meta.sparse)
         return meta
+
+    def attach_kv_manager(self, kv_manager: Any) -> None:
+        """vLLM's KVCacheManager, from the scheduler hook of sparse attention (.sparse)."""
+        freer = self.scheduler.sparse_blocks if self.scheduler is not None else None
+        if freer is not None and freer.kv_manager is not kv_manager:
+            freer.attach(kv_manager)
 
     def request_finished(self, request: Any, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -161,9 +169,14 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         if self.sparse is not None:
             self.sparse.register(list(kv_caches))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # before the forward: vLLM 0.32 calls start_load_kv after it when no load is sync,
+        # and the step's attention must already skip the blocks freed in its schedule
+        if self.sparse is not None and isinstance(connector_metadata, UCMConnectorMetadata):
+            self.sparse.observe(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self.sparse is not None:
-            self.sparse.observe(self._meta())
         self._worker_side().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -237,7 +250,11 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
             if self.sparse is not None:
                 stats["sparse"] = self.sparse.statistics()
             return stats
-        return dict(self._scheduler_side().stats)
+        scheduler = self._scheduler_side()
+        out: dict[str, Any] = dict(scheduler.stats)
+        if scheduler.sparse_blocks is not None:
+            out["sparse_freed"] = list(scheduler.sparse_blocks.freed)
+        return out
 
     def shutdown(self) -> None:
         if self.worker is not None and self.sparse is not None:

@@ -23,12 +23,28 @@ class BlockTransfer:
     group: int = 0
 
 
+@dataclass(slots=True)
+class SparseFree:
+    """A sparse request whose offloaded blocks the scheduler gave back to vLLM's free pool
+    (`ucm.vllm_hook.sparse_blocks`): logical blocks `freed[i]` (stored in ucm as
+    `digests[i]`) are no longer in its cache; `slots` are the physical blocks it kept to
+    load selected ones into (their contents are not any block's until loaded). The worker's
+    attention backend tells requests apart by `first_block`, the physical id of block 0."""
+
+    req_id: str
+    first_block: int
+    freed: list[int]
+    digests: list[bytes]
+    slots: list[int]
+
+
 @dataclass
 class UCMConnectorMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     sessions: list[SessionOp] = field(default_factory=list)  # finished requests' hints
+    sparse: list[SparseFree] = field(default_factory=list)  # requests whose blocks were freed
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.saves or self.sessions)
+        return not (self.loads or self.saves or self.sessions or self.sparse)

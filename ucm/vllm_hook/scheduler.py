@@ -33,6 +33,7 @@ from ucm.vllm_hook.settings import (
     scheduler_config,
     start_kernel,
 )
+from ucm.vllm_hook.sparse_blocks import BlockFreer
 
 log = logging.getLogger("ucm.vllm_hook")
 
@@ -82,6 +83,10 @@ class SchedulerSide:
         self.events = SchedulerEvents(settings.ucm_config, self.block_size, settings.tp_size,
                                      event_groups if settings.hybrid else ()) if events else None
         self._session_ops: list[SessionOp] = []  # finished requests' hints, for the next step
+        # sparse attention: frees sparse requests' offloaded blocks in vLLM's cache
+        self.sparse_blocks = BlockFreer(settings, lambda: self.pages, self.stats,
+                                        self._wait_worker_stores) \
+            if settings.sparse is not None else None
 
     # -- the kernel ------------------------------------------------------------------------------
     @property
@@ -107,6 +112,12 @@ class SchedulerSide:
             self._pages = PageIO(self._kernel, timeout=self.settings.lookup_timeout,
                                  deadline=None)
         return self._kernel
+
+    def _wait_worker_stores(self, timeout: float) -> bool:
+        """Waits for the stores of a worker side in this process (sparse attention frees only
+        blocks ucm holds); False where there is none."""
+        shared = self._shared
+        return shared is not None and shared.wait_for_stores(timeout)
 
     @property
     def pages(self) -> PageIO:
@@ -336,6 +347,8 @@ class SchedulerSide:
                 continue
             st.block_ids = [list(ids) for ids in new.block_ids or ()]
             computed_before[new.req_id] = new.num_computed_tokens
+            if self.sparse_blocks is not None:
+                self.sparse_blocks.start(new.req_id, new.num_computed_tokens)
             meta.loads.extend(st.pending_loads)
             st.pending_loads = []
         cached = so.scheduled_cached_reqs
@@ -347,6 +360,8 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:
                 st.block_ids = [list(ids) for ids in new_ids or ()]
+                if self.sparse_blocks is not None:
+                    self.sparse_blocks.start(req_id, cached.num_computed_tokens[i])
             elif new_ids:
                 if not st.block_ids:
                     st.block_ids = [[] for _ in new_ids]
@@ -360,6 +375,12 @@ class SchedulerSide:
             if st is None or req_id not in computed_before:
                 continue
             meta.saves.extend(self._plan_save(st, computed_before[req_id] + n_scheduled))
+            if self.sparse_blocks is not None:
+                free = self.sparse_blocks.plan(req_id, len(st.request.prompt_token_ids),
+                                               computed_before[req_id], st.saved_blocks,
+                                               st.chain.digests)
+                if free is not None:
+                    meta.sparse.append(free)
         for st in self._reqs.values():  # asynchronous loads: requests vLLM did not schedule
             if st.pending_loads:
                 meta.loads.extend(st.pending_loads)
@@ -418,6 +439,8 @@ class SchedulerSide:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
+        if self.sparse_blocks is not None:
+            self.sparse_blocks.finished(request.request_id)
         self._session_hint(request, st)
         # Saves snapshot their blocks inside the step that computed them, so vLLM may free
         # the blocks at once.

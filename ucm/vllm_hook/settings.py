@@ -183,6 +183,7 @@ class HookSettings:
     save_generated: bool = _DEFAULTS.save_generated
     load_failure: str = _DEFAULTS.load_failure
     sparse: SparseConfig | None = None
+    steps_in_turn: bool = True  # no async scheduling, no pipeline parallelism
     role: str = "kv_both"  # vLLM's kv_role: kv_producer, kv_consumer or kv_both
     consumer_wait: float = _DEFAULTS.consumer_wait
     # vLLM's KV cache groups when it runs its hybrid KV cache manager with more than one
@@ -351,6 +352,7 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> HookSet
         save_generated=options.save_generated,
         load_failure=options.load_failure,
         sparse=options.sparse,
+        steps_in_turn=_steps_in_turn(vllm_config),
         role=str(getattr(kvt, "kv_role", None) or "kv_both"),
         consumer_wait=options.consumer_wait,
         groups=groups,
@@ -513,6 +515,8 @@ class KernelOwner(Protocol):
 
     def apply_sessions(self, ops: list[SessionOp]) -> list[Any]: ...
 
+    def wait_for_stores(self, timeout: float | None = None) -> bool: ...
+
 
 class SharedKernel:
     """A worker side's kernel, as a scheduler side in the same process reaches it. vLLM in one
@@ -540,6 +544,13 @@ class SharedKernel:
             return False
         worker.apply_sessions(ops)
         return True
+
+    def wait_for_stores(self, timeout: float) -> bool:
+        """Waits up to `timeout` s for the worker side's stores in flight
+        (`WorkerSide.wait_for_stores`); False when they did not all end, or no worker."""
+        worker = self._worker
+        return (worker is not None and worker.kernel is self.kernel
+                and worker.wait_for_stores(timeout))
 
 
 class ProcessKernels:

