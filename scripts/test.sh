@@ -22,8 +22,6 @@ installed=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version
 .venv/bin/mypy
 # The built wheel in a fresh venv: every module imports, the kernel, the commands, the plugin.
 bash scripts/wheel_check.sh
-# Two lanes on two workers (tests/conftest.py groups the tests): the vLLM engine tests in one,
-# the rest beside them; a single engine leaves one core idle most of the time.
-.venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"
+.venv/bin/python -m pytest -q "$@"
 # Its own tests: the whole contract suite through ucm.testing, and the entry point.
 .venv/bin/python -m pytest -q -p no:cacheprovider examples/sqlite-driver/tests
