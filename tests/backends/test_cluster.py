@@ -286,18 +286,47 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _vllm_hosts(cluster: Cluster, model: str, logs: Path, tiers: dict[int, dict[str, Any]],
+def _vllm_hosts(cluster: Cluster, model: str, logs: Path, configs: dict[int, dict[str, Any]],
                 **spec: Any) -> Iterator[list[Any]]:
-    """One vLLM engine process per host, each with ucm on `tiers[host]`; they start side by
-    side (an engine starts in its process; the first phase waits for it)."""
+    """One vLLM engine process per host, each with the ucm config `configs[host]`; they start
+    side by side (an engine starts in its process; the first phase waits for it)."""
     from ucm.bench.engines import EngineProcess, EngineSpec
 
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(EngineProcess(
             EngineSpec(model=model, block_size=VLLM_BLOCK, kv_cache_bytes=64 * 2**20,
-                       connector="ucm", ucm={"tiers": [tier]}, **spec),
+                       connector="ucm", ucm=config, **spec),
             timeout=600, log_path=str(logs / f"host{host}.log"),
-            wrap=["ip", "netns", "exec", cluster.ns(host)])) for host, tier in tiers.items()]
+            wrap=["ip", "netns", "exec", cluster.ns(host)])) for host, config in configs.items()]
+
+
+VLLM_FULL = 40  # full blocks of the prompt that two vLLM instances share
+VLLM_PROMPT = _tokens(5, VLLM_FULL * VLLM_BLOCK + 5)
+SHARE_TEST = "test_two_vllm_instances_on_two_hosts_share_a_prompt"
+
+
+@pytest.fixture(scope="module")
+def vllm_host1(request: pytest.FixtureRequest, cluster: Cluster, vllm_model: str,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One vLLM engine on host 1 for every backend the session's `SHARE_TEST`s name: its ucm
+    has a tier on each (a store completes on all of them), so one engine computes and stores
+    VLLM_PROMPT once for every host-2 engine. Its phases ("cold", then "hit": a ucm hit, vLLM's
+    prefix cache being off); it runs until the module ends (a Mooncake segment dies with it)."""
+    backends = [b for b in BACKENDS if any(
+        getattr(item, "originalname", None) == SHARE_TEST and item.callspec.params["backend"] == b
+        for item in request.session.items)]
+    for backend in backends:
+        cluster.start(backend)
+    config = {"tiers": [cluster.tier(b, 1) for b in backends], "durability": "all"}
+    with _vllm_hosts(cluster, vllm_model, tmp_path_factory.mktemp("vllm-host1"),
+                     {1: config}, max_model_len=2048) as (a,):
+        cold = a.run(Phase([VLLM_PROMPT], name="cold", wait_stores=True))
+        assert cold["num_cached_tokens"] == [0]
+        assert cold["worker_delta"]["saved_blocks"] == VLLM_FULL
+        hit = a.run(Phase([VLLM_PROMPT], name="hit"))
+        assert hit["num_cached_tokens"] == [VLLM_FULL * VLLM_BLOCK]
+        assert hit["worker_delta"]["loaded_blocks"] == VLLM_FULL
+        yield {"cold": cold, "hit": hit}
 
 
 @pytest.mark.timeout(300)
@@ -307,39 +336,32 @@ def _vllm_hosts(cluster: Cluster, model: str, logs: Path, tiers: dict[int, dict[
     pytest.param("nfs", marks=pytest.mark.slow),
     pytest.param("redis", marks=pytest.mark.slow),
 ])
-def test_two_vllm_instances_on_two_hosts_share_a_prompt(cluster, vllm_model, tmp_path, backend):
-    """vLLM on host 1 computes a prompt and stores its blocks (Mooncake: in the segment host 1
-    lends, host 2 lending none; the others: in the storage namespace); vLLM on host 2 loads at
-    least 95 % of its full blocks across its link and answers as host 1's own ucm hit of the
-    prompt does (greedy; vLLM's prefix cache is off). Two engine starts, side by side."""
-    full = 40
-    prompt = _tokens(BACKENDS.index(backend), full * VLLM_BLOCK + 5)
-    cluster.start(backend)
+def test_two_vllm_instances_on_two_hosts_share_a_prompt(cluster, vllm_host1, vllm_model,
+                                                         tmp_path, backend):
+    """vLLM on host 1 (`vllm_host1`) computed a prompt and stored its blocks (Mooncake: in the
+    segment host 1 lends, host 2 lending none; the others: in the storage namespace); vLLM on
+    host 2, with ucm on this backend alone, loads at least 95 % of its full blocks across its
+    link and answers as host 1's own ucm hit of the prompt does (greedy)."""
     lend = {"lend": "0"} if backend == "mooncake" else {}
-    tiers = {1: cluster.tier(backend, 1), 2: cluster.tier(backend, 2, **lend)}
-    with _vllm_hosts(cluster, vllm_model, tmp_path, tiers, max_model_len=2048) as (a, b):
-        cold = a.run(Phase([prompt], name="cold", wait_stores=True))
-        hit = a.run(Phase([prompt], name="hit"))
+    tiers = {2: {"tiers": [cluster.tier(backend, 2, **lend)]}}
+    with _vllm_hosts(cluster, vllm_model, tmp_path, tiers, max_model_len=2048) as (b,):
+        b.run(Phase([[1, 2, 3]], name="start", max_tokens=1))  # its start: not on the link count
         before = _leg_bytes(cluster, 2)
-        remote = b.run(Phase([prompt], name="remote", wait_stores=True))
+        remote = b.run(Phase([VLLM_PROMPT], name="remote", wait_stores=True))
         tries = 1
         # nfs-rs now and then fails a whole Load across namespaces (test above): a counted
         # miss, recomputed; the next request loads
-        while backend == "nfs" and remote["worker_delta"].get("loaded_blocks", 0) < full \
+        while backend == "nfs" and remote["worker_delta"].get("loaded_blocks", 0) < VLLM_FULL \
                 and tries < 3:
             tries += 1
-            remote = b.run(Phase([prompt], name="remote", wait_stores=True))
+            remote = b.run(Phase([VLLM_PROMPT], name="remote", wait_stores=True))
         received = _leg_bytes(cluster, 2)[0] - before[0]
     loaded = remote["worker_delta"].get("loaded_blocks", 0)
-    print(f"{backend}: host 1 cold {cold['num_cached_tokens']} cached tokens, its ucm hit "
-          f"{hit['worker_delta'].get('loaded_blocks')} blocks; host 2 loaded {loaded} of {full} "
-          f"blocks ({tries} request(s)), {received} bytes in over its link")
-    assert cold["num_cached_tokens"] == [0]
-    assert hit["num_cached_tokens"] == [full * VLLM_BLOCK]
-    assert hit["worker_delta"]["loaded_blocks"] == full
-    assert loaded >= 0.95 * full
-    assert remote["num_cached_tokens"][0] >= 0.95 * full * VLLM_BLOCK
-    assert remote["tokens"] == hit["tokens"]
+    print(f"{backend}: host 2 loaded {loaded} of {VLLM_FULL} blocks ({tries} request(s)), "
+          f"{received} bytes in over its link")
+    assert loaded >= 0.95 * VLLM_FULL
+    assert remote["num_cached_tokens"][0] >= 0.95 * VLLM_FULL * VLLM_BLOCK
+    assert remote["tokens"] == vllm_host1["hit"]["tokens"]
     # the blocks crossed host 2's link (from the storage namespace, or from host 1's segment)
     assert received >= loaded * VLLM_BLOCK * ModelSpec().kv_bytes_per_token()
 
@@ -366,7 +388,8 @@ def test_vllm_killed_during_stores_on_one_host_another_recomputes_the_rest(
     prompt = _tokens(77, full * VLLM_BLOCK + 5)
     cluster.start("redis")
     # two connections: at most two stores' blocks are on the wire when the engine dies
-    tiers = {h: {**cluster.tier("redis", h), "prefix": prefix, "pool_size": 2} for h in (1, 2)}
+    tiers = {h: {"tiers": [{**cluster.tier("redis", h), "prefix": prefix, "pool_size": 2}]}
+             for h in (1, 2)}
     cluster.script("shape", "1", "2mbit:0.1ms")
     try:
         with _vllm_hosts(cluster, vllm_model, tmp_path, tiers, max_model_len=4096,
