@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -429,3 +431,63 @@ def test_vllm_killed_during_stores_on_one_host_another_recomputes_the_rest(
     assert after == full  # host 1's whole blocks and host 2's recomputed ones: no other key
     assert again["worker_delta"]["loaded_blocks"] == full
     assert first["tokens"] == again["tokens"]
+
+
+def _sglang_support() -> Any:
+    """tests/sglang/sglang_support.py (pytest puts its directory on the path only where it
+    collects tests/sglang)."""
+    name = "sglang_support"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tests/sglang/sglang_support.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_sglang_servers_on_two_hosts_share_a_prompt(cluster, tmp_path):
+    """SGLang on host 1 (HiCache with ucm's storage hook, write-through) computes a prompt and
+    stores its pages in Redis (storage namespace); then a fresh SGLang on host 2 and a fresh
+    one on host 1 each load at least 90 % of it from there, and answer alike."""
+    support = _sglang_support()
+    if reason := support.sglang_missing():
+        pytest.skip(reason)
+    import redis
+
+    from ucm.bench.models import build_model
+
+    model = str(build_model(tmp_path / "model", ModelSpec(dtype="float32")))
+    cluster.start("redis")
+    # SGLang's venv carries ucm's light dependencies only (scripts/sglang/setup.sh): redis-py,
+    # pure Python, comes from this venv
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "redis").symlink_to(Path(redis.__file__).parent)
+    prompt, prefix = support.long_prompt(4), "sglang"
+
+    def on(host: int, settle: float = 0) -> dict[str, Any]:
+        ucm = {"tiers": [{**cluster.tier("redis", host), "prefix": prefix}]}
+        [result] = support.run_sglang(
+            {"model": model, "backend": "dynamic", "extra": support.ucm_extra(ucm),
+             "prompts": [prompt], "settle": settle},
+            wrap=["ip", "netns", "exec", cluster.ns(host)],
+            env={"PYTHONPATH": f"{shim}:{REPO}"})
+        return result
+
+    cold = on(1, settle=5)  # the backup thread writes the pages after the request
+    stored = _redis_keys(cluster, prefix)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        remote_run, again_run = pool.submit(on, 2), pool.submit(on, 1)
+        remote, again = remote_run.result(), again_run.result()
+    print(f"SGLang on two hosts: host 1 stored {stored} pages of a {cold['prompt_tokens']}-token "
+          f"prompt; storage tokens: host 2 {remote['storage_tokens']}, host 1 again "
+          f"{again['storage_tokens']}")
+    assert cold["storage_tokens"] == 0
+    assert stored >= cold["prompt_tokens"] // support.PAGE_SIZE
+    for hit in (remote, again):
+        assert hit["storage_tokens"] >= 0.9 * hit["prompt_tokens"], hit
+        assert hit["details"].get("storage_backend") == "UCMStorage"
+    assert remote["text"] == again["text"]
