@@ -1,6 +1,7 @@
-"""Kernels on hosts that look like a cluster (scripts/backends/cluster.sh): two host
-namespaces and a storage namespace on one bridged LAN, each link shaped by tc; the storage
-servers run in the storage namespace, each host's kernel in a process of its own namespace.
+"""Kernels and engines on hosts that look like a cluster (scripts/backends/cluster.sh): two
+host namespaces and a storage namespace on one bridged LAN, each link shaped by tc; the
+storage servers run in the storage namespace, each host's kernel or engine in a process of its
+own namespace.
 
 - A prompt's blocks stored by host 1 load byte-identical on host 2, for each of Mooncake (in
   the default run), S3, NFS and Redis (marked slow).
@@ -8,8 +9,15 @@ servers run in the storage namespace, each host's kernel in a process of its own
   during loads, a host's Mooncake client killed during stores, the Mooncake master and the S3
   server restarted. Every outcome is counted; no load may hang, and no OK load may deliver
   bytes other than the block's (checksums); hits come back after recovery.
+- vLLM on two hosts, for each backend (Mooncake in the default run, the others slow): one
+  engine on host 1 stores a prompt on every backend; a host-2 engine per backend loads at least
+  95 % of its full blocks and answers as host 1's ucm hit does.
+- Host 1's vLLM SIGKILLed while its stores cross a slow link to Redis: host 2's vLLM loads only
+  whole stored blocks, recomputes (and stores) the rest, counted, and answers as its own ucm
+  hit does.
+- SGLang on two hosts over Redis (slow): fresh servers on host 2 and host 1 load what a first
+  one on host 1 stored, with identical outputs.
 """
-
 from __future__ import annotations
 
 import collections
