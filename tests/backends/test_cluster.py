@@ -440,6 +440,55 @@ def test_vllm_killed_during_stores_on_one_host_another_recomputes_the_rest(
     assert first["tokens"] == again["tokens"]
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_and_its_mooncake_client_killed_during_stores(cluster, vllm_model, tmp_path):
+    """Host 1's vLLM lends Mooncake no memory, so its blocks cross its 2 Mbit/s link into the
+    segment host 2's vLLM lends; once a few stores are acknowledged it is SIGKILLed, engine and
+    Mooncake client, with other puts half transferred and never completed. Host 2's vLLM then
+    serves the prompt: it loads whole blocks only, recomputes and stores the rest (counted),
+    and answers as its own ucm hit of the whole prompt does afterwards."""
+    full = 96
+    prompt = _tokens(78, full * VLLM_BLOCK + 5)
+    cluster.start("mooncake")
+    spec: dict[str, Any] = {"max_model_len": 4096, "chunked_prefill_tokens": 2 * VLLM_BLOCK}
+    cluster.script("shape", "1", "2mbit:0.1ms")
+    try:
+        # host 2's segment first: a kernel that lends nothing opens only on a pool with memory
+        with _vllm_hosts(cluster, vllm_model, tmp_path,
+                         {2: {"tiers": [cluster.tier("mooncake", 2)]}}, **spec) as (b,):
+            b.run(Phase([[1, 2, 3]], name="start", max_tokens=1))
+            with _vllm_hosts(cluster, vllm_model, tmp_path,
+                             {1: {"tiers": [cluster.tier("mooncake", 1, lend="0")]}},
+                             **spec) as (a,):
+                done = a.run(Phase([prompt], name="stores", max_tokens=1))["worker_delta"]
+                acknowledged = done.get("saved_blocks", 0)
+                for _ in range(300):  # a prompt with no full block: a step that stores nothing
+                    if acknowledged >= 4:
+                        break
+                    acknowledged += a.run(Phase([[1, 2, 3]], name="poll", max_tokens=1)
+                                          )["worker_delta"].get("saved_blocks", 0)
+                a.kill()
+            first = b.run(Phase([prompt], name="after the kill", wait_stores=True))
+            again = b.run(Phase([prompt], name="hit"))
+    finally:
+        cluster.script("shape", "1", cluster.link)
+    worker = first["worker_delta"]
+    loaded = worker.get("loaded_blocks", 0)
+    print(f"vLLM and its Mooncake client killed during stores: host 1 posted "
+          f"{done.get('save_blocks')} blocks, {acknowledged} acknowledged when killed; host 2 "
+          f"loaded {loaded}, recomputed {full - loaded} and stored "
+          f"{worker.get('saved_blocks', 0)} (load errors {worker.get('load_error_blocks', 0)}, "
+          f"timeouts {worker.get('load_timeouts', 0)}); then its ucm hit loaded "
+          f"{again['worker_delta'].get('loaded_blocks')}")
+    assert done["save_blocks"] == full and not done.get("save_dropped_blocks"), done
+    assert 4 <= acknowledged < full  # the kill came while stores were still to finish
+    assert loaded < full and first["num_cached_tokens"] == [loaded * VLLM_BLOCK]
+    assert worker["saved_blocks"] == full - loaded and not worker.get("save_failed_blocks")
+    assert again["worker_delta"]["loaded_blocks"] == full
+    assert first["tokens"] == again["tokens"]
+
 def _sglang_support() -> Any:
     """tests/sglang/sglang_support.py (pytest puts its directory on the path only where it
     collects tests/sglang)."""
