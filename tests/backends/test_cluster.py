@@ -12,9 +12,10 @@ own namespace.
 - vLLM on two hosts, for each backend (Mooncake in the default run, the others slow): one
   engine on host 1 stores a prompt on every backend; a host-2 engine per backend loads at least
   95 % of its full blocks and answers as host 1's ucm hit does.
-- Host 1's vLLM SIGKILLed while its stores cross a slow link to Redis: host 2's vLLM loads only
-  whole stored blocks, recomputes (and stores) the rest, counted, and answers as its own ucm
-  hit does.
+- Host 1's vLLM SIGKILLed while its stores cross a slow link, to Redis (default run) and, with
+  its Mooncake client, into host 2's Mooncake segment (slow): host 2's vLLM loads only whole
+  stored blocks, recomputes the rest, counted, never waits out a load's timeout, and answers as
+  its own ucm hit of the whole prompt does.
 - SGLang on two hosts over Redis (slow): fresh servers on host 2 and host 1 load what a first
   one on host 1 stored, with identical outputs.
 """
@@ -447,8 +448,10 @@ def test_vllm_and_its_mooncake_client_killed_during_stores(cluster, vllm_model, 
     """Host 1's vLLM lends Mooncake no memory, so its blocks cross its 2 Mbit/s link into the
     segment host 2's vLLM lends; once a few stores are acknowledged it is SIGKILLed, engine and
     Mooncake client, with other puts half transferred and never completed. Host 2's vLLM then
-    serves the prompt: it loads whole blocks only, recomputes and stores the rest (counted),
-    and answers as its own ucm hit of the whole prompt does afterwards."""
+    serves the prompt until a request loads every block: no load reaches its timeout, the
+    blocks not loaded are recomputed (counted), and every answer is the full hit's. Printed,
+    not asserted: Mooncake acknowledges most of host 2's first stores (those just after the
+    kill) and then fails their loads once; the requests after that store them again."""
     full = 96
     prompt = _tokens(78, full * VLLM_BLOCK + 5)
     cluster.start("mooncake")
@@ -470,24 +473,30 @@ def test_vllm_and_its_mooncake_client_killed_during_stores(cluster, vllm_model, 
                     acknowledged += a.run(Phase([[1, 2, 3]], name="poll", max_tokens=1)
                                           )["worker_delta"].get("saved_blocks", 0)
                 a.kill()
-            first = b.run(Phase([prompt], name="after the kill", wait_stores=True))
-            again = b.run(Phase([prompt], name="hit"))
+            # until a request loads every block (each stores what it recomputed)
+            answers = [b.run(Phase([prompt], name="after the kill", wait_stores=True))]
+            while answers[-1]["worker_delta"].get("loaded_blocks", 0) < full \
+                    and len(answers) < 6:
+                answers.append(b.run(Phase([prompt], name="again", wait_stores=True)))
     finally:
         cluster.script("shape", "1", cluster.link)
-    worker = first["worker_delta"]
-    loaded = worker.get("loaded_blocks", 0)
+    rounds = [(r["worker_delta"].get("loaded_blocks", 0), r["worker_delta"].get(
+        "load_error_blocks", 0), r["worker_delta"].get("saved_blocks", 0)) for r in answers]
     print(f"vLLM and its Mooncake client killed during stores: host 1 posted "
-          f"{done.get('save_blocks')} blocks, {acknowledged} acknowledged when killed; host 2 "
-          f"loaded {loaded}, recomputed {full - loaded} and stored "
-          f"{worker.get('saved_blocks', 0)} (load errors {worker.get('load_error_blocks', 0)}, "
-          f"timeouts {worker.get('load_timeouts', 0)}); then its ucm hit loaded "
-          f"{again['worker_delta'].get('loaded_blocks')}")
+          f"{done.get('save_blocks')} blocks, {acknowledged} acknowledged when killed; host 2's "
+          f"requests until a full hit, (loaded, load errors recomputed, stored): {rounds}")
     assert done["save_blocks"] == full and not done.get("save_dropped_blocks"), done
     assert 4 <= acknowledged < full  # the kill came while stores were still to finish
-    assert loaded < full and first["num_cached_tokens"] == [loaded * VLLM_BLOCK]
-    assert worker["saved_blocks"] == full - loaded and not worker.get("save_failed_blocks")
-    assert again["worker_delta"]["loaded_blocks"] == full
-    assert first["tokens"] == again["tokens"]
+    first = answers[0]["worker_delta"]
+    loaded = first.get("loaded_blocks", 0)
+    assert loaded < full and answers[0]["num_cached_tokens"] == [loaded * VLLM_BLOCK]
+    assert first["saved_blocks"] == full - loaded - first.get("load_error_blocks", 0)
+    # hits come back; every load ended without its timeout; every answer is the full hit's
+    assert rounds[-1][0] == full, rounds
+    for answer in answers:
+        delta = answer["worker_delta"]
+        assert not delta.get("load_timeouts") and not delta.get("save_failed_blocks"), delta
+        assert answer["tokens"] == answers[-1]["tokens"]
 
 def _sglang_support() -> Any:
     """tests/sglang/sglang_support.py (pytest puts its directory on the path only where it
