@@ -16,8 +16,8 @@ own namespace.
   its Mooncake client, into host 2's Mooncake segment (slow): host 2's vLLM loads only whole
   stored blocks, recomputes the rest, counted, never waits out a load's timeout, and answers as
   its own ucm hit of the whole prompt does.
-- SGLang on two hosts over Redis (slow): fresh servers on host 2 and host 1 load what a first
-  one on host 1 stored, with identical outputs.
+- SGLang on two hosts over Redis (slow): a fresh server on host 2 loads what the server on
+  host 1 stored, and answers as host 1's own storage hit (after emptying its caches) does.
 """
 from __future__ import annotations
 
