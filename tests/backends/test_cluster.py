@@ -278,7 +278,7 @@ def test_bench_link_rows_and_nothing_left_behind():
 
 # --- vLLM and SGLang on two hosts --------------------------------------------------------------
 
-VLLM_BLOCK = 32  # tokens a block of the tiny model's cache (16 KiB in fp32)
+VLLM_BLOCK = 32  # tokens a block of the tiny model's cache (32 KiB in fp32)
 
 
 @pytest.fixture(scope="module")
@@ -308,72 +308,6 @@ def _vllm_hosts(cluster: Cluster, model: str, logs: Path, configs: dict[int, dic
                        connector="ucm", ucm=config, **spec),
             timeout=600, log_path=str(logs / f"host{host}.log"),
             wrap=["ip", "netns", "exec", cluster.ns(host)])) for host, config in configs.items()]
-
-
-VLLM_FULL = 40  # full blocks of the prompt that two vLLM instances share
-VLLM_PROMPT = _tokens(5, VLLM_FULL * VLLM_BLOCK + 5)
-SHARE_TEST = "test_two_vllm_instances_on_two_hosts_share_a_prompt"
-
-
-@pytest.fixture(scope="module")
-def vllm_host1(request: pytest.FixtureRequest, cluster: Cluster, vllm_model: str,
-               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """One vLLM engine on host 1 for every backend the session's `SHARE_TEST`s name: its ucm
-    has a tier on each (a store completes on all of them), so one engine computes and stores
-    VLLM_PROMPT once for every host-2 engine. Its phases ("cold", then "hit": a ucm hit, vLLM's
-    prefix cache being off); it runs until the module ends (a Mooncake segment dies with it)."""
-    backends = [b for b in BACKENDS if any(
-        getattr(item, "originalname", None) == SHARE_TEST and item.callspec.params["backend"] == b
-        for item in request.session.items)]
-    for backend in backends:
-        cluster.start(backend)
-    config = {"tiers": [cluster.tier(b, 1) for b in backends], "durability": "all"}
-    with _vllm_hosts(cluster, vllm_model, tmp_path_factory.mktemp("vllm-host1"),
-                     {1: config}, max_model_len=2048) as (a,):
-        cold = a.run(Phase([VLLM_PROMPT], name="cold", wait_stores=True))
-        assert cold["num_cached_tokens"] == [0]
-        assert cold["worker_delta"]["saved_blocks"] == VLLM_FULL
-        hit = a.run(Phase([VLLM_PROMPT], name="hit"))
-        assert hit["num_cached_tokens"] == [VLLM_FULL * VLLM_BLOCK]
-        assert hit["worker_delta"]["loaded_blocks"] == VLLM_FULL
-        yield {"cold": cold, "hit": hit}
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", [
-    "mooncake",
-    pytest.param("s3", marks=pytest.mark.slow),
-    pytest.param("nfs", marks=pytest.mark.slow),
-    pytest.param("redis", marks=pytest.mark.slow),
-])
-def test_two_vllm_instances_on_two_hosts_share_a_prompt(cluster, vllm_host1, vllm_model,
-                                                         tmp_path, backend):
-    """vLLM on host 1 (`vllm_host1`) computed a prompt and stored its blocks (Mooncake: in the
-    segment host 1 lends, host 2 lending none; the others: in the storage namespace); vLLM on
-    host 2, with ucm on this backend alone, loads at least 95 % of its full blocks across its
-    link and answers as host 1's own ucm hit of the prompt does (greedy)."""
-    lend = {"lend": "0"} if backend == "mooncake" else {}
-    tiers = {2: {"tiers": [cluster.tier(backend, 2, **lend)]}}
-    with _vllm_hosts(cluster, vllm_model, tmp_path, tiers, max_model_len=2048) as (b,):
-        b.run(Phase([[1, 2, 3]], name="start", max_tokens=1))  # its start: not on the link count
-        before = _leg_bytes(cluster, 2)
-        remote = b.run(Phase([VLLM_PROMPT], name="remote", wait_stores=True))
-        tries = 1
-        # nfs-rs now and then fails a whole Load across namespaces (test above): a counted
-        # miss, recomputed; the next request loads
-        while backend == "nfs" and remote["worker_delta"].get("loaded_blocks", 0) < VLLM_FULL \
-                and tries < 3:
-            tries += 1
-            remote = b.run(Phase([VLLM_PROMPT], name="remote", wait_stores=True))
-        received = _leg_bytes(cluster, 2)[0] - before[0]
-    loaded = remote["worker_delta"].get("loaded_blocks", 0)
-    print(f"{backend}: host 2 loaded {loaded} of {VLLM_FULL} blocks ({tries} request(s)), "
-          f"{received} bytes in over its link")
-    assert loaded >= 0.95 * VLLM_FULL
-    assert remote["num_cached_tokens"][0] >= 0.95 * VLLM_FULL * VLLM_BLOCK
-    assert remote["tokens"] == vllm_host1["hit"]["tokens"]
-    # the blocks crossed host 2's link (from the storage namespace, or from host 1's segment)
-    assert received >= loaded * VLLM_BLOCK * ModelSpec().kv_bytes_per_token()
 
 
 def _redis_keys(cluster: Cluster, prefix: str) -> int:
@@ -555,3 +489,74 @@ def test_two_sglang_servers_on_two_hosts_share_a_prompt(cluster, tmp_path):
         assert hit["storage_tokens"] >= 0.9 * hit["prompt_tokens"], hit
         assert hit["details"].get("storage_backend") == "UCMStorage"
     assert remote["text"] == again["text"]
+
+
+# --- vLLM on two hosts, each backend: the module's last tests (`vllm_host1`) -------------------
+
+
+VLLM_FULL = 40  # full blocks of the prompt that two vLLM instances share
+VLLM_PROMPT = _tokens(5, VLLM_FULL * VLLM_BLOCK + 5)
+SHARE_TEST = "test_two_vllm_instances_on_two_hosts_share_a_prompt"
+
+
+@pytest.fixture(scope="module")
+def vllm_host1(request: pytest.FixtureRequest, cluster: Cluster, vllm_model: str,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One vLLM engine on host 1 for every backend the session's `SHARE_TEST`s name: its ucm
+    has a tier on each (a store completes on all of them), so one engine computes and stores
+    VLLM_PROMPT once for every host-2 engine. Its phases ("cold", then "hit": a ucm hit, vLLM's
+    prefix cache being off); it runs until the module ends (a Mooncake segment dies with it).
+    Its tests are the module's last: the Mooncake kill test throttles host 1's link, and a
+    segment of this engine's in the pool then fails host 2's loads."""
+    backends = [b for b in BACKENDS if any(
+        getattr(item, "originalname", None) == SHARE_TEST and item.callspec.params["backend"] == b
+        for item in request.session.items)]
+    for backend in backends:
+        cluster.start(backend)
+    config = {"tiers": [cluster.tier(b, 1) for b in backends], "durability": "all"}
+    with _vllm_hosts(cluster, vllm_model, tmp_path_factory.mktemp("vllm-host1"),
+                     {1: config}, max_model_len=2048) as (a,):
+        cold = a.run(Phase([VLLM_PROMPT], name="cold", wait_stores=True))
+        assert cold["num_cached_tokens"] == [0]
+        assert cold["worker_delta"]["saved_blocks"] == VLLM_FULL
+        hit = a.run(Phase([VLLM_PROMPT], name="hit"))
+        assert hit["num_cached_tokens"] == [VLLM_FULL * VLLM_BLOCK]
+        assert hit["worker_delta"]["loaded_blocks"] == VLLM_FULL
+        yield {"cold": cold, "hit": hit}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", [
+    "mooncake",
+    pytest.param("s3", marks=pytest.mark.slow),
+    pytest.param("nfs", marks=pytest.mark.slow),
+    pytest.param("redis", marks=pytest.mark.slow),
+])
+def test_two_vllm_instances_on_two_hosts_share_a_prompt(cluster, vllm_host1, vllm_model,
+                                                         tmp_path, backend):
+    """vLLM on host 1 (`vllm_host1`) computed a prompt and stored its blocks (Mooncake: in the
+    segment host 1 lends, host 2 lending none; the others: in the storage namespace); vLLM on
+    host 2, with ucm on this backend alone, loads at least 95 % of its full blocks across its
+    link and answers as host 1's own ucm hit of the prompt does (greedy)."""
+    lend = {"lend": "0"} if backend == "mooncake" else {}
+    tiers = {2: {"tiers": [cluster.tier(backend, 2, **lend)]}}
+    with _vllm_hosts(cluster, vllm_model, tmp_path, tiers, max_model_len=2048) as (b,):
+        b.run(Phase([[1, 2, 3]], name="start", max_tokens=1))  # its start: not on the link count
+        before = _leg_bytes(cluster, 2)
+        remote = b.run(Phase([VLLM_PROMPT], name="remote", wait_stores=True))
+        tries = 1
+        # nfs-rs now and then fails a whole Load across namespaces (test above): a counted
+        # miss, recomputed; the next request loads
+        while backend == "nfs" and remote["worker_delta"].get("loaded_blocks", 0) < VLLM_FULL \
+                and tries < 3:
+            tries += 1
+            remote = b.run(Phase([VLLM_PROMPT], name="remote", wait_stores=True))
+        received = _leg_bytes(cluster, 2)[0] - before[0]
+    loaded = remote["worker_delta"].get("loaded_blocks", 0)
+    print(f"{backend}: host 2 loaded {loaded} of {VLLM_FULL} blocks ({tries} request(s)), "
+          f"{received} bytes in over its link")
+    assert loaded >= 0.95 * VLLM_FULL
+    assert remote["num_cached_tokens"][0] >= 0.95 * VLLM_FULL * VLLM_BLOCK
+    assert remote["tokens"] == vllm_host1["hit"]["tokens"]
+    # the blocks crossed host 2's link (from the storage namespace, or from host 1's segment)
+    assert received >= loaded * VLLM_BLOCK * ModelSpec().kv_bytes_per_token()
