@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,15 @@ def posix(path: Path, **config: Any) -> dict[str, Any]:
     return {"tiers": [{"driver": "posix", "path": str(path)}], **config}
 
 
-def run_sglang(spec: dict[str, Any], *, watchdog: float = 240) -> list[dict[str, Any]]:
-    """Runs one SGLang process; its per-prompt results (text, storage_tokens, ...)."""
+def run_sglang(spec: dict[str, Any], *, watchdog: float = 240, wrap: Sequence[str] = (),
+               env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Runs one SGLang process; its per-prompt results (text, storage_tokens, ...). `wrap`
+    prefixes its command line (`ip netns exec NS`: a process on another host); `env` adds to
+    its environment."""
     spec = {"watchdog": watchdog, **spec}
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    proc = subprocess.run([str(SGLANG_PY), str(RUNNER), json.dumps(spec)], env=env,
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+           **(env or {})}
+    proc = subprocess.run([*wrap, str(SGLANG_PY), str(RUNNER), json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=watchdog + 60, cwd=ROOT)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

@@ -493,6 +493,12 @@ class EngineProcess:
             pass
         return out
 
+    def kill(self) -> None:
+        """SIGKILLs the engine and whatever vLLM started under it, as a host's crash would."""
+        assert self._proc is not None
+        _kill_group(self._proc)
+        self._proc.wait()
+
     def _send(self, message: dict[str, Any]) -> None:
         assert self._proc is not None and self._proc.stdin is not None
         try:

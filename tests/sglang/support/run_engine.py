@@ -6,7 +6,10 @@ spec: model, dtype (float32), backend ("dynamic", "file" or null), extra (the ba
       config), prompts, max_new_tokens, settle (seconds for the backup thread to write before
       exit), http (bool), port, watchdog (seconds before the process gives up, exit 3),
       max_total_tokens, watch_dir (offline only: after each prompt, wait until the page files
-      under it have settled and report the new ones in that prompt's result, "new_pages")
+      under it have settled and report the new ones in that prompt's result, "new_pages"),
+      flush_after (offline only: seconds to wait after each prompt but the last before
+      emptying the device and host caches, so that the next prompt finds its pages in storage
+      only)
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def run_offline(spec: dict) -> list[dict]:
     sampling = {"temperature": 0, "max_new_tokens": spec.get("max_new_tokens", 8)}
     watch = spec.get("watch_dir")
     before = page_files(watch) if watch else set()
-    for prompt in spec["prompts"]:
+    for i, prompt in enumerate(spec["prompts"]):
         start = time.perf_counter()
         out = engine.generate(prompt, sampling)
         results.append(summary(out, time.perf_counter() - start))
@@ -102,6 +105,10 @@ def run_offline(spec: dict) -> list[dict]:
             pages = new_pages(watch, before, results[-1]["prompt_tokens"] // PAGE_SIZE)
             results[-1]["new_pages"] = pages
             before |= set(pages)
+        if spec.get("flush_after") is not None and i + 1 < len(spec["prompts"]):
+            time.sleep(spec["flush_after"])  # the backup thread writes the pages meanwhile
+            if not getattr(engine.flush_cache(), "success", False):
+                raise RuntimeError("SGLang did not flush its caches")
     time.sleep(spec.get("settle", 0))
     engine.shutdown()
     return results
