@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from conftest import prompt
@@ -28,15 +29,12 @@ MEMORY = 2 * 2**20  # 64 blocks of the tiny model (32 tokens of 1 KiB each)
 TURN = 256  # tokens of a first turn: 8 full blocks
 
 
-def main(model: str, store: str) -> None:
+def _sides(llm: Any) -> tuple[Any, Any, Callable[..., None]]:
+    """The engine's ucm worker and scheduler sides, and a `generate(prompts, hint=None)` that
+    runs greedy 4-token requests (the hint as kv_transfer_params) and waits for their stores."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ucm = {"tiers": [{"driver": "memory", "capacity": MEMORY},
-                     {"driver": "posix", "path": store}],
-           "sessions": {"max_pinned": "40%"}}  # 25.6 blocks: three sessions of 8, not four
-    llm = make_engine(EngineSpec(model=model, connector="ucm", ucm=ucm,
-                                 kv_cache_bytes=64 * 2**20, max_model_len=2048))
     [worker] = [c.worker for c in live_connectors() if c.worker is not None]
     [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]
 
@@ -47,6 +45,18 @@ def main(model: str, store: str) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                      use_tqdm=False)
         assert worker.wait_for_stores(120)
+
+    return worker, scheduler, generate
+
+
+def main(model: str, store: str) -> None:
+
+    ucm = {"tiers": [{"driver": "memory", "capacity": MEMORY},
+                     {"driver": "posix", "path": store}],
+           "sessions": {"max_pinned": "40%"}}  # 25.6 blocks: three sessions of 8, not four
+    llm = make_engine(EngineSpec(model=model, connector="ucm", ucm=ucm,
+                                 kv_cache_bytes=64 * 2**20, max_model_len=2048))
+    worker, scheduler, generate = _sides(llm)
 
     def hits(prompt_tokens: list[int], hint: Any = None) -> dict[str, int]:
         before = worker.kernel.statistics()
@@ -113,8 +123,6 @@ def hybrid(model: str, store: str) -> None:
     blocks of 32): their first turns, a flood several times the memory tier, vLLM's prefix
     cache emptied, then each one's next turn: which tier served its blocks, and the tokens
     ucm supplied."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from ucm.bench.engines import _reset_prefix_cache
 
@@ -122,16 +130,7 @@ def hybrid(model: str, store: str) -> None:
                      {"driver": "posix", "path": store}]}
     llm = make_engine(EngineSpec(model=model, connector="ucm", ucm=ucm, prefix_caching=True,
                                  kv_cache_bytes=32 * 2**20, max_model_len=1024))
-    [worker] = [c.worker for c in live_connectors() if c.worker is not None]
-    [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]
-
-    def generate(prompts: list[list[int]], hint: Any = None) -> None:
-        extra = {"kv_transfer_params": hint} if hint is not None else None
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                extra_args=extra)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                     use_tqdm=False)
-        assert worker.wait_for_stores(120)
+    worker, scheduler, generate = _sides(llm)
 
     first = {"held": prompt(TURN, 70), "plain": prompt(TURN, 71)}
     generate([first["held"]], {"ucm": {"session": "held", "retain_s": 300}})
