@@ -266,8 +266,10 @@ def _corrupt_run(paths: dict) -> dict:
         single = engine.run(Phase([SINGLE], max_tokens=8, name="single"))
         for path in deleted:
             os.unlink(path)
-        batch = engine.run(Phase(BATCH, max_tokens=8, name="batch", stepwise=True))
-        return {**engine.finish(), "phases": [single, batch]}
+        batch = engine.run(Phase(BATCH, max_tokens=8, name="batch", stepwise=True,
+                                 wait_stores=True))
+        again = engine.run(Phase(BATCH, max_tokens=8, name="again", reset_prefix_cache=True))
+        return {**engine.finish(), "phases": [single, batch, again]}
 
 
 def test_corrupt_and_truncated_blocks_are_recomputed(scenario, runs):
@@ -281,9 +283,10 @@ def test_corrupt_and_truncated_blocks_are_recomputed(scenario, runs):
 def test_a_batch_with_one_bad_request_hits_for_the_others(scenario, runs):
     """Four requests submitted together, each with its own stored prompt: request 1's blocks
     damaged from block 5, request 2's deleted from block 10 after the lookup's index saw them.
-    Those two recompute from their first bad block (counted as errors, by kind); the other
-    two load every block; every output is the baseline's; no request waits on the others
-    beyond the step vLLM takes to recompute."""
+    Those two recompute from their first bad block (counted as errors, by kind) and store
+    what they recomputed, so that the same batch again (vLLM's own cache emptied) loads every
+    block; the other two load every block; every output is the baseline's; no request waits
+    on the others beyond the step vLLM takes to recompute."""
     batch = _phase(runs["corrupt"].result(), "batch")
     assert batch["tokens"] == _phase(scenario["base"], "batch")["tokens"]
     whole = (len(BATCH[0]) - 1) // BLOCK_TOKENS  # 28 blocks per request
@@ -292,6 +295,12 @@ def test_a_batch_with_one_bad_request_hits_for_the_others(scenario, runs):
     assert delta["loaded_blocks"] == 2 * whole + 5 + 10
     assert delta["load_error_blocks"] == (whole - 5) + (whole - 10)
     assert delta["load_corrupt"] >= 1 and delta["load_missing"] >= 1, delta
+    # what storage could not serve is recomputed and stored again: the next time, all hit
+    assert delta["saved_blocks"] == (whole - 5) + (whole - 10), delta
+    again = _phase(runs["corrupt"].result(), "again")
+    assert again["tokens"] == batch["tokens"]
+    assert again["worker_delta"]["loaded_blocks"] == 4 * whole, again["worker_delta"]
+    assert again["worker_delta"].get("load_error_blocks", 0) == 0, again["worker_delta"]
     first_steps = [sum(1 for s in batch["steps"] if s["t1"] <= t + 1e-6)
                    for t in batch["ttft_s"]]
     assert first_steps[0] == first_steps[3] == 1, first_steps  # the good ones: one step

@@ -362,11 +362,13 @@ class SchedulerSide:
                 st.block_ids = [list(ids) for ids in new_ids or ()]
                 if self.sparse_blocks is not None:
                     self.sparse_blocks.start(req_id, cached.num_computed_tokens[i])
-            elif new_ids:
-                if not st.block_ids:
-                    st.block_ids = [[] for _ in new_ids]
-                for mine, ids in zip(st.block_ids, new_ids, strict=True):
-                    mine.extend(ids)
+            else:
+                if new_ids:
+                    if not st.block_ids:
+                        st.block_ids = [[] for _ in new_ids]
+                    for mine, ids in zip(st.block_ids, new_ids, strict=True):
+                        mine.extend(ids)
+                self._recompute_after_load_error(st, cached.num_computed_tokens[i])
             computed_before[req_id] = cached.num_computed_tokens[i]
             meta.loads.extend(st.pending_loads)
             st.pending_loads = []
@@ -391,6 +393,15 @@ class SchedulerSide:
         if meta.loads and self.settings.early_loads and shared and shared.load_early(meta.loads):
             self.stats["early_loads"] += 1
         return meta
+
+    def _recompute_after_load_error(self, st: _RequestState, num_computed: int) -> None:
+        """A running request's computed tokens only fall when vLLM truncated them at a block
+        whose load failed (invalid block ids): the blocks from there on are recomputed, and
+        stored again, since what storage held for them could not be served."""
+        redo = num_computed // self.block_size
+        if redo < st.saved_blocks:
+            self.stats["restore_blocks"] += st.saved_blocks - redo
+            st.saved_blocks = redo
 
     def _plan_save(self, st: _RequestState, computed_after: int) -> list[BlockTransfer]:
         if not self.settings.stores or not st.block_ids:  # a kv_consumer loads only
@@ -432,6 +443,8 @@ class SchedulerSide:
             st = self._reqs.get(req_id)
             if st is not None:
                 st.hit_blocks, st.looked_up_blocks = 0, 1 << 62
+                # recomputed whole: stored again but for what this engine computed itself
+                st.saved_blocks = min(st.saved_blocks, st.local_tokens // self.block_size)
                 self.stats["load_failed_requests"] += 1
 
     def request_finished(self, request: Any, block_ids: list[int],
