@@ -116,3 +116,9 @@ def test_a_hybrid_hit_loads_asynchronously_and_a_failed_one_becomes_a_miss():
     side.load_failed({"r", "gone"})
     assert side._match(req, 0) == (0, False)  # recomputed whole, not the same hit again
     assert side.stats["load_failed_requests"] == 1
+    # what it recomputes past the engine's own 2 blocks is stored again, not taken as stored
+    other = SimpleNamespace(**{**vars(req), "request_id": "s"})
+    st2 = side._state(other)
+    st2.hit_blocks, st2.saved_blocks, st2.local_tokens = 8, 8, 32
+    side.load_failed({"s"})
+    assert st2.saved_blocks == 2
