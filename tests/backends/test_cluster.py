@@ -383,9 +383,10 @@ def test_vllm_and_its_mooncake_client_killed_during_stores(cluster, vllm_model, 
     segment host 2's vLLM lends; once a few stores are acknowledged it is SIGKILLed, engine and
     Mooncake client, with other puts half transferred and never completed. Host 2's vLLM then
     serves the prompt until a request loads every block: no load reaches its timeout, the
-    blocks not loaded are recomputed (counted), and every answer is the full hit's. Printed,
-    not asserted: Mooncake acknowledges most of host 2's first stores (those just after the
-    kill) and then fails their loads once; the requests after that store them again."""
+    blocks not loaded are recomputed (counted) and stored again by the request that
+    recomputed them, and every answer is the full hit's. Printed, not asserted: Mooncake
+    acknowledges most of host 2's first stores (those just after the kill) and then fails
+    their loads once."""
     full = 96
     prompt = _tokens(78, full * VLLM_BLOCK + 5)
     cluster.start("mooncake")
@@ -424,12 +425,12 @@ def test_vllm_and_its_mooncake_client_killed_during_stores(cluster, vllm_model, 
     first = answers[0]["worker_delta"]
     loaded = first.get("loaded_blocks", 0)
     assert loaded < full and answers[0]["num_cached_tokens"] == [loaded * VLLM_BLOCK]
-    assert first["saved_blocks"] == full - loaded - first.get("load_error_blocks", 0)
     # hits come back; every load ended without its timeout; every answer is the full hit's
     assert rounds[-1][0] == full, rounds
     for answer in answers:
         delta = answer["worker_delta"]
         assert not delta.get("load_timeouts") and not delta.get("save_failed_blocks"), delta
+        assert delta.get("saved_blocks", 0) == full - delta.get("loaded_blocks", 0), rounds
         assert answer["tokens"] == answers[-1]["tokens"]
 
 def _sglang_support() -> Any:
