@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                          "then its hit engine, started right after it exits); with more than "
                          "one, the distribution of each setup's overhead over the runs")
     ap.add_argument("--posix-map-bytes", default=None,
-                    help="--batch: the posix tier's map_bytes (e.g. 4GiB: every stored block "
-                         "mapped; default: the driver's, 1 GiB)")
+                    help="--batch: the posix tier's map_bytes (e.g. 1GiB, 0: off; default: "
+                         "the driver's, auto: a quarter of the memory)")
     ap.add_argument("--batch", default=None,
                     help="batch sizes, e.g. 1,4,16: time N prompts submitted together per "
                          "length instead of the single-prompt table (with --lengths 1536,4096 "
