@@ -511,6 +511,7 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                                        progress=lambda m, name=name: _say(f"  {name}: {m}"),
                                        python=python, env=env)
             servers.close()
+            _say_mapped(name, result)
             by_name = {p["name"]: p for p in result["phases"]}
             for n in lengths:
                 for b in sizes:
@@ -545,6 +546,18 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
             _drop_bulk(work)
     _print_batches(rows, tail=args.tail)
     return rows
+
+
+def _say_mapped(name: str, result: dict[str, Any]) -> None:
+    """The hit engine's mapped posix blocks (from its worker's kernel statistics)."""
+    kernel = result.get("stats", {}).get("worker", {}).get("kernel", {})
+    for key, driver in kernel.items():
+        if key.startswith("tier.") and isinstance(driver, dict) and "mapped_loads" in driver:
+            _say(f"  {name}: {key[5:-7]} tier: {driver['mapped_blocks']} blocks mapped "
+                 f"({driver['mapped_bytes'] / 2**20:.0f} MiB), {driver['loaded']} loaded, "
+                 f"{driver['mapped_loads']} from mappings ({driver.get('mapped_on_load', 0)} "
+                 f"mapped by their load, {driver.get('maps_dropped', 0)} dropped for room); "
+                 f"kernel loads from memory: {kernel.get('loads_from_memory', 0)}")
 
 
 def _start_lmcache(stack: contextlib.ExitStack, args: argparse.Namespace, work: str,
