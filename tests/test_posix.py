@@ -176,7 +176,7 @@ async def test_enospc_is_no_capacity(tmp_path: Path, monkeypatch):
 
 
 async def test_read_errors_are_failed_and_vanished_files_missing(tmp_path: Path, monkeypatch):
-    drv = await open_posix(str(tmp_path))
+    drv = await open_posix(str(tmp_path), map_bytes=0)  # reads (mapped loads: further down)
     await drv.store([b"a", b"b"], [memoryview(b"1"), memoryview(b"2")])
     os.unlink(drv.block_path(b"a"))  # deleted between lookup and load
     real_read = _blockfiles._read_into
@@ -253,9 +253,14 @@ async def test_listed_blocks_in_the_page_cache_load_from_their_mappings(tmp_path
             f.write(bytes([byte[0] ^ 1]))
         drv.files.maps._maps[keys[0]].identity = _mapped.identity(os.stat(path))
         assert await drv.load(keys[:1], outs[:1]) == [LoadState.CORRUPT]
+        assert keys[0] not in drv.files.maps  # a corrupt block's mapping is dropped
+        # mapped again by the next load: corrupt again, and dropped again
+        assert await drv.load(keys[:1], outs[:1]) == [LoadState.CORRUPT]
+        assert keys[0] not in drv.files.maps and drv.statistics()["mapped_on_load"] == 1
         monkeypatch.undo()
-        drv.files.maps.drop(keys[0])
-        assert await drv.load(keys[:1], outs[:1]) == [LoadState.CORRUPT]  # read: corrupt too
+        plain = await open_posix(str(tmp_path), map_bytes=0)
+        assert await plain.load(keys[:1], outs[:1]) == [LoadState.CORRUPT]  # read: corrupt too
+        await plain.aclose()
     finally:
         await drv.aclose()
 
@@ -276,7 +281,12 @@ async def test_a_replaced_deleted_or_truncated_file_is_not_read_from_its_old_map
         assert await drv.load(keys, outs) == [LoadState.OK, LoadState.MISSING,
                                               LoadState.CORRUPT]
         assert bytes(outs[0]) == new
-        assert len(drv.files.maps) == 0
+        # the old mappings are gone; the load of the replaced block mapped its new file, and
+        # the truncated one's new mapping was dropped when its header failed
+        assert list(drv.files.maps._maps) == keys[:1]
+        assert drv.files.maps._maps[keys[0]].identity == _mapped.identity(
+            os.stat(drv.block_path(keys[0])))
+        assert drv.statistics()["mapped_on_load"] == 2
     finally:
         await drv.aclose()
         await other.aclose()
@@ -318,6 +328,156 @@ async def test_blocks_not_in_the_page_cache_are_read_in_when_mapped(tmp_path: Pa
     finally:
         await drv.aclose()
         await first.aclose()
+
+
+async def test_a_block_stored_after_start_is_mapped_by_its_first_load(tmp_path: Path,
+                                                                       monkeypatch):
+    drv = await open_posix(str(tmp_path))  # map_bytes: auto
+    try:
+        assert drv.files.maps is not None and drv.files.maps.limit_bytes > 0
+        assert [k async for k, _ in drv.list_blocks()] == []  # the kernel's listing at start
+        datas = [os.urandom(2 * 2**20), os.urandom(70_000), os.urandom(5000)]
+        keys = [b"k0", b"k1", b"k2"]
+        await drv.store(keys, [memoryview(d) for d in datas])
+        assert len(drv.files.maps) == 0 and not drv.files.in_memory(keys)
+        _no_reads(monkeypatch)  # not one preadv: the first load maps, the next ones copy
+        for _ in range(2):
+            outs = [memoryview(bytearray(len(d))) for d in datas]
+            assert await drv.load(keys, outs) == [LoadState.OK] * 3
+            assert [bytes(o) for o in outs] == datas
+            assert drv.files.in_memory(keys)  # from now on the kernel's fast path may take it
+        stats = drv.statistics()
+        assert stats["mapped_on_load"] == 3 and stats["mapped_loads"] == 6
+        assert stats["mapped_blocks"] == 3 and stats["maps_dropped"] == 0
+        assert stats["mapped_bytes"] == sum(os.path.getsize(drv.block_path(k)) for k in keys)
+    finally:
+        await drv.aclose()
+
+
+async def test_loads_map_within_the_budget_dropping_the_least_recently_loaded(
+        tmp_path: Path):
+    size = 1 << 20
+    drv = await open_posix(str(tmp_path), map_bytes=2 * (size + 4096))  # room for two
+    try:
+        keys = [b"k0", b"k1", b"k2"]
+        datas = [os.urandom(size) for _ in keys]
+        await drv.store(keys, [memoryview(d) for d in datas])
+        out = memoryview(bytearray(size))
+        for key in (b"k0", b"k1", b"k0", b"k2"):  # k1 is then the least recently loaded
+            assert await drv.load([key], [out]) == [LoadState.OK]
+            assert out == datas[keys.index(key)]
+            maps = drv.files.maps
+            assert maps.mapped_bytes <= maps.limit_bytes and len(maps) <= 2
+        assert set(drv.files.maps._maps) == {b"k0", b"k2"}
+        stats = drv.statistics()
+        assert stats["mapped_on_load"] == 3 and stats["maps_dropped"] == 1
+        assert stats["mapped_loads"] == 4
+        # a block larger than the whole budget is read, never mapped, and drops nothing
+        big = os.urandom(3 * size)
+        await drv.store([b"big"], [memoryview(big)])
+        out = memoryview(bytearray(3 * size))
+        assert await drv.load([b"big"], [out]) == [LoadState.OK] and out == big
+        assert set(drv.files.maps._maps) == {b"k0", b"k2"}
+        assert drv.statistics()["mapped_loads"] == 4
+    finally:
+        await drv.aclose()
+
+
+def test_the_mapping_count_stays_within_its_limit(tmp_path: Path):
+    cache = _mapped.MapCache(2**30, limit_maps=2)
+    for i in range(4):
+        path = tmp_path / f"{i}.blk"
+        path.write_bytes(os.urandom(8192))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert cache.map_opened(b"%d" % i, fd, os.fstat(fd)) is not None
+        finally:
+            os.close(fd)
+        assert len(cache) <= 2
+    assert list(cache._maps) == [b"2", b"3"] and cache.evicted == 2
+    assert cache.adopt(b"4", str(tmp_path / "0.blk")) is False  # the listing drops nothing
+
+
+async def test_a_block_mapped_by_a_load_then_replaced_deleted_or_truncated(tmp_path: Path):
+    drv = await open_posix(str(tmp_path))
+    other = await open_posix(str(tmp_path))  # another process's driver
+    try:
+        keys = [b"a", b"b", b"c"]
+        await drv.store(keys, [memoryview(os.urandom(100_000)) for _ in keys])
+        outs = [memoryview(bytearray(100_000)) for _ in keys]
+        assert await drv.load(keys, outs) == [LoadState.OK] * 3
+        assert len(drv.files.maps) == 3
+        new = os.urandom(100_000)
+        await other.store(keys[:1], [memoryview(new)])
+        await other.delete(keys[1:2])
+        path = drv.block_path(keys[2])
+        os.truncate(path, os.path.getsize(path) - 10)
+        assert await drv.load(keys, outs) == [LoadState.OK, LoadState.MISSING,
+                                              LoadState.CORRUPT]
+        assert bytes(outs[0]) == new
+        assert list(drv.files.maps._maps) == keys[:1]  # the new file, mapped by that load
+    finally:
+        await drv.aclose()
+        await other.aclose()
+
+
+async def test_a_mapping_that_would_fault_is_not_used(tmp_path: Path, monkeypatch):
+    """Where MADV_POPULATE_READ says that an access would fault (a file truncated under the
+    new mapping, an I/O error), the block is read with preadv instead, and the listing leaves
+    it unmapped: never a SIGBUS."""
+    data = os.urandom(1 << 20)
+    drv = await open_posix(str(tmp_path))
+    try:
+        await drv.store([b"k"], [memoryview(data)])
+        monkeypatch.setattr(_mapped, "madvise", lambda addr, length, advice: errno.EFAULT)
+        reads = []
+        real = _blockfiles.BlockFiles._load_fd
+        monkeypatch.setattr(_blockfiles.BlockFiles, "_load_fd",
+                            lambda self, *a: reads.append(1) or real(self, *a))
+        out = memoryview(bytearray(1 << 20))
+        assert await drv.load([b"k"], [out]) == [LoadState.OK] and out == data
+        assert reads == [1] and len(drv.files.maps) == 0
+        assert drv.statistics()["mapped_on_load"] == 0
+        lister = await open_posix(str(tmp_path))
+        assert [k async for k, _ in lister.list_blocks()] == [b"k"]
+        assert len(lister.files.maps) == 0
+        await lister.aclose()
+    finally:
+        await drv.aclose()
+
+
+async def test_a_planted_file_longer_than_the_block_is_not_mapped(tmp_path: Path):
+    drv = await open_posix(str(tmp_path))
+    try:
+        await drv.store([b"k"], [memoryview(os.urandom(4096))])
+        with open(drv.block_path(b"k"), "ab") as f:
+            f.write(bytes(8 << 20))  # the header says 4 KiB: corrupt, and never 8 MiB mapped
+        out = memoryview(bytearray(4096))
+        assert await drv.load([b"k"], [out]) == [LoadState.CORRUPT]
+        assert drv.statistics()["mapped_on_load"] == 0 and len(drv.files.maps) == 0
+    finally:
+        await drv.aclose()
+
+
+def test_map_bytes_auto_is_a_quarter_of_the_memory_this_process_may_use(monkeypatch):
+    options = PosixDriver.Options(path="/tmp/x")
+    assert options.map_bytes == "auto"
+    assert options.map_limit == _mapped.usable_memory() // 4 > 0
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert _mapped.usable_memory() <= host
+    limits = {"/sys/fs/cgroup/memory.max": 8 * 2**30, "/proc/sys/vm/max_map_count": 1000}
+    monkeypatch.setattr(_mapped, "_read_int", limits.get)
+    assert options.map_limit == min(host, 8 * 2**30) // 4  # a cgroup's limit counts
+    assert _mapped.max_maps() == 250 and _mapped.MapCache(1).limit_maps == 250
+    assert PosixDriver.Options(path="/tmp/x", map_bytes="2GiB").map_limit == 2**31
+
+
+def test_the_schedulers_posix_tier_maps_nothing_by_default():
+    from ucm.vllm_hook.settings import scheduler_config
+
+    cfg = load_config({"tiers": [{"driver": "posix", "path": "/tmp/x"}]})
+    assert cfg.tiers[0].options.map_bytes == "auto"
+    assert scheduler_config(cfg).tiers[0].options.map_bytes == 0
 
 
 def _resident_pages(path: str) -> int:

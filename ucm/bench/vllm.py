@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                          "then its hit engine, started right after it exits); with more than "
                          "one, the distribution of each setup's overhead over the runs")
     ap.add_argument("--posix-map-bytes", default=None,
-                    help="--batch: the posix tier's map_bytes (e.g. 4GiB: every stored block "
-                         "mapped; default: the driver's, 1 GiB)")
+                    help="--batch: the posix tier's map_bytes (e.g. 1GiB, 0: off; default: "
+                         "the driver's, auto: a quarter of the memory)")
     ap.add_argument("--batch", default=None,
                     help="batch sizes, e.g. 1,4,16: time N prompts submitted together per "
                          "length instead of the single-prompt table (with --lengths 1536,4096 "
@@ -511,6 +511,7 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                                        progress=lambda m, name=name: _say(f"  {name}: {m}"),
                                        python=python, env=env)
             servers.close()
+            _say_mapped(name, result)
             by_name = {p["name"]: p for p in result["phases"]}
             for n in lengths:
                 for b in sizes:
@@ -545,6 +546,18 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
             _drop_bulk(work)
     _print_batches(rows, tail=args.tail)
     return rows
+
+
+def _say_mapped(name: str, result: dict[str, Any]) -> None:
+    """The hit engine's mapped posix blocks (from its worker's kernel statistics)."""
+    kernel = result.get("stats", {}).get("worker", {}).get("kernel", {})
+    for key, driver in kernel.items():
+        if key.startswith("tier.") and isinstance(driver, dict) and "mapped_loads" in driver:
+            _say(f"  {name}: {key[5:-7]} tier: {driver['mapped_blocks']} blocks mapped "
+                 f"({driver['mapped_bytes'] / 2**20:.0f} MiB), {driver['loaded']} loaded, "
+                 f"{driver['mapped_loads']} from mappings ({driver.get('mapped_on_load', 0)} "
+                 f"mapped by their load, {driver.get('maps_dropped', 0)} dropped for room); "
+                 f"kernel loads from memory: {kernel.get('loads_from_memory', 0)}")
 
 
 def _start_lmcache(stack: contextlib.ExitStack, args: argparse.Namespace, work: str,

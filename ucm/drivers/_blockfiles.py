@@ -48,7 +48,7 @@ from ucm.block import (
     verify_payload,
     zstd_bound,
 )
-from ucm.drivers._mapped import MapCache
+from ucm.drivers._mapped import MapCache, MappedBlock
 from ucm.drivers.kit import Backend, LoadState, frame_block, pid_alive, wrong_size
 from ucm.errors import BlockCorrupt, ConfigError
 
@@ -318,11 +318,7 @@ class BlockFiles(Backend):
         maps = self.maps
         mapped = None if maps is None else maps.get(key, path)
         if mapped is not None and maps is not None:  # (maps is set whenever mapped is)
-            maps.loads += 1
-            try:
-                return self._load_mapped(mapped.view, key, view)
-            except BlockCorrupt:
-                return LoadState.CORRUPT
+            return self._load_mapped(maps, mapped, key, view)
         try:
             fd, st = open_regular(path, self._read_flags)
         except (FileNotFoundError, NotADirectoryError):
@@ -332,6 +328,13 @@ class BlockFiles(Backend):
         except OSError:
             return LoadState.FAILED
         try:
+            # Not mapped yet (stored after the start, or past the budget then): mapped now, if
+            # its length fits the caller's block (a planted giant never takes the budget), and
+            # copied from the new mapping; later loads are copies from memory (see _mapped).
+            if maps is not None and st.st_size <= PAYLOAD_OFFSET + view.nbytes:
+                mapped = maps.map_opened(key, fd, st)
+                if mapped is not None:
+                    return self._load_mapped(maps, mapped, key, view)
             return self._load_fd(fd, st.st_size, key, view)
         except BlockCorrupt:
             return LoadState.CORRUPT
@@ -351,11 +354,18 @@ class BlockFiles(Backend):
             raise BlockCorrupt("the file's length differs from its header's")
         return header
 
-    def _load_mapped(self, block: memoryview, key: bytes, out: memoryview | Scatter,
-                     ) -> LoadState:
-        """A mapped block file: header checked, payload checked and copied in one pass."""
-        header = self._check(block[:PAYLOAD_OFFSET], key, out, block.nbytes)
-        decode_payload_into(header, block[PAYLOAD_OFFSET:], out)  # NONE: copy_verified
+    def _load_mapped(self, maps: MapCache, mapped: MappedBlock, key: bytes,
+                     out: memoryview | Scatter) -> LoadState:
+        """A mapped block file: header checked, payload checked and copied in one pass. A
+        block that fails is CORRUPT and its mapping dropped."""
+        maps.loads += 1
+        block = mapped.view
+        try:
+            header = self._check(block[:PAYLOAD_OFFSET], key, out, block.nbytes)
+            decode_payload_into(header, block[PAYLOAD_OFFSET:], out)  # NONE: copy_verified
+        except BlockCorrupt:
+            maps.drop(key, mapped)
+            return LoadState.CORRUPT
         return LoadState.OK
 
     def _load_fd(self, fd: int, file_size: int, key: bytes, out: memoryview | Scatter,

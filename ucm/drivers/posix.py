@@ -6,7 +6,7 @@
       direct: false                   # O_DIRECT (page-aligned I/O; not on old-kernel tmpfs)
       direct_writes: false            # O_DIRECT for stores only (see below)
       shard_depth: 2                  # <root>/<namespace>/<aa>/<bb>/<hex key>.blk
-      map_bytes: 1GiB                 # blocks listed at start kept mapped; 0: off
+      map_bytes: auto                 # block files kept mapped (see below); 0: off
       mode: "0600"                    # block file mode; directories get the matching 07x0
       group: null                     # a group name or gid to share the store with
 
@@ -19,33 +19,39 @@ sharing, `mode: "0640"` (directories 0750). Nothing read from the store is trust
 Blocks are published by temp file + rename, so they survive restarts (`persistent`) and a
 writer killed mid-block leaves nothing visible. The work happens in `_blockfiles.BlockFiles`.
 
-When a kernel starts, the listing of stored blocks also maps them, up to `map_bytes`, and
-reads in what the page cache lacks (see `_mapped`): a restarted engine then loads them at
-memory speed, each checked and copied in one pass, instead of through read() and a checksum
-pass. Blocks stored later are read with preadv. Not with `direct: true`. Mapped blocks count
-in the process's RSS as shared file pages (the page cache's, not copies). The vLLM
-connector's scheduler side, which only looks blocks up, maps none.
+Loads copy blocks out of mappings of their files, each checked and copied in one pass, at
+memory speed, instead of through preadv and a checksum pass (see `_mapped`), up to `map_bytes`
+of mapped files (auto: a quarter of the memory this process may use, the host's or its
+cgroup's limit, and at most a quarter of vm.max_map_count mappings). When a kernel starts, its
+listing maps the stored blocks it finds while the budget has room, and reads in what the page
+cache lacks, so that a restarted engine's first loads are fast; a block not mapped then (stored
+later, by this process or another, or past the budget) is mapped by its first load, which
+costs no more than a read, and from then on loads from memory (and may go the kernel's fast
+path). A full budget drops the mappings loaded least recently; the listing drops none. Not with
+`direct: true`. Mapped blocks count in the process's RSS as shared file pages (the page
+cache's, not copies, which the kernel may still reclaim), and cost 2 MiB of page tables per
+GiB. The vLLM connector's scheduler side, which only looks blocks up, maps none.
 
 `direct_writes: true` writes blocks with O_DIRECT and reads them as usual. A buffered store
 first fills new page-cache pages, most of that work in the kernel, where the idle priority of
 the store threads does not reach: CPU taken from the inference engine beside it (figures:
-docs/performance.md, "Direct writes"). The price: a block stored this way is
-not in the page cache, so its first read comes from the disk, in this process (a preadv) or in
-the next one (its listing reads in the blocks it maps). Worth it where the cores are busy
-computing while blocks are stored, as with vLLM on CPU; a host with cores to spare keeps the
-default.
+docs/performance.md, "Direct writes"). The price: a block stored this way is not in the page
+cache, so its first read comes from the disk, in this process (its first load) or in the next
+one (its listing reads in the blocks it maps). Worth it where the cores are busy computing
+while blocks are stored, as with vLLM on CPU; a host with cores to spare keeps the default.
 """
 
 from __future__ import annotations
 
 import grp
 import os
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import trio
 from pydantic import ByteSize, Field, field_validator
 
 from ucm.drivers._blockfiles import FILE_MODE, BlockFiles, FileLayout
+from ucm.drivers._mapped import auto_map_bytes
 from ucm.drivers.contract import DriverOptions
 from ucm.drivers.kit import (
     DriverStatistics,
@@ -74,7 +80,12 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
         direct: bool = False
         direct_writes: bool = False
         shard_depth: int = Field(default=2, ge=0, le=4)
-        map_bytes: ByteSize = Field(default=ByteSize(2**30), ge=0)
+        map_bytes: ByteSize | Literal["auto"] = Field(
+            default="auto", description="bytes of block files kept mapped, so that loads "
+            "copy them from memory: those a kernel's listing finds at start (read in), and "
+            "each block at its first load, the least recently loaded dropped for room; "
+            "auto: a quarter of the memory this process may use (the host's, or its cgroup's "
+            "limit); 0: off")
         mode: int | None = Field(
             default=None, description="block file mode, octal (\"0640\"): read and write for "
             "the owner, read or read and write for the group or others; directories get the "
@@ -127,6 +138,20 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
                 raise ValueError("path lists a directory twice")
             return value
 
+        @field_validator("map_bytes")
+        @classmethod
+        def _map_bytes(cls, value: ByteSize | str) -> ByteSize | str:
+            if not isinstance(value, str) and value < 0:
+                raise ValueError("map_bytes must be 0 or more bytes, or auto")
+            return value
+
+        @property
+        def map_limit(self) -> int:
+            """`map_bytes` in bytes ("auto" resolved for this host)."""
+            if self.map_bytes == "auto":
+                return auto_map_bytes()
+            return int(self.map_bytes)
+
         @property
         def paths(self) -> list[str]:
             paths = [self.path] if isinstance(self.path, str) else self.path
@@ -155,7 +180,7 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
                                         layouts=layouts,
                                         fsync=options.fsync, direct=options.direct,
                                         direct_writes=options.direct_writes,
-                                        map_bytes=int(options.map_bytes),
+                                        map_bytes=options.map_limit,
                                         file_mode=options.file_mode,
                                         gid=None if gid is None else int(gid)))
         except OSError as exc:
@@ -181,7 +206,9 @@ class PosixDriver(ScatterLoading, ScatterStoring, ThreadedDriver):
             return stats
         return with_counters(stats, {"mapped_blocks": len(maps),
                                      "mapped_bytes": maps.mapped_bytes,
-                                     "mapped_loads": maps.loads})
+                                     "mapped_loads": maps.loads,
+                                     "mapped_on_load": maps.mapped_on_load,
+                                     "maps_dropped": maps.evicted})
 
     def block_path(self, key: bytes) -> str:
         """Where `key`'s block lives (tests and tools; the file may not exist)."""
