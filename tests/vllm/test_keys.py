@@ -77,7 +77,7 @@ def test_scheduler_config_keeps_only_tiers_it_can_see():
     cfg = load_config({"tiers": [{"driver": "memory"}, {"driver": "posix", "path": "/tmp/x"}]})
     sched = scheduler_config(cfg)
     assert [t.driver for t in sched.tiers] == ["posix"] and sched.promote is False
-    assert sched.tiers[0].options.map_bytes == 0 and cfg.tiers[1].options.map_bytes == 2**30
+    assert sched.tiers[0].options.map_bytes == 0 and cfg.tiers[1].options.map_bytes == "auto"
     only_mem = load_config({"tiers": [{"driver": "memory"}]})
     assert [t.driver for t in scheduler_config(only_mem).tiers] == ["memory"]
     shared = load_config({"tiers": [{"driver": "memory", "shared": True}]})
