@@ -166,6 +166,11 @@ class SessionsConfig(_Strict):
     max_retain_s: float = Field(default=3600.0, gt=0,
                                 description="the longest retain_s a session hint may ask for; "
                                 "a hint over it is ignored (counted)")
+    predict_next_turn: bool = Field(
+        default=False, description="without hints: recognise conversations by their chains "
+        "and prefetch a returning one's blocks into the fastest tier when its next turn is "
+        "predicted (its last gap); counted, off by default: it did not pay in the simulator "
+        "(docs/autotune.md, History-based prefetch)")
 
     @field_validator("max_pinned", mode="before")
     @classmethod

@@ -10,7 +10,7 @@ import pytest
 
 from ucm.config import load_config
 from ucm.kernel import Kernel, Load, Lookup, Store
-from ucm.kernel._mrc import SPACE, MissRatioCurve, sample_hash
+from ucm.kernel._mrc import SPACE, MissRatioCurve, sample_hash, uniform_key
 
 BLOCK = 4096
 DASHBOARD = Path(__file__).resolve().parents[2] / "tools" / "grafana" / "ucm-mrc.json"
@@ -31,7 +31,7 @@ def test_at_rate_one_each_miniature_is_the_full_cache():
 
 def test_the_sample_is_the_keys_below_the_threshold():
     mrc = MissRatioCurve("shadow", [2000, 20_000], rate=0.25, min_blocks=1000)
-    keys = [i.to_bytes(8, "little") for i in range(4000)]
+    keys = [uniform_key(i.to_bytes(8, "little")) for i in range(4000)]
     for key in keys:
         mrc.access(key)
     # the small capacity samples half the keys (1000 blocks of 2000), the large a quarter
@@ -44,12 +44,43 @@ def test_the_sample_is_the_keys_below_the_threshold():
 def test_over_the_budget_the_rate_drops_and_the_miniatures_shrink():
     mrc = MissRatioCurve("lru", [1000, 4000], rate=1.0, max_keys=500, min_blocks=1)
     for i in range(20_000):
-        mrc.access(i.to_bytes(8, "little"))
+        mrc.access(uniform_key(i.to_bytes(8, "little")))
     snap = mrc.snapshot()
     assert mrc.lowered > 0 and mrc.rate < 0.2
     assert snap["held_keys"] <= 500
     assert snap["held_keys"] == sum(len(m) for m in mrc._minis)
     assert all(sample_hash(k) < mrc.threshold for m in mrc._minis for k in m)
+
+
+def test_the_sample_is_decided_by_the_keys_own_bytes():
+    """The kernel's keys are digests: a key is sampled when its first four bytes (big-endian)
+    are below the threshold, one comparison; 100,000 seeded digests at the kernel's rate
+    give about 1 %, and a reference outside the sample only counts."""
+    import hashlib
+
+    keys = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
+            for i in range(100_000)]
+    mrc = MissRatioCurve("lru", [100, 1000], rate=0.01)
+    for key in keys:
+        mrc.access(key, 1)
+    want = sum(sample_hash(k) < mrc.threshold for k in keys)
+    assert mrc.threshold == int(0.01 * SPACE)
+    assert mrc.top_sampled == mrc.sampled[0] == mrc.sampled[1] == want
+    # 1,000 expected, sd 31: these seeded keys are fixed, the bounds are 5 sd wide
+    assert 850 <= want <= 1150, want
+    assert mrc.accesses == 100_000 and mrc.hits == [0, 0]
+    batched = MissRatioCurve("lru", [100, 1000], rate=0.01)
+    for start in range(0, len(keys), 10):
+        batched.access_many(keys[start:start + 10])
+    assert batched.top_sampled == want and batched.accesses == 100_000
+
+
+def test_readers_hash_keys_that_are_not_hashes_and_each_seed_samples_anew():
+    numbers = [i.to_bytes(8, "little") for i in range(20_000)]  # a trace's block numbers
+    draws = [{k for k in numbers if sample_hash(uniform_key(k, seed)) < SPACE // 10}
+             for seed in range(3)]
+    assert all(1700 <= len(d) <= 2300 for d in draws), [len(d) for d in draws]
+    assert len(draws[0] & draws[1]) < 400  # about 200: independent samples
 
 
 @pytest.mark.parametrize("bad", [{"sample_rate": 0}, {"sample_rate": 1.5}, {"max_keys": 3},

@@ -23,7 +23,7 @@ from typing import Any
 
 from ucm.autotune._simulate import SimTier, simulate
 from ucm.autotune._traces import Request
-from ucm.kernel._mrc import MissRatioCurve
+from ucm.kernel._mrc import MissRatioCurve, uniform_key
 from ucm.kernel._policy import POLICIES
 
 Curve = list[tuple[float, float]]
@@ -55,16 +55,21 @@ def check_policy(policy: str) -> str:
 def sampled_curve(requests: Sequence[Request], policy: str, capacities: Sequence[int], *,
                   rate: float = 0.1, max_keys: int = 16384, min_blocks: int = 1000,
                   seed: int = 0) -> tuple[Curve, MissRatioCurve]:
-    """The kernel's estimator over every block of every request, capacities in blocks."""
+    """The kernel's estimator over every block of every request, capacities in blocks. A
+    trace's keys are hashed first (`uniform_key`: block numbers are not hashes); each `seed`
+    draws another sample."""
     mrc = MissRatioCurve(check_policy(policy), capacities, rate=rate, max_keys=max_keys,
-                         min_blocks=min_blocks, seed=seed)
-    access = mrc.access
+                         min_blocks=min_blocks)
+    hashed: dict[bytes, bytes] = {}
+    access = mrc.access_many
     for request in requests:
-        blocks = request.blocks
-        if blocks:
-            access(blocks[0], 1, True)
-        for key in blocks[1:]:
-            access(key)
+        keys = []
+        for key in request.blocks:
+            h = hashed.get(key)
+            if h is None:
+                h = hashed[key] = uniform_key(key, seed)
+            keys.append(h)
+        access(keys)
     return [(float(c), h) for c, h in mrc.curve()], mrc
 
 

@@ -84,6 +84,10 @@ class NextTurnPrefetch:
             heapq.heappush(self._heap, (at, tail))
         self.scheduled += 1
 
+    def next_at(self) -> float | None:
+        """The earliest promotion time still queued (perhaps one cancelled since), if any."""
+        return self._heap[0][0] if self._heap else None
+
     def due(self, now: float) -> Iterable[bytes]:
         out: list[bytes] = []
         while self._heap and self._heap[0][0] <= now:

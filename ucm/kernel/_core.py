@@ -461,6 +461,8 @@ class KernelCore:
             out[f"tier.{tier.name}.bytes"] = tier.policy.used
             out[f"tier.{tier.name}.capacity"] = tier.policy.capacity
             out[f"tier.{tier.name}.pinned"] = tier.policy.pinned_count
+            out[f"tier.{tier.name}.prefetch_hits"] = tier.prefetch_hits
+            out[f"tier.{tier.name}.prefetch_evicted"] = tier.prefetch_evicted
             if tier.holds is not None:
                 tier.holds.expire()
                 out[f"tier.{tier.name}.held_bytes"] = tier.holds.held_bytes

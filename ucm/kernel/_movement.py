@@ -273,6 +273,9 @@ class Movement:
                 promoted += await self._copy([k for k, _ in sized], [s for _, s in sized],
                                              tier, [top], priority=Priority.PREFETCH)
         missing = found.hits.count(False)
+        if promoted:  # what becomes of them is counted (Tier.prefetched)
+            top.prefetched.update(k for k in absent if k in top)
+            self.stats["prefetched"] += promoted
         return PrefetchResult(promoted, len(keys) - len(absent), missing)
 
     def _raw_size(self, key: bytes, tiers: list[Tier], default: int | None) -> int | None:

@@ -8,9 +8,15 @@ sampling rate, fed the sampled references; its hit ratio estimates the full-size
 
 The memory is bounded (SHARDS' fixed-size variant): when the miniatures together hold more
 than `max_keys` keys, the threshold drops by a quarter, sampled keys above it leave every
-miniature and the miniatures shrink to the new rate. The hash is CRC-32 times a Fibonacci
-constant: the `shadow` policy samples its own keys by plain CRC-32, and a miniature fed only
-keys of low CRC would see its own sample as the whole stream.
+miniature and the miniatures shrink to the new rate.
+
+The sample is decided from the key's own first four bytes, read as a big-endian number: the
+kernel's keys are already hashes (the engines' BLAKE2b digests; a rank's, layer's or group's
+key starts with its block's digest, so all of a block's parts are sampled together). So a
+reference that is not sampled costs one bytes comparison against the threshold (as bytes) and
+a look into the hot keys, no hashing and no allocation. Keys that are not hashes (a trace's
+block numbers) must be hashed first (`uniform_key`, which the readers use); `shadow` samples
+its own keys by CRC-32, which this sample is independent of.
 
 Hot keys are counted outside the sample: a key that begins requests (a chain's head: in a
 prefix cache the most reused blocks are the shared prompts' first ones) and takes 1 % of a
@@ -33,23 +39,41 @@ from typing import Any
 from ucm.kernel._policy import Policy, make_policy
 
 SPACE = 1 << 32
-_FIBONACCI = 0x9E3779B1
 SHRINK = 0.75  # the threshold's factor each time the sample outgrows its budget
 HOT_WINDOW = 4096  # references between two reviews of the hot keys
 HOT_SHARE = 0.01  # a first key with this share of a window's references is hot
 MAX_HOT = 16
+_FIBONACCI = 0x9E3779B1
+# The threshold of a rate of 1, as bytes: above every key (no key starts with 32 bytes 0xff
+# but with probability 2**-256).
+_EVERY = b"\xff" * 32
+
+
+def sample_hash(key: bytes) -> int:
+    """The key's place in [0, 2**32): its first four bytes, big-endian (sampled when below
+    the threshold; a key of fewer bytes is padded with zeros)."""
+    return int.from_bytes(key[:4].ljust(4, b"\0"), "big")
+
+
+def threshold_key(threshold: int) -> bytes:
+    """A threshold as the bytes a key is compared with: `key < threshold_key(t)` is
+    `sample_hash(key) < t` for keys of four bytes or more."""
+    return _EVERY if threshold >= SPACE else max(0, threshold).to_bytes(4, "big")
 
 
 def multiplier(seed: int) -> int:
-    """The odd factor of a seed's hash. CRC-32 is linear, so seeding the CRC itself only
-    XORs a constant into every key's value and draws nearly the same sample; another factor
-    draws another one (for measuring the estimate's spread)."""
+    """The odd factor of a seed's hash (`uniform_key`). CRC-32 is linear, so seeding the CRC
+    itself only XORs a constant into every key's value and draws nearly the same sample;
+    another factor draws another one (for measuring the estimate's spread)."""
     return (_FIBONACCI + 2 * seed * 0x2545F491) & (SPACE - 1) | 1
 
 
-def sample_hash(key: bytes, seed: int = 0) -> int:
-    """The key's place in [0, 2**32): sampled when below the threshold."""
-    return (zlib.crc32(key) * multiplier(seed)) & (SPACE - 1)
+def uniform_key(key: bytes, seed: int = 0) -> bytes:
+    """A key that is not a hash (a trace's block number) made one for the sample: CRC-32 of it
+    times a Fibonacci constant (`shadow` samples its keys by plain CRC-32; the product draws an
+    independent sample), as four big-endian bytes, then the key itself. Each seed draws
+    another sample."""
+    return ((zlib.crc32(key) * multiplier(seed)) & (SPACE - 1)).to_bytes(4, "big") + key
 
 
 def _no_time() -> float:
@@ -59,14 +83,15 @@ def _no_time() -> float:
 class MissRatioCurve:
     """Hit ratios at `capacities` (bytes, or blocks when every size is 1) of `policy`, from
     the references passed to `access`. Not thread-safe: one caller (the kernel's trio thread).
+    Keys must be hashes (module docstring).
 
     Each miniature samples at `rate`, or more where that would leave it under `min_blocks`
     blocks (sized by the first reference): a miniature of a few dozen blocks misjudges a
     small cache. The thresholds nest (a key sampled for a large capacity is sampled for every
-    smaller one), so one hash decides for all."""
+    smaller one), so one comparison decides for all."""
 
     def __init__(self, policy: str, capacities: Sequence[int], *, rate: float = 0.1,
-                 max_keys: int = 16384, min_blocks: int = 0, seed: int = 0) -> None:
+                 max_keys: int = 16384, min_blocks: int = 0) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"mrc sample rate must be in (0, 1], got {rate}")
         if max_keys < 1:
@@ -75,8 +100,6 @@ class MissRatioCurve:
         if not caps or caps[0] <= 0:
             raise ValueError("mrc capacities must be a non-empty list of positive sizes")
         self.policy = policy
-        self.seed = seed
-        self._factor = multiplier(seed)
         self.capacities = caps
         self.max_keys = max_keys
         self.min_blocks = min_blocks
@@ -85,6 +108,9 @@ class MissRatioCurve:
         self._rates = [rate] * len(caps)  # each miniature's rate at scale 1
         self._thresholds = [int(rate * SPACE)] * len(caps)
         self._top = self._thresholds[0]  # the highest threshold: above it, no miniature
+        # Until the first reference sizes the rates, every key takes the sampled path.
+        self._top_key = _EVERY
+        self._keys = [_EVERY] * len(caps)  # each miniature's threshold, as bytes
         self._sized = False
         self.accesses = 0  # every reference offered
         self.sampled = [0] * len(caps)  # references each miniature saw
@@ -102,6 +128,7 @@ class MissRatioCurve:
         self._held = 0
         self._minis: list[Policy] = [make_policy(policy, self._scaled(i), clock=_no_time)
                                      for i in range(len(caps))]
+        self._indexes = [mini.index for mini in self._minis]  # their keys, for membership
 
     @property
     def rate(self) -> float:
@@ -129,10 +156,12 @@ class MissRatioCurve:
     def _apply_scale(self) -> None:
         self._thresholds = [min(SPACE, int(r * self.scale * SPACE)) for r in self._rates]
         self._top = max(self._thresholds)
+        self._keys = [threshold_key(t) for t in self._thresholds]
+        self._top_key = threshold_key(self._top)
         held = 0
         for i, mini in enumerate(self._minis):
-            threshold = self._thresholds[i]
-            for key in [k for k in mini if sample_hash(k, self.seed) >= threshold]:
+            bound = self._keys[i]
+            for key in [k for k in mini if not k < bound]:
                 mini.remove(key)
             mini.resize(self._scaled(i))
             held += len(mini)
@@ -140,35 +169,62 @@ class MissRatioCurve:
 
     def access(self, key: bytes, size: int = 1, first: bool = False) -> None:
         """One reference of `key` (a lookup hit loaded, or a block stored); `first`: the
-        first key of its request or batch (a chain's head, where hot keys are)."""
+        first key of its request or batch (a chain's head, where hot keys are). A reference
+        outside the sample and the hot keys costs a comparison and a dictionary look."""
         self.accesses += 1
+        if first:
+            self._first(key)
+        if key < self._top_key:
+            self._sampled(key, size)
+        elif key in self._hot:
+            self._hot[key] += 1
+            self.hot_refs += 1
+            self.hot_hits += 1
+
+    def access_many(self, keys: Sequence[bytes], size: int = 1) -> None:
+        """The references of one batch (a request's blocks, in order; its first key is a
+        chain's head), as `access` of each."""
+        if not keys:
+            return
+        self.accesses += len(keys)
+        self._first(keys[0])
+        hot = self._hot
+        for key in keys:
+            if key < self._top_key:
+                self._sampled(key, size)
+            elif key in hot:
+                hot[key] += 1
+                self.hot_refs += 1
+                self.hot_hits += 1
+
+    def _first(self, key: bytes) -> None:
+        """A chain's head: a candidate hot key; the hot keys are reviewed at batch starts,
+        once a window has passed."""
+        if key not in self._hot:
+            self._candidates[key] = self._candidates.get(key, 0) + 1
+        if self.accesses >= self._review_at:
+            self._review()
+
+    def _sampled(self, key: bytes, size: int) -> None:
+        """A key under the top threshold (every key before the first sizes the rates)."""
         hot = self._hot
         if key in hot:
             hot[key] += 1
             self.hot_refs += 1
             self.hot_hits += 1
             return
-        if first:
-            self._candidates[key] = self._candidates.get(key, 0) + 1
-        if self.accesses >= self._review_at:
-            self._review()
-        h = (zlib.crc32(key) * self._factor) & (SPACE - 1)
-        if h >= self._top:
-            if self._sized:
-                return
+        if not self._sized:
             self._size_rates(size)
-            if h >= self._top:
+            if not key < self._top_key:
                 return
-        elif not self._sized:
-            self._size_rates(size)
         self.top_sampled += 1
         self.sampled_bytes += size
-        hits, sampled, thresholds = self.hits, self.sampled, self._thresholds
+        hits, sampled, bounds, held = self.hits, self.sampled, self._keys, self._indexes
         for i, mini in enumerate(self._minis):
-            if h >= thresholds[i]:
+            if not key < bounds[i]:
                 continue
             sampled[i] += 1
-            if key in mini:
+            if key in held[i]:
                 mini.touch(key)
                 hits[i] += 1
                 continue

@@ -38,6 +38,11 @@ class Tier:
         self.policy = policy
         self.mrc = mrc  # the tier's sampled miss-ratio curve, where configured
         self.holds: Holds | None = None  # session holds (the kernel sets them up)
+        # blocks a Prefetch brought into this tier and no load has used yet; what became of
+        # them (a load hit, or evicted unused) is counted
+        self.prefetched: set[bytes] = set()
+        self.prefetch_hits = 0
+        self.prefetch_evicted = 0
         self.limiter = PriorityLimiter(config.concurrency)
         self.raw_sizes: dict[bytes, int] = {}  # bytes a loader needs, where this kernel knows
         self.reserved = 0  # bytes promised to stores in flight
@@ -73,6 +78,9 @@ class Tier:
     def touch(self, key: bytes, depth: int | None = None, *, first: bool = False) -> None:
         """A held block was used (loaded); `depth` its index in the batch, if known."""
         self.policy.touch(key, depth)
+        if self.prefetched and key in self.prefetched:
+            self.prefetched.discard(key)
+            self.prefetch_hits += 1
         if self.mrc is not None:
             self.mrc.access(key, self.policy.size_of(key) or 0, first or depth == 0)
 
@@ -81,6 +89,7 @@ class Tier:
         if self.holds is not None and size:
             self.holds.removed(key, size)
         self.raw_sizes.pop(key, None)
+        self.prefetched.discard(key)
         if self.indexing:
             self.removed_while_indexing.add(key)
 
@@ -128,6 +137,9 @@ class Tier:
     def _evicted(self, victims: list[bytes]) -> None:
         for key in victims:
             self.raw_sizes.pop(key, None)
+            if self.prefetched and key in self.prefetched:
+                self.prefetched.discard(key)
+                self.prefetch_evicted += 1
             if self.indexing:
                 self.removed_while_indexing.add(key)
 

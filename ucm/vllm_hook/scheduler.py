@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from ucm.kernel import LookupResult
 from ucm.vllm_hook.events import SchedulerEvents
 from ucm.vllm_hook.keys import RequestChain, chain_seed, group_key, layer_key, rank_key
 from ucm.vllm_hook.metadata import BlockTransfer, UCMConnectorMetadata
+from ucm.vllm_hook.next_turn import NextTurnTimer
 from ucm.vllm_hook.sessions import SessionOp, parse_hint
 from ucm.vllm_hook.settings import (
     HookSettings,
@@ -83,6 +84,10 @@ class SchedulerSide:
         self.events = SchedulerEvents(settings.ucm_config, self.block_size, settings.tp_size,
                                      event_groups if settings.hybrid else ()) if events else None
         self._session_ops: list[SessionOp] = []  # finished requests' hints, for the next step
+        # sessions.predict_next_turn: prefetches of predicted next turns (ucm.vllm_hook.next_turn)
+        self.next_turn = NextTurnTimer(self._prefetch_next_turn) \
+            if settings.ucm_config.sessions.predict_next_turn else None
+        self._next_turn_ops: deque[SessionOp] = deque()  # for the next step (another process)
         # sparse attention: frees sparse requests' offloaded blocks in vLLM's cache
         self.sparse_blocks = BlockFreer(settings, lambda: self.pages, self.stats,
                                         self._wait_worker_stores) \
@@ -387,6 +392,8 @@ class SchedulerSide:
             if st.pending_loads:
                 meta.loads.extend(st.pending_loads)
                 st.pending_loads = []
+        while self._next_turn_ops:
+            self._session_ops.append(self._next_turn_ops.popleft())
         if self._session_ops:
             meta.sessions, self._session_ops = self._session_ops, []
         shared = self._shared  # the worker side's kernel: that side is in this process
@@ -473,6 +480,8 @@ class SchedulerSide:
             log.warning("ucm: %s: session hint ignored: %s", request.request_id, problem)
             return
         if op is None:
+            if self.next_turn is not None and st is not None:
+                self.next_turn.after(st.chain.digests[:st.saved_blocks])
             return
         if st is not None and (op.retain_s is not None or op.prefetch):
             op.digests = list(st.chain.digests[:st.saved_blocks])
@@ -495,11 +504,23 @@ class SchedulerSide:
         if shared is None or not shared.apply_sessions([op]):
             self._session_ops.append(op)
 
+    def _prefetch_next_turn(self, digests: list[bytes]) -> None:
+        """The next-turn timer's due blocks (its thread): a prefetch for the workers, at once
+        where the worker side is in this process, else with the next step."""
+        self.stats["next_turn.prefetches"] += 1
+        self.stats["next_turn.blocks"] += len(digests)
+        op = SessionOp("next-turn", prefetch=True, digests=digests)
+        shared = self._shared
+        if shared is None or not shared.apply_sessions([op]):
+            self._next_turn_ops.append(op)
+
     def hit_tokens(self, req_id: str) -> int:
         st = self._reqs.get(req_id)
         return st.external_tokens if st else 0
 
     def shutdown(self) -> None:
+        if self.next_turn is not None:
+            self.next_turn.stop()
         if self._own_kernel and self._kernel is not None:
             try:
                 self._kernel.close(timeout=10.0)

@@ -50,6 +50,12 @@ CONNECTOR_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "connector_session_hints": ("Session hints of finished requests (docs/vllm.md, Sessions), "
                                 "by kind: hold, end, prefetch; malformed: ignored",
                                 ("kind",)),
+    "connector_next_turn_prefetches": ("Prefetches the live next-turn predictor issued "
+                                       "(sessions.predict_next_turn), and the blocks they "
+                                       "asked for", ("unit",)),
+    "prefetch_blocks": ("Blocks a Prefetch brought into the fastest tier (promoted), and "
+                        "what became of them: loaded from there (hit) or evicted before any "
+                        "load (evicted_unused)", ("outcome",)),
     "connector_early_loads": ("Step loads started before start_load_kv (when the scheduler "
                               "planned the step, or when a worker process received it); "
                               "unused: the step did not ask for them", ("outcome",)),
@@ -91,7 +97,13 @@ _SCHEDULER: dict[str, tuple[str, tuple[str, ...]]] = {
     "session_hints.end": ("connector_session_hints", ("end",)),
     "session_hints.prefetch": ("connector_session_hints", ("prefetch",)),
     "session_hints_malformed": ("connector_session_hints", ("malformed",)),
+    "next_turn.prefetches": ("connector_next_turn_prefetches", ("prefetches",)),
+    "next_turn.blocks": ("connector_next_turn_prefetches", ("blocks",)),
 }
+# Kernel.statistics() counters of prefetched blocks -> outcome of prefetch_blocks ("tier.*."
+# ones summed over the tiers: only the fastest receives prefetches)
+_PREFETCH = {"prefetched": "promoted", "prefetch_hits": "hit",
+             "prefetch_evicted": "evicted_unused"}
 _PARTS = ("counters", "histograms", "gauges", "peaks")
 
 
@@ -182,6 +194,12 @@ class SideStats:
                     data["peaks"].update(mrc_peaks(tier, value))
             self._delta(counters, "busy_rejections", (), "busy_rejections",
                         stats.get("busy_rejections", self._last.get("busy_rejections", 0)))
+            if stats:
+                for stat, outcome in _PREFETCH.items():
+                    total = stats.get(stat, 0) + sum(
+                        v for k, v in stats.items() if k.startswith("tier.")
+                        and k.endswith(f".{stat}") and isinstance(v, int | float))
+                    self._delta(counters, "prefetch_blocks", (outcome,), stat, total)
         return UCMConnectorStats(data=data)
 
     def _delta(self, counters: dict[str, float], name: str, labels: tuple[str, ...], stat: str,
