@@ -47,6 +47,12 @@ class SparseConfig(BaseModel):
         "adaptive: the estimated attention mass the chosen blocks must reach"))
     min_budget: int = Field(default=1, ge=0, description="adaptive: blocks chosen at least")
     seed: int = Field(default=0, description="seed of the random method")
+    # what vLLM's sparse adapter keeps for statistics(); its counters stay exact
+    step_records: int = Field(default=256, ge=0, description=(
+        "per-step records kept per request, the newest (older ones are dropped, counted)"))
+    request_records: int = Field(default=64, ge=0, description=(
+        "ended requests whose step records are kept, the newest (older ones are dropped, "
+        "counted)"))
 
     @model_validator(mode="after")
     def _check(self) -> SparseConfig:

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 import torch
@@ -150,7 +150,7 @@ class _Request:
     """One request's keys, newest queries, session, and (once the scheduler freed its
     offloaded blocks) those blocks' digests and its slots."""
 
-    def __init__(self, n_layers: int, dense: bool) -> None:
+    def __init__(self, n_layers: int, dense: bool, step_records: int) -> None:
         self.dense = dense
         self.tokens = 0  # tokens whose keys this adapter saw
         self.prompt_keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
@@ -161,7 +161,7 @@ class _Request:
         self.freed: dict[int, bytes] | None = None  # logical block -> digest, not in the cache
         self.slots: list[int] = []  # physical blocks selected freed ones are loaded into
         self.holds: list[int | None] = []  # the logical block each slot holds (None: nothing)
-        self.steps: list[dict[str, Any]] = []
+        self.steps: deque[dict[str, Any]] = deque(maxlen=step_records)  # the newest
 
 
 class SparseAttention:
@@ -176,7 +176,8 @@ class SparseAttention:
         self._md_in: Any = None
         self._md_out: Any = None
         self._rows: list[_Request | None] = []
-        self.history: list[dict[str, Any]] = []  # finished/replaced requests' step records
+        # ended requests' step records, the newest `request_records`
+        self.history: deque[dict[str, Any]] = deque(maxlen=config.request_records)
 
     def activate(self) -> None:
         global _active
@@ -233,7 +234,8 @@ class SparseAttention:
             if rq is None or rq.tokens + qlen != seq_len:
                 if rq is not None:
                     self._retire(rq)
-                rq = _Request(len(self.layers), dense=seq_len != qlen)
+                rq = _Request(len(self.layers), dense=seq_len != qlen,
+                              step_records=self.config.step_records)
                 rq.tokens = seq_len - qlen  # a dense one's earlier tokens: not seen here
                 self.stats["requests_seen"] += 1
                 self.stats["dense_requests"] += rq.dense
@@ -275,6 +277,8 @@ class SparseAttention:
         self.stats["failed_blocks"] += len(failed)
         self.stats["unplaced_blocks"] += len(unplaced)
         blocks = sorted(attended)
+        if len(rq.steps) == rq.steps.maxlen:  # the oldest record goes; the counters keep it
+            self.stats["dropped_step_records"] += 1
         rq.steps.append({"step": plan.step, "seq_len": seq_len, "n_blocks": current + 1,
                          "attended": blocks, "selected": len(plan.selected),
                          "budget": plan.budget, "refreshed": plan.refreshed, "born": born,
@@ -404,13 +408,20 @@ class SparseAttention:
                 rq.new_keys = [None] * len(self.layers)
 
     def _retire(self, rq: _Request) -> None:
-        if rq.steps:
-            self.history.append({"steps": rq.steps})
+        if not rq.steps:
+            return
+        if len(self.history) == self.history.maxlen:
+            self.stats["dropped_request_records"] += 1
+            if not self.history.maxlen:
+                return
+        self.history.append({"steps": list(rq.steps)})
 
     # -- results ---------------------------------------------------------------------------------
     def statistics(self) -> dict[str, Any]:
-        """Counters and every request's per-step records (attended blocks, loads, bytes)."""
-        requests = [*self.history, *({"steps": rq.steps} for rq in self._requests.values()
-                                     if rq.steps)]
+        """Counters (exact) and the kept per-step records (attended blocks, loads, bytes): each
+        live request's newest `step_records`, and those of the newest `request_records` ended
+        ones (`dropped_step_records`, `dropped_request_records`: what went)."""
+        requests = [*self.history, *({"steps": list(rq.steps)}
+                                     for rq in self._requests.values() if rq.steps)]
         return {"config": self.config.model_dump(), "block_bytes": self.worker.layout.block_bytes
                 if self.worker.layout else 0, **self.stats, "requests": requests}
