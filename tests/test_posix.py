@@ -265,6 +265,18 @@ async def test_listed_blocks_in_the_page_cache_load_from_their_mappings(tmp_path
         await drv.aclose()
 
 
+async def _replace_delete_truncate(drv: PosixDriver, other: PosixDriver,
+                                   keys: list[bytes]) -> bytes:
+    """Another process's driver replaces keys[0] (returns its new bytes) and deletes keys[1];
+    keys[2]'s file is cut short in place."""
+    new = os.urandom(100_000)
+    await other.store(keys[:1], [memoryview(new)])
+    await other.delete(keys[1:2])
+    path = drv.block_path(keys[2])
+    os.truncate(path, os.path.getsize(path) - 10)
+    return new
+
+
 async def test_a_replaced_deleted_or_truncated_file_is_not_read_from_its_old_mapping(
         tmp_path: Path):
     datas = [os.urandom(100_000) for _ in range(3)]
@@ -272,11 +284,7 @@ async def test_a_replaced_deleted_or_truncated_file_is_not_read_from_its_old_map
     other = await open_posix(str(tmp_path))  # another process's driver
     try:
         assert len(drv.files.maps) == 3
-        new = os.urandom(100_000)
-        await other.store(keys[:1], [memoryview(new)])
-        await other.delete(keys[1:2])
-        path = drv.block_path(keys[2])
-        os.truncate(path, os.path.getsize(path) - 10)
+        new = await _replace_delete_truncate(drv, other, keys)
         outs = [memoryview(bytearray(100_000)) for _ in keys]
         assert await drv.load(keys, outs) == [LoadState.OK, LoadState.MISSING,
                                               LoadState.CORRUPT]
@@ -407,11 +415,7 @@ async def test_a_block_mapped_by_a_load_then_replaced_deleted_or_truncated(tmp_p
         outs = [memoryview(bytearray(100_000)) for _ in keys]
         assert await drv.load(keys, outs) == [LoadState.OK] * 3
         assert len(drv.files.maps) == 3
-        new = os.urandom(100_000)
-        await other.store(keys[:1], [memoryview(new)])
-        await other.delete(keys[1:2])
-        path = drv.block_path(keys[2])
-        os.truncate(path, os.path.getsize(path) - 10)
+        new = await _replace_delete_truncate(drv, other, keys)
         assert await drv.load(keys, outs) == [LoadState.OK, LoadState.MISSING,
                                               LoadState.CORRUPT]
         assert bytes(outs[0]) == new
