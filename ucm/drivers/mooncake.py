@@ -405,11 +405,13 @@ def _open_client(options: MooncakeDriver.Options, pool: StagingPool, *, name: st
             # A client that died lately keeps its segment registered until the master's
             # client_ttl: puts placed there fail for a while. Not a reason to refuse. Nor is a
             # pool briefly without segments (a holder re-mounting after missed heartbeats):
-            # only a refusal that lasts the ~3 s of tries means no memory.
-            if rc not in (TRANSFER_FAIL, NO_AVAILABLE_HANDLE):
+            # only a refusal that lasts the ~3 s of tries means no memory. A put whose
+            # transfer to such a segment failed can also end as OBJECT_NOT_FOUND (its revoke
+            # finds the object already dropped).
+            if rc not in (TRANSFER_FAIL, NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND):
                 break
             time.sleep(0.3)
-        if rc == TRANSFER_FAIL:
+        if rc in (TRANSFER_FAIL, OBJECT_NOT_FOUND):
             return store
         if rc == NO_AVAILABLE_HANDLE:
             raise NoCapacity(
