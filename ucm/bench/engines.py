@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
+from ucm.bench._warm import WarmChild, warm_starts
+
 # The engine environment is the product's (`ucm serve` uses it too); re-exported here.
 from ucm.vllm_hook.environment import (  # noqa: F401
     _ALLOCATORS,
@@ -455,17 +457,21 @@ class EngineProcess:
         self._env = {**engine_env(os.environ, tcmalloc=find_tcmalloc()), **(env or {})}
         self._log_path = log_path
         self._progress = progress
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | WarmChild | None = None
         self._timer: threading.Timer | None = None
 
     def __enter__(self) -> EngineProcess:
         self._log = open(self._log_path, "a") if self._log_path else open(os.devnull, "w")
-        # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes that
-        # keep our pipe open, so once the result is in, the whole group is killed.
-        self._proc = subprocess.Popen([*self._wrap, self._python, "-m", "ucm.bench.engines"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._log, text=True, env=self._env,
-                                      start_new_session=True)
+        warm = None if self._wrap or self._python != sys.executable else warm_starts(self._env)
+        if warm is not None:
+            self._proc = warm.spawn(self._env, self._log.fileno())
+        else:
+            # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes
+            # that keep our pipe open, so once the result is in, the whole group is killed.
+            self._proc = subprocess.Popen([*self._wrap, self._python, "-m", "ucm.bench.engines"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=self._log, text=True, env=self._env,
+                                          start_new_session=True)
         self._timer = threading.Timer(self._timeout, _kill_group, (self._proc,))
         self._timer.start()
         self._send({"spec": asdict(self.spec)})
@@ -533,7 +539,7 @@ class EngineProcess:
         raise RuntimeError(f"engine process failed (rc={self._proc.returncode}):\n{tail}")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen | WarmChild) -> None:
     """Kills the engine process and whatever vLLM started under it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
