@@ -43,6 +43,9 @@ def test_forked_engines_answer_as_a_fresh_one(tiny_model, tmp_path, monkeypatch)
     assert fresh_kind is not _warm.WarmChild and fresh["allocator"] == "glibc"
     assert first_kind is second_kind is _warm.WarmChild and warm is not None
     assert _warm.warm_starts(_engine_env()) is warm
+    # what its own imports set (OpenCV's LD_LIBRARY_PATH) is as good as what it started with
+    assert warm.loaded_env is not None and warm.accepts({**_engine_env(), **warm.loaded_env})
+    assert not warm.accepts({**_engine_env(), "PYTHONPATH": "/elsewhere"})
     # the fresh engine stored the prompt's 9 full blocks; both forked ones loaded them
     assert fresh["phase"]["num_cached_tokens"] == [0]
     assert first["phase"]["num_cached_tokens"] == second["phase"]["num_cached_tokens"] == [288]

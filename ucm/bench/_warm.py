@@ -23,19 +23,22 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 # Read when the interpreter or a shared library loads (the allocator, OpenMP's wait policy,
-# sys.path, Hugging Face's offline flags): a forked child keeps the warm process's values.
-LOAD_TIME = ("LD_", "PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "TCMALLOC", "MALLOC_", "HF_",
-             "TRANSFORMERS_", "TORCH", "UCM_ENGINE_MALLOC", "VIRTUAL_ENV", "PATH")
+# sys.path, Hugging Face's offline flags): a forked child keeps the warm process's values. Not
+# what vLLM's own import sets (TORCHINDUCTOR_*, ...): the asking process may have imported it.
+LOAD_TIME = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONMALLOC",
+             "PYTHONHOME", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS",
+             "OMP_PROC_BIND", "MALLOC_ARENA_MAX", "TCMALLOC_RELEASE_RATE", "HF_HUB_OFFLINE",
+             "TRANSFORMERS_OFFLINE", "HF_HOME", "VIRTUAL_ENV")
 
 _MAX_MESSAGE = 1 << 20  # an environment and a working directory, as JSON
 
 
 def load_time_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(LOAD_TIME)}
+    return {k: env[k] for k in LOAD_TIME if k in env}
 
 
 class WarmChild:
@@ -79,41 +82,61 @@ class WarmChild:
 class WarmProcess:
     """The process that has imported vLLM and forks engine processes on request."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], wrap: Sequence[str] = ()) -> None:
         self.load_env = load_time_env(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ucm.bench._warm", str(theirs.fileno())],
+            [*wrap, sys.executable, "-m", "ucm.bench._warm", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=dict(env), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=self._errors, start_new_session=True)
         theirs.close()
         self._sock = ours
         self._lock = threading.Lock()
-        self._ready = False
+        self.loaded_env: dict[str, str] | None = None
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def _wait_ready(self) -> None:
+        """Waits for its imports (under the lock); then `loaded_env` is what they left."""
+        if self.loaded_env is None:
+            ready = self._sock.recv(_MAX_MESSAGE)
+            if not ready.startswith(b"ready "):
+                self._errors.seek(0)
+                raise WarmEnded("the warm engine process failed to start:\n"
+                                + self._errors.read()[-4000:].decode(errors="replace"))
+            self.loaded_env = json.loads(ready[len(b"ready "):])
+
+    def accepts(self, env: Mapping[str, str]) -> bool:
+        """Whether a child with `env` would load as a fresh process does: each value read at
+        load is the warm process's, before its imports or as they left it (importing OpenCV
+        sets LD_LIBRARY_PATH, and a process that imported vLLM has it too)."""
+        with self._lock:
+            self._wait_ready()
+        assert self.loaded_env is not None
+        return all(env.get(k) in (self.load_env.get(k), self.loaded_env.get(k))
+                   for k in LOAD_TIME)
 
     def spawn(self, env: Mapping[str, str], log_fd: int) -> WarmChild:
         """A forked engine process reading stdin, answering on stdout, logging to `log_fd`."""
         with self._lock:
-            if not self._ready:
-                if self._sock.recv(16) != b"ready":
-                    self._errors.seek(0)
-                    raise RuntimeError("the warm engine process failed to start:\n"
-                                       + self._errors.read()[-4000:].decode(errors="replace"))
-                self._ready = True
+            self._wait_ready()
             in_r, in_w = os.pipe()
             out_r, out_w = os.pipe()
             try:
                 message = json.dumps({"env": dict(env), "cwd": os.getcwd()}).encode()
                 socket.send_fds(self._sock, [message], [in_r, out_w, log_fd])
                 reply = self._sock.recv(256)
+            except OSError:
+                reply = b""
             finally:
                 os.close(in_r)
                 os.close(out_w)
             if not reply:
                 os.close(in_w)
                 os.close(out_r)
-                raise RuntimeError("the warm engine process has ended")
+                raise WarmEnded("the warm engine process has ended")
         pid = int(json.loads(reply)["pid"])
         return WarmChild(pid, os.fdopen(in_w, "w"), os.fdopen(out_r, "r"))
 
@@ -126,27 +149,46 @@ class WarmProcess:
         self._errors.close()
 
 
-_warm: WarmProcess | None = None
+class WarmEnded(RuntimeError):
+    """The warm process has ended (killed with its network namespace, say)."""
+
+
+_warm: dict[tuple[str, ...], WarmProcess] = {}
 _warm_lock = threading.Lock()
 
 
-def warm_starts(env: Mapping[str, str]) -> WarmProcess | None:
-    """The warm process when UCM_ENGINE_WARM_START=1 (started at the first call, with this
-    process's engine environment); None when off, or when `env` differs from the warm
-    process's in what is read at load."""
-    global _warm
+def warm_starts(env: Mapping[str, str], wrap: Sequence[str] = ()) -> WarmProcess | None:
+    """The warm process for `wrap` (a command prefix such as `ip netns exec NS`: one warm
+    process per network namespace) when UCM_ENGINE_WARM_START=1, started at the first call
+    with this process's engine environment; None when off, or when `env` differs from the
+    warm process's in what is read at load."""
     if os.environ.get("UCM_ENGINE_WARM_START", "") != "1":
         return None
     with _warm_lock:
-        if _warm is None:
-            import atexit
-
+        warm = _warm.get(tuple(wrap))
+        if warm is None or not warm.alive():
             from ucm.vllm_hook.environment import engine_env, find_tcmalloc
 
+            if warm is not None:
+                warm.close()
+            if not _warm:
+                import atexit
+
+                atexit.register(_close_all)
             # this process's engine environment, whichever spawn comes first
-            _warm = WarmProcess(engine_env(os.environ, tcmalloc=find_tcmalloc()))
-            atexit.register(_warm.close)
-        return _warm if _warm.load_env == load_time_env(env) else None
+            warm = WarmProcess(engine_env(os.environ, tcmalloc=find_tcmalloc()), wrap)
+            _warm[tuple(wrap)] = warm
+    try:
+        return warm if warm.accepts(env) else None
+    except WarmEnded:
+        return None
+
+
+def _close_all() -> None:
+    with _warm_lock:
+        for warm in _warm.values():
+            warm.close()
+        _warm.clear()
 
 
 def _child(message: dict[str, Any], fds: list[int]) -> None:
@@ -166,6 +208,8 @@ def _child(message: dict[str, Any], fds: list[int]) -> None:
 
 def _serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as engines.make_engine, before the imports
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     # What every engine process imports first; nothing here starts a thread pool or an engine.
     from vllm import LLM, SamplingParams  # noqa: F401
     from vllm.inputs import TokensPrompt  # noqa: F401
@@ -174,7 +218,7 @@ def _serve(fd: int) -> None:
     import ucm.vllm_hook  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the engines
-    sock.send(b"ready")
+    sock.send(b"ready " + json.dumps(load_time_env(os.environ)).encode())
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NoReturn
 
-from ucm.bench._warm import WarmChild, warm_starts
+from ucm.bench._warm import WarmChild, WarmEnded, warm_starts
 
 # The engine environment is the product's (`ucm serve` uses it too); re-exported here.
 from ucm.vllm_hook.environment import (  # noqa: F401
@@ -462,10 +462,13 @@ class EngineProcess:
 
     def __enter__(self) -> EngineProcess:
         self._log = open(self._log_path, "a") if self._log_path else open(os.devnull, "w")
-        warm = None if self._wrap or self._python != sys.executable else warm_starts(self._env)
+        warm = None if self._python != sys.executable else warm_starts(self._env, self._wrap)
         if warm is not None:
-            self._proc = warm.spawn(self._env, self._log.fileno())
-        else:
+            try:
+                self._proc = warm.spawn(self._env, self._log.fileno())
+            except WarmEnded:  # its namespace went, say: a fresh process, and a new one next
+                warm = None
+        if warm is None:
             # Its own session: vLLM's multiprocess mode leaves EngineCore and worker processes
             # that keep our pipe open, so once the result is in, the whole group is killed.
             self._proc = subprocess.Popen([*self._wrap, self._python, "-m", "ucm.bench.engines"],
