@@ -157,3 +157,12 @@ def test_batch_sizes_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["--batch", "0,4"])
     assert "--batch takes batch sizes of 1 or more" in capsys.readouterr().err
+
+
+def test_a_batch_rounds_loads_read_from_the_workers_counters():
+    from ucm.bench.vllm import _load_round
+
+    delta = {"load_events": 1, "load_blocks": 512, "early_loads": 1, "load_ns": 89_400_000,
+             "load_wait_ns": 78_200_000}
+    assert _load_round(delta) == "1 loads of 512 blocks (1 early) 89 ms, waited 78"
+    assert _load_round({}) == "0 loads of 0 blocks (0 early) 0 ms, waited 0"

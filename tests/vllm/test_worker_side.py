@@ -324,3 +324,63 @@ def test_a_scheduler_side_finds_the_workers_kernel_while_the_worker_owns_it(monk
     assert kernels.find(config) is None
     assert not shared.load_early([BlockTransfer("b", [5], [digest])])
     assert "early_loads" not in worker.stats
+
+
+def test_a_steps_loads_from_the_shared_arena_are_one_event_each_block_copied_once(
+        tmp_path, monkeypatch):
+    """Issue 38: a step loading several requests' blocks from the memory tier's shared arena
+    posts one Load, which the kernel serves off its trio thread, and each block is read once,
+    by one pass that checks and copies it into its pieces of the cache (no staging buffer,
+    no second pass). Counted: the worker's Load events, the kernel's in-memory loads, and the
+    passes over stored bytes (`copy_verified`'s hash_copy and the two-pass routines)."""
+    import ucm.block as block_module
+
+    namespace = "ws-shm-batch"
+    cfg = load_config({"tiers": [{"driver": "memory", "shared": True, "shm_dir": str(
+        tmp_path / "shm"), "size": 64 * 2**20}], "namespace": namespace})
+    worker = WorkerSide(HookSettings(ucm_config=cfg, namespace=namespace, block_size=16))
+    caches = {f"l{i}": torch.randn(24, 16, 32, 64) for i in range(3)}  # 384 KiB a block
+    worker.register_kv_caches(caches)
+    assert wait_running(worker.kernel, 30)
+    passes: list[int] = []
+    others: list[str] = []
+    real = block_module._hash_copy
+    assert real is not None
+
+    def hash_copy(pieces, stored):  # on the copy threads: list.append is atomic
+        passes.append(memoryview(stored).nbytes)
+        return real(pieces, stored)
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            others.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    try:
+        digests = [bytes([i]) * 16 for i in range(8)]
+        _save(worker, caches, BlockTransfer("a", [1, 2, 3, 4], digests[:4]))
+        _save(worker, caches, BlockTransfer("b", [5, 6, 7, 8], digests[4:]))
+        original = {k: v.clone() for k, v in caches.items()}
+        for v in caches.values():
+            v.zero_()
+        monkeypatch.setattr(block_module, "_hash_copy", hash_copy)
+        for name in ("copy_bytes", "verify_payload", "checksum"):
+            monkeypatch.setattr(block_module, name, counted(name, getattr(block_module, name)))
+        before = worker.kernel.statistics().get("loads_from_memory", 0)
+        # two requests in one step: blocks 12-15 take a's, 16-19 take b's
+        worker.start_load_kv(UCMConnectorMetadata(loads=[
+            BlockTransfer("c", [12, 13, 14, 15], digests[:4]),
+            BlockTransfer("d", [16, 17, 18, 19], digests[4:])]))
+        assert worker._load_staging is None
+        for k, v in caches.items():
+            assert torch.equal(v[12:20], original[k][1:9])
+        assert not worker.get_block_ids_with_load_errors()
+        assert worker.stats["load_events"] == 1 and worker.stats["loaded_blocks"] == 8
+        assert worker.kernel.statistics()["loads_from_memory"] - before == 1
+        block_bytes = worker.layout.block_bytes
+        assert block_bytes == 3 * 16 * 32 * 64 * 4
+        assert sorted(passes) == [block_bytes] * 8
+        assert others == []
+    finally:
+        worker.shutdown()

@@ -512,6 +512,8 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                                        python=python, env=env)
             servers.close()
             _say_mapped(name, result)
+            if name.startswith("ucm"):
+                _say(f"  {name}: {_load_paths(result)}")
             by_name = {p["name"]: p for p in result["phases"]}
             for n in lengths:
                 for b in sizes:
@@ -529,6 +531,9 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
                              f"tokens ({min(short)} the fewest; a partial hit: see {log})")
                     _say(f"  {name}: {n}+{args.tail} tokens x {b}, ms loaded / vLLM's own hit: "
                          + ", ".join(f"{x:.0f}/{y:.0f}" for x, y in zip(h, a, strict=True)))
+                    if name.startswith("ucm"):
+                        _say(f"  {name}: {n} tokens x {b}, per round: "
+                             + ", ".join(_load_round(p["worker_delta"]) for p in hits))
                     rows.append(BatchRow(name, n, b, statistics.median(h), statistics.median(a),
                                          statistics.median(x - y for x, y in
                                                            zip(h, a, strict=True)),
@@ -546,6 +551,15 @@ def _run_batches(args: argparse.Namespace, setups: list[str], sizes: list[int],
             _drop_bulk(work)
     _print_batches(rows, tail=args.tail)
     return rows
+
+
+def _load_round(delta: dict[str, int]) -> str:
+    """One timed batch's loads from its worker's counters: the Load events the steps posted,
+    their blocks, ms from each load's submission until it was done (summed) and ms the steps
+    waited for them."""
+    return (f"{delta.get('load_events', 0)} loads of {delta.get('load_blocks', 0)} blocks "
+            f"({delta.get('early_loads', 0)} early) {delta.get('load_ns', 0) / 1e6:.0f} ms, "
+            f"waited {delta.get('load_wait_ns', 0) / 1e6:.0f}")
 
 
 def _say_mapped(name: str, result: dict[str, Any]) -> None:

@@ -251,6 +251,7 @@ class WorkerSide:
         """Starts a step's Load; `load_ns` counts the time from here until it is done (the
         step's own wait, `load_wait_ns`, is less where the load started early)."""
         t0 = time.perf_counter()
+        self.stats["load_events"] += 1
         pending = self.pages.start_load(keys, buffers, promote=self.settings.promote_loads,
                                         request_id=req_id)
 
