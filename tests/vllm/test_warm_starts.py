@@ -46,6 +46,14 @@ def test_forked_engines_answer_as_a_fresh_one(tiny_model, tmp_path, monkeypatch)
     # what its own imports set (OpenCV's LD_LIBRARY_PATH) is as good as what it started with
     assert warm.loaded_env is not None and warm.accepts({**_engine_env(), **warm.loaded_env})
     assert not warm.accepts({**_engine_env(), "PYTHONPATH": "/elsewhere"})
+    # a library it has loaded (torch's libgomp, which vLLM's CPU platform preloads) may be
+    # added to LD_PRELOAD; one it has not may not
+    import torch
+
+    gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    ours = warm.load_env.get("LD_PRELOAD", "")
+    assert warm.accepts({**_engine_env(), "LD_PRELOAD": f"{ours}:{gomp}".lstrip(":")})
+    assert not warm.accepts({**_engine_env(), "LD_PRELOAD": f"{ours}:/lib/no-such.so".lstrip(":")})
     # the fresh engine stored the prompt's 9 full blocks; both forked ones loaded them
     assert fresh["phase"]["num_cached_tokens"] == [0]
     assert first["phase"]["num_cached_tokens"] == second["phase"]["num_cached_tokens"] == [288]

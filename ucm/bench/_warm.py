@@ -28,10 +28,11 @@ from typing import IO, Any
 
 # Read when the interpreter or a shared library loads (the allocator, OpenMP's wait policy,
 # sys.path, Hugging Face's offline flags): a forked child keeps the warm process's values. Not
-# what vLLM's own import sets (TORCHINDUCTOR_*, ...): the asking process may have imported it.
+# OMP_NUM_THREADS: vLLM's CPU platform sets it in any process that builds an engine config,
+# and an engine reads it from the environment when it sizes its threads, as the child's is.
 LOAD_TIME = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONMALLOC",
-             "PYTHONHOME", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_NUM_THREADS",
-             "OMP_PROC_BIND", "MALLOC_ARENA_MAX", "TCMALLOC_RELEASE_RATE", "HF_HUB_OFFLINE",
+             "PYTHONHOME", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OMP_PROC_BIND",
+             "MALLOC_ARENA_MAX", "TCMALLOC_RELEASE_RATE", "HF_HUB_OFFLINE",
              "TRANSFORMERS_OFFLINE", "HF_HOME", "VIRTUAL_ENV")
 
 _MAX_MESSAGE = 1 << 20  # an environment and a working directory, as JSON
@@ -39,6 +40,11 @@ _MAX_MESSAGE = 1 << 20  # an environment and a working directory, as JSON
 
 def load_time_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: env[k] for k in LOAD_TIME if k in env}
+
+
+def _libraries(preload: str) -> list[str]:
+    """LD_PRELOAD's libraries (separated by colons or spaces), real paths, in order."""
+    return [os.path.realpath(p) for p in preload.replace(" ", ":").split(":") if p]
 
 
 class WarmChild:
@@ -94,6 +100,7 @@ class WarmProcess:
         self._sock = ours
         self._lock = threading.Lock()
         self.loaded_env: dict[str, str] | None = None
+        self._mapped: set[str] = set()  # the shared libraries it has loaded, real paths
 
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -106,17 +113,29 @@ class WarmProcess:
                 self._errors.seek(0)
                 raise WarmEnded("the warm engine process failed to start:\n"
                                 + self._errors.read()[-4000:].decode(errors="replace"))
-            self.loaded_env = json.loads(ready[len(b"ready "):])
+            loaded = json.loads(ready[len(b"ready "):])
+            self.loaded_env, self._mapped = loaded["env"], set(loaded["mapped"])
 
     def accepts(self, env: Mapping[str, str]) -> bool:
         """Whether a child with `env` would load as a fresh process does: each value read at
         load is the warm process's, before its imports or as they left it (importing OpenCV
-        sets LD_LIBRARY_PATH, and a process that imported vLLM has it too)."""
+        sets LD_LIBRARY_PATH, and a process that imported vLLM has it too); LD_PRELOAD may
+        add libraries the warm process has mapped already (vLLM's CPU platform adds torch's
+        libgomp to the environment of any process that builds an engine config)."""
         with self._lock:
             self._wait_ready()
         assert self.loaded_env is not None
-        return all(env.get(k) in (self.load_env.get(k), self.loaded_env.get(k))
-                   for k in LOAD_TIME)
+        for key in LOAD_TIME:
+            value = env.get(key)
+            if value in (self.load_env.get(key), self.loaded_env.get(key)):
+                continue
+            if key != "LD_PRELOAD" or value is None:
+                return False
+            ours = _libraries(self.load_env.get(key, ""))
+            theirs = _libraries(value)
+            if theirs[:len(ours)] != ours or not set(theirs[len(ours):]) <= self._mapped:
+                return False
+        return True
 
     def spawn(self, env: Mapping[str, str], log_fd: int) -> WarmChild:
         """A forked engine process reading stdin, answering on stdout, logging to `log_fd`."""
@@ -218,7 +237,10 @@ def _serve(fd: int) -> None:
     import ucm.vllm_hook  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the engines
-    sock.send(b"ready " + json.dumps(load_time_env(os.environ)).encode())
+    with open("/proc/self/maps") as f:
+        mapped = {os.path.realpath(line.split()[-1]) for line in f if ".so" in line}
+    ready = {"env": load_time_env(os.environ), "mapped": sorted(mapped)}
+    sock.send(b"ready " + json.dumps(ready).encode())
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
