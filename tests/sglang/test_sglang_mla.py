@@ -11,21 +11,31 @@ the test venv lacks, so the engine runs with `UCM_TEST_SGLANG_MLA=absorbed`
 forward, the latent read from the pool; and the MLA host pool gets the stand-in's `direct`
 copy). HiCache, its MLA host pool and the storage calls are SGLang's own.
 
-Without SGLang: the MLA pages of two TP ranks are one shard (the same key, either rank loads
-it), and a hybrid model's sidecar pools (sliding window, Mamba, ...) are refused by name when
-SGLang registers them at start.
+A hybrid sliding-window model (a tiny Llama whose config opts into SGLang's hybrid SWA pools)
+stops the engine at start, naming its `swa` pool. Without SGLang: the MLA pages of two TP ranks
+are one shard (the same key, either rank loads it), and every sidecar pool a hybrid model has
+(sliding window, Mamba, DSA indexer, draft, ...) is refused by name when SGLang registers it.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sglang_support import PAGE_SIZE, long_prompt, needs_sglang, posix, run_sglang, ucm_extra
+from sglang_support import (
+    PAGE_SIZE,
+    SGLangFailed,
+    long_prompt,
+    needs_sglang,
+    posix,
+    run_sglang,
+    ucm_extra,
+)
 
 from ucm.errors import ConfigError
 
@@ -63,6 +73,30 @@ def build_mla_model(root: Path) -> str:
     return str(path)
 
 
+def build_hybrid_swa_model(root: Path) -> str:
+    """A tiny fp32 Llama that SGLang runs as a hybrid sliding-window model: its config opts in
+    (`is_hybrid_swa`, layer 0 sliding with a window of 64, layer 1 full), so SGLang gives it an
+    `swa` host pool beside the KV one."""
+    from ucm.bench.models import ModelSpec, build_model
+
+    path = build_model(root, ModelSpec(dtype="float32"))
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(is_hybrid_swa=True, hybrid_layer_pattern=[1, 0], sliding_window=64)
+    config_path.write_text(json.dumps(config, indent=1))
+    return str(path)
+
+
+def start_error(model: str, root: Path) -> str:
+    """The output's tail of an engine that did not start (or says that it did)."""
+    try:
+        run_sglang({"model": model, "backend": "dynamic", "extra": ucm_extra(posix(root)),
+                    "prompts": [PROMPT]}, watchdog=180)
+    except SGLangFailed as exc:
+        return str(exc)
+    return "the engine started and answered"
+
+
 def ucm_ops(trace_dir: Path, op: str) -> list[dict[str, Any]]:
     """The fields of ucm's "op" records of kind `op` (load, store) in a trace directory."""
     from ucm.trace import read_trace
@@ -82,12 +116,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         return ucm_extra(posix(root, trace={"path": str(trace)}))
 
     spec = {"model": model, "dtype": "bfloat16", "backend": "dynamic"}
-    cold = run_sglang({**spec, "extra": ucm(tmp / "trace-cold"), "prompts": [PROMPT, PROMPT],
-                       "settle": 3}, env=MLA_ENV)
-    [fresh] = run_sglang({**spec, "extra": ucm(tmp / "trace-fresh"), "prompts": [PROMPT],
-                          "settle": 1}, env=MLA_ENV)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # beside the MLA engines: two cores
+        hybrid = pool.submit(start_error, build_hybrid_swa_model(tmp / "swa-model"),
+                             tmp / "swa-store")
+        cold = run_sglang({**spec, "extra": ucm(tmp / "trace-cold"),
+                           "prompts": [PROMPT, PROMPT], "settle": 3}, env=MLA_ENV)
+        [fresh] = run_sglang({**spec, "extra": ucm(tmp / "trace-fresh"), "prompts": [PROMPT],
+                              "settle": 1}, env=MLA_ENV)
+        hybrid_error = hybrid.result()
     return SimpleNamespace(root=root, cold=cold, fresh=fresh, stored=ucm_ops(
-        tmp / "trace-cold", "store"), loaded=ucm_ops(tmp / "trace-fresh", "load"))
+        tmp / "trace-cold", "store"), loaded=ucm_ops(tmp / "trace-fresh", "load"),
+        hybrid_error=hybrid_error)
 
 
 def page_files(root: Path) -> tuple[str, list[Path]]:
@@ -122,6 +161,13 @@ def test_a_fresh_engine_loads_the_stored_mla_prefix_with_the_radix_hits_output(r
     assert sum(op["bytes"] for op in runs.loaded) == loaded * MLA_PAGE_BYTES
     assert fresh["output_ids"] == hit["output_ids"] and fresh["text"] == hit["text"]
     assert len(fresh["output_ids"]) == 8
+
+
+@engine_test
+def test_sglang_with_a_hybrid_swa_model_stops_at_start_naming_its_swa_pool(runs):
+    # SGLang would otherwise call the v2 interface for the pool and hang the request
+    assert "ConfigError" in runs.hybrid_error and "host pool 'swa'" in runs.hybrid_error
+    assert "--disable-hybrid-swa-memory" in runs.hybrid_error
 
 
 # -- without SGLang ------------------------------------------------------------------------------
