@@ -30,19 +30,19 @@ import pytest
 from sglang_support import (
     PAGE_SIZE,
     SGLangFailed,
-    long_prompt,
     needs_sglang,
     posix,
     run_sglang,
     ucm_extra,
 )
 
+from ucm.bench.models import sample_text
 from ucm.errors import ConfigError
 
 LAYERS = 2
 LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim: the values per token and layer
 MLA_PAGE_BYTES = LAYERS * PAGE_SIZE * LATENT * 2  # bf16
-PROMPT = long_prompt(11)
+PROMPT = sample_text(330, 11)  # 331 tokens: 20 full pages, past HiCache's 256-token threshold
 MLA_ENV = {"UCM_TEST_SGLANG_MLA": "absorbed"}
 
 
@@ -120,9 +120,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
         hybrid = pool.submit(start_error, build_hybrid_swa_model(tmp / "swa-model"),
                              tmp / "swa-store")
         cold = run_sglang({**spec, "extra": ucm(tmp / "trace-cold"),
-                           "prompts": [PROMPT, PROMPT], "settle": 3}, env=MLA_ENV)
+                           "prompts": [PROMPT, PROMPT], "settle": 2}, env=MLA_ENV)
         [fresh] = run_sglang({**spec, "extra": ucm(tmp / "trace-fresh"), "prompts": [PROMPT],
-                              "settle": 1}, env=MLA_ENV)
+                              "settle": 0.5}, env=MLA_ENV)
         hybrid_error = hybrid.result()
     return SimpleNamespace(root=root, cold=cold, fresh=fresh, stored=ucm_ops(
         tmp / "trace-cold", "store"), loaded=ucm_ops(tmp / "trace-fresh", "load"),
