@@ -54,8 +54,10 @@ def run_sglang(spec: dict[str, Any], *, watchdog: float = 240, wrap: Sequence[st
     prefixes its command line (`ip netns exec NS`: a process on another host); `env` adds to
     its environment."""
     spec = {"watchdog": watchdog, **spec}
+    # ROOT first on SGLang's path: the ucm under test, not the one the venv installed (a
+    # worktree's engine runs would load the main checkout's ucm.sglang_hook otherwise)
     env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
-           **(env or {})}
+           "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.run([*wrap, str(SGLANG_PY), str(RUNNER), json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=watchdog + 60, cwd=ROOT)
     for line in proc.stdout.splitlines():

@@ -133,6 +133,32 @@ def page_layouts(mem_pool_host: Any, *, layout: str, is_mla: bool) -> list[KVLay
     return [found] if found.raw_bytes == page_bytes else []
 
 
+# SGLang's names (its PoolName values) for the host pools beside the KV one that a hybrid
+# model's HybridCacheController backs up through the v2 interface, which ucm does not implement.
+SIDECAR_POOLS = {
+    "swa": "sliding-window attention KV (SWA layers beside full ones)",
+    "mamba": "Mamba / linear-attention state",
+    "indexer": "the sparse-attention (DSA) indexer's keys",
+    "draft": "a speculative draft model's KV",
+    "draft_indexer": "a speculative draft model's DSA indexer keys",
+    "draft_swa": "a speculative draft model's sliding-window KV",
+}
+
+
+def refuse_sidecar_pool(name: str) -> ConfigError:
+    """The error that stops SGLang at start when it registers a host pool ucm cannot store."""
+    what = SIDECAR_POOLS.get(name) or ("compressed KV or state of DeepSeek V4" if
+                                       name.startswith("deepseek_v4") else "an extra host pool")
+    return ConfigError(
+        f"ucm's HiCache storage backend cannot serve this model: SGLang registered its host "
+        f"pool {name!r} ({what}) beside the KV pool; SGLang reads and writes such pools only "
+        f"through the backend's v2 interface (batch_exists_v2 / batch_get_v2 / batch_set_v2, "
+        f"one PoolTransfer per pool), and ucm stores the KV pool alone (dense and MLA models). "
+        f"Run this model without --hicache-storage-backend, or with a backend that implements "
+        f"v2" + ("; or with --disable-hybrid-swa-memory, which keeps full KV for every layer "
+                 "in the one KV pool" if name == "swa" else ""))
+
+
 def storage_key(seed: bytes, sglang_key: str, *, rank: int, size: int) -> bytes:
     """The ucm key of one rank's shard of the page SGLang names `sglang_key`."""
     return rank_key(foreign_key(seed, bytes.fromhex(sglang_key)), rank, size)
@@ -219,6 +245,62 @@ class UCMStorageBase:
             log.warning("ucm: storage did not start (%s); HiCache storage calls miss", exc)
         log.info("ucm: SGLang HiCache storage, namespace %s, rank %d of %d", self.namespace,
                  self.rank, self.size)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's HybridCacheController (every model's, in 0.5.19) registers each of its
+        host pools here when it attaches the backend, at start: the KV pool ("kv"), and for a
+        hybrid model its sidecars ("swa", "mamba", "indexer", "draft", ...). A sidecar is
+        refused here by name (ConfigError, the engine does not start): SGLang would back it up
+        and look it up through the v2 calls, whose NotImplementedError in its storage threads
+        leaves requests waiting for ever."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name != "kv":
+            raise refuse_sidecar_pool(name)
+        pools: dict[Any, Any] | None = getattr(self, "registered_pools", None)
+        if not isinstance(pools, dict):
+            pools = {}
+            self.registered_pools = pools  # what SGLang's own register_mem_host_pool_v2 keeps
+        pools[host_pool_name] = host_pool
+
+    # -- the v2 interface: never used with the KV pool alone; a miss, never an exception --------
+    def batch_exists_v2(self, keys: Any, pool_transfers: Any = None,
+                        extra_info: Any = None) -> Any:
+        """With no sidecar pool (refused at start) SGLang calls `batch_exists`; with one it
+        would come here: the KV prefix then, and no page of any other pool, so the
+        prefix is computed rather than served without its sidecar."""
+        try:
+            from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+        except ImportError:  # no SGLang: tests
+            from types import SimpleNamespace
+
+            return SimpleNamespace(kv_hit_pages=0, extra_pool_hit_pages={})
+        if pool_transfers:
+            self._count("v2_refused_calls")
+            return PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={})
+        return PoolTransferResult(kv_hit_pages=self.batch_exists(keys, extra_info),
+                                  extra_pool_hit_pages={})
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._v2_misses(transfers)
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[str, list[bool]]:
+        return self._v2_misses(transfers)
+
+    def _v2_misses(self, transfers: Any) -> dict[str, list[bool]]:
+        """Every page of every pool a miss (False), in the shape SGLang reads."""
+        self._count("v2_refused_calls")
+        out: dict[str, list[bool]] = {}
+        try:
+            for t in transfers or ():
+                name = str(getattr(t.name, "value", t.name))
+                keys = getattr(t, "keys", None)
+                n = _count(keys) if keys is not None else 0
+                if not n and getattr(t, "host_indices", None) is not None:
+                    n = _count(t.host_indices) // max(1, getattr(self, "page_size", 1))
+                out[name] = [False] * n
+        except Exception:  # odd transfers: what was built so far
+            pass
+        return out
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         return [storage_key(self.seed, k, rank=self.rank, size=self.size) for k in keys]

@@ -10,6 +10,8 @@ spec: model, dtype (float32), backend ("dynamic", "file" or null), extra (the ba
       flush_after (offline only: seconds to wait after each prompt but the last before
       emptying the device and host caches, so that the next prompt finds its pages in storage
       only)
+env: UCM_TEST_SGLANG_MLA=absorbed runs an MLA model on the torch_native attention backend
+     (absorbed_mla_on_torch_native)
 """
 
 from __future__ import annotations
@@ -28,6 +30,35 @@ from pathlib import Path
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 PAGE_SIZE = 16
+
+
+def absorbed_mla_on_torch_native() -> None:
+    """SGLang 0.5.19 runs an MLA model's prefill without a cached prefix through its MHA path
+    (`attn_mha` with the new tokens' K and V), which the torch_native attention backend cannot
+    serve: it reads K and V from the pool, where MLA keeps the 576-wide latent ("Expected size
+    for first two dimensions of batch2 tensor to be: [2, 192] but got: [2, 576]"). On the CPU
+    DeepSeek's own backend is intel_amx (sgl_kernel's compiled CPU kernels, which this test
+    venv lacks). So every torch_native forward of an MLA model takes the absorbed path (the
+    latent from the pool; what SGLang already does for decodes and for prefills past a cached
+    prefix). Runs in every process of the engine: spawned processes import this module too."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+    )
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod,
+    )
+
+    AttentionBackendRegistry.register("torch_native", lambda attn, batch: AttnForwardMethod.MLA)
+    # The MLA host pool imports its transfers from sgl_kernel only on CUDA and ROCm (the MHA
+    # one is patched at setup): the stand-in's `direct` copy, as for MHA.
+    from sgl_kernel.kvcacheio import transfer_kv_direct
+    from sglang.srt.mem_cache.pool_host import mla
+
+    mla.transfer_kv_direct = transfer_kv_direct
+
+
+if os.environ.get("UCM_TEST_SGLANG_MLA") == "absorbed":
+    absorbed_mla_on_torch_native()
 
 
 def rendezvous_port() -> int:
@@ -67,7 +98,8 @@ def engine_args(spec: dict) -> dict:
 def summary(out: dict, seconds: float) -> dict:
     meta = out["meta_info"]
     details = meta.get("cached_tokens_details") or {}
-    return {"text": out["text"], "prompt_tokens": meta.get("prompt_tokens"),
+    return {"text": out["text"], "output_ids": out.get("output_ids"),
+            "prompt_tokens": meta.get("prompt_tokens"),
             "cached_tokens": meta.get("cached_tokens"), "details": details,
             "storage_tokens": int(details.get("storage", 0) or 0), "seconds": seconds}
 
