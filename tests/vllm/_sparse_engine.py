@@ -7,7 +7,8 @@ A phase with `"noise": true` re-stores, right after its request's blocks are fre
 step's schedule, before that step's forward loads them), one freed block under its own key
 with other values: the decode must then attend what ucm holds, not what vLLM computed. A phase
 with `"drop": true` deletes every freed block of its request from ucm there instead: no load
-can succeed, and the decode must attend only what is resident."""
+can succeed, and the decode must attend only what is resident. A phase with `"reset": true`
+first empties vLLM's prefix cache, so that its prompts' prefixes come from ucm."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ucm.bench.engines import EngineSpec, connector_stats, make_engine
+from ucm.bench.engines import EngineSpec, _reset_prefix_cache, connector_stats, make_engine
 from ucm.kernel import Delete
 from ucm.vllm_hook.connector import live_connectors
 from ucm.vllm_hook.keys import rank_key
@@ -35,6 +36,7 @@ def main(spec: dict[str, Any]) -> None:
     [worker] = [c.worker for c in live_connectors() if c.worker is not None]
     [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]
     frees: list[dict[str, Any]] = []
+    phases: list[list[list[int]]] = []
     noise: dict[str, Any] = {"armed": False, "stored": [], "drop": False, "dropped": 0}
     freer = scheduler.sparse_blocks
     if freer is not None:
@@ -46,7 +48,9 @@ def main(spec: dict[str, Any]) -> None:
             out = free(req_id, *args)
             if out is not None:
                 frees.append({"before": before, "after": pool.get_num_free_blocks(),
-                              "offloaded": len(out.freed), "slots": len(out.slots)})
+                              "offloaded": len(out.freed), "slots": len(out.slots),
+                              "kept": freer.freed[-1]["kept_shared"], "req_id": req_id,
+                              "phase": len(phases)})
                 if noise["armed"]:
                     noise["armed"] = False
                     noise["stored"].append(_restore_noise(worker, out))
@@ -58,9 +62,10 @@ def main(spec: dict[str, Any]) -> None:
             return out
 
         freer._free = observed
-    phases = []
     for phase in spec["phases"]:
         noise["armed"], noise["drop"] = bool(phase.get("noise")), bool(phase.get("drop"))
+        if phase.get("reset"):
+            assert _reset_prefix_cache(llm)
         params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]],
                             params, use_tqdm=False)
