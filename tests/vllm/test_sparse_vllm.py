@@ -168,8 +168,11 @@ def test_prefix_from_ucm_runs_dense_counted(runs):
 # With `prefix: true` in SPARSE and these phases, the three tests below check requests whose
 # prefix came from a cache: dense [PROMPTS], [THIRD], [PROMPTS[:1]], [PAIR]; full the same
 # (THIRD with noise); low [PROMPTS], [THIRD] (drop), [PROMPTS[:1]] (reset) twice, [PAIR].
-# One run (before the `prefix` switch) passed the first two tests above and failed the first
-# below at `sparse_prefix_requests` (1, not 2); they stay off until they pass on an engine.
+# A run with `prefix` on (full engine): the first prompt again ran sparse with its 576-token
+# prefix read from the cache (freed, 23 planned steps, no dense fallback), but the pair did not
+# share: vLLM gave neither request the other's blocks when both arrive in one step (both
+# prefix 0, kept 0), so PAIR needs its second request to arrive after the first's prefill
+# (e.g. a token budget that splits the step). They stay off until they pass on an engine.
 PREFIX_UNVERIFIED = pytest.mark.skip(reason="sparse prefix hits: not yet verified on an engine "
                                      "(issue 34)")
 
