@@ -55,8 +55,11 @@ the worker's `dense_requests` and the scheduler's `sparse_dense.prefix` (other r
 reads the prefix's keys from vLLM's paged cache through the request's block-table row
 (`_key_reader`: `BlockLayout`'s segments and the KV layout `ucm.codecs.vllm.cache_layouts`
 checks against vLLM's own cache writes; tests/vllm/test_sparse_vllm.py reads back what
-`cpu_attn_reshape_and_cache` wrote, vec and amx) and the request runs sparse like any other.
-That mode is off by default: its engine tests are not yet passing (skipped there).
+`cpu_attn_reshape_and_cache` wrote, vec and amx) and the request runs sparse like any other;
+the blocks it shares with another running request (a prefix hit in vLLM's prefix cache) stay
+resident and are attended in place. That mode is opt-in (off by default); the engine tests run
+it with fp32 caches: a prefix from ucm or vLLM's prefix cache decodes as dense with the same
+hit at budget 1.0, and a shared prefix's blocks stay in both requests.
 
 Requests are told apart by their ids: the attention backend sees block-table rows only, so the
 scheduler names, per step, the block each sparse request writes its first new token into
