@@ -7,7 +7,19 @@ A phase with `"noise": true` re-stores, right after its request's blocks are fre
 step's schedule, before that step's forward loads them), one freed block under its own key
 with other values: the decode must then attend what ucm holds, not what vLLM computed. A phase
 with `"drop": true` deletes every freed block of its request from ucm there instead: no load
-can succeed, and the decode must attend only what is resident."""
+can succeed, and the decode must attend only what is resident. A phase with `"reset": true`
+first empties vLLM's prefix cache, so that its prompts' prefixes come from ucm. A phase with
+`"stagger": true` submits each prompt once the one before has its first token (its prefill
+done): vLLM's prefix cache gives it the blocks it shares with the ones before, and it arrives
+in the step that frees the one before's blocks, which sees them held by both. A phase with
+`"prefix": false` turns the sparse config's `prefix` off on both sides for its requests (the
+engine runs in this process), as if the config had left it at its default.
+
+vLLM's prefix cache is on; ucm's lookups answer within the step (`lookup_wait`), so that a
+request is scheduled in the step it arrives in, not a step later when a lookup takes longer
+than the default 2 ms. Besides the tokens, the JSON line names each phase's requests by vLLM's
+ids (`ids`) and gives the tokens each sparse request had computed when the scheduler first
+saw it (`starts`) and the engine step of that and of each free."""
 
 from __future__ import annotations
 
@@ -17,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ucm.bench.engines import EngineSpec, connector_stats, make_engine
+from ucm.bench.engines import EngineSpec, _reset_prefix_cache, connector_stats, make_engine
 from ucm.kernel import Delete
 from ucm.vllm_hook.connector import live_connectors
 from ucm.vllm_hook.keys import rank_key
@@ -27,14 +39,20 @@ def main(spec: dict[str, Any]) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = {"sparse": spec["sparse"]} if spec.get("sparse") else {}
+    extra: dict[str, Any] = {"lookup_wait": 30.0}
+    if spec.get("sparse"):
+        extra["sparse"] = spec["sparse"]
     llm = make_engine(EngineSpec(model=spec["model"], max_model_len=2048,
-                                 kv_cache_bytes=16 * 2**20, connector="ucm",
+                                 kv_cache_bytes=16 * 2**20, connector="ucm", prefix_caching=True,
                                  ucm={"tiers": [{"driver": "memory", "capacity": "64MiB"}]},
                                  extra=extra))
     [worker] = [c.worker for c in live_connectors() if c.worker is not None]
     [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]
     frees: list[dict[str, Any]] = []
+    phases: list[list[list[int]]] = []
+    ids: list[list[str]] = []
+    starts: list[dict[str, Any]] = []  # the tokens each sparse request had computed at its start
+    clock = {"step": 0}  # engine steps so far
     noise: dict[str, Any] = {"armed": False, "stored": [], "drop": False, "dropped": 0}
     freer = scheduler.sparse_blocks
     if freer is not None:
@@ -46,7 +64,9 @@ def main(spec: dict[str, Any]) -> None:
             out = free(req_id, *args)
             if out is not None:
                 frees.append({"before": before, "after": pool.get_num_free_blocks(),
-                              "offloaded": len(out.freed), "slots": len(out.slots)})
+                              "offloaded": len(out.freed), "slots": len(out.slots),
+                              "kept": freer.freed[-1]["kept_shared"], "req_id": req_id,
+                              "phase": len(phases), "step": clock["step"]})
                 if noise["armed"]:
                     noise["armed"] = False
                     noise["stored"].append(_restore_noise(worker, out))
@@ -58,17 +78,66 @@ def main(spec: dict[str, Any]) -> None:
             return out
 
         freer._free = observed
-    phases = []
+        start = freer.start
+
+        def started(req_id: str, computed_tokens: int) -> None:
+            starts.append({"req_id": req_id, "computed": computed_tokens,
+                           "step": clock["step"]})
+            start(req_id, computed_tokens)
+
+        freer.start = started
+    [sparse] = [c.sparse for c in live_connectors() if c.worker is not None]
     for phase in spec["phases"]:
         noise["armed"], noise["drop"] = bool(phase.get("noise")), bool(phase.get("drop"))
+        if phase.get("reset"):
+            assert _reset_prefix_cache(llm)
+        saved = (freer.prefix_keys, sparse.config) if freer is not None else None
+        if saved is not None and phase.get("prefix") is False:  # both sides' `prefix` off
+            freer.prefix_keys = False
+            sparse.config = sparse.config.model_copy(update={"prefix": False})
         params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]],
-                            params, use_tqdm=False)
-        phases.append([list(o.outputs[0].token_ids) for o in outs])
-    print("UCM_SPARSE " + json.dumps({"phases": phases, "frees": frees,
-                                      "noise": noise["stored"],
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
+        tokens, req_ids = _generate(llm, prompts, params, bool(phase.get("stagger")), clock)
+        phases.append(tokens)
+        ids.append(req_ids)
+        if saved is not None:
+            freer.prefix_keys, sparse.config = saved
+    print("UCM_SPARSE " + json.dumps({"phases": phases, "ids": ids, "starts": starts,
+                                      "frees": frees, "noise": noise["stored"],
                                       "dropped": noise["dropped"], "stats": connector_stats()},
                                      default=str), flush=True)
+
+
+def _generate(llm: Any, prompts: list[Any], params: Any, stagger: bool, clock: dict[str, int],
+              ) -> tuple[list[list[int]], list[str]]:
+    """Greedy outputs of `prompts` and the ids vLLM's scheduler knows them by (the ones the
+    sparse records name). Staggered: each prompt is submitted once the one before has its
+    first token; else all at once, as `LLM.generate` does."""
+    engine = llm.llm_engine
+    ids: list[str] = []  # vLLM's ids, in the prompts' order
+    external: dict[str, int] = {}  # the ids outputs carry -> the prompt's index
+    done: dict[int, list[int]] = {}
+    started: set[int] = set()
+
+    def submit(i: int) -> None:
+        name = f"step{clock['step']}-{i}"
+        external[name] = i
+        ids.append(engine.add_request(name, prompts[i], params))
+
+    for i in range(1 if stagger else len(prompts)):
+        submit(i)
+    while len(done) < len(prompts):
+        clock["step"] += 1
+        for out in engine.step():
+            i = external[out.request_id] if out.request_id in external \
+                else ids.index(out.request_id)
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(i)
+            if out.finished:
+                done[i] = list(out.outputs[0].token_ids)
+        if len(ids) < len(prompts) and len(ids) - 1 in started:
+            submit(len(ids))
+    return [done[i] for i in range(len(prompts))], ids
 
 
 def _restore_noise(worker: Any, free: Any) -> list[bool]:

@@ -1,7 +1,8 @@
 """The scheduler side of sparse attention (ucm.vllm_hook.sparse_blocks) on vLLM 0.32's own
 BlockPool, without an engine: which blocks go back to the pool, which stay as slots (their
-prefix-cache hash dropped), that a block another request holds is not returned, and each
-reason a request stays dense, counted."""
+prefix-cache hash dropped), that a block another request holds stays in the request, that a
+request whose prefix came from a cache is freed too, how requests are named to the worker,
+and each reason a request stays dense, counted."""
 
 from __future__ import annotations
 
@@ -89,15 +90,17 @@ def test_free_returns_blocks_keeps_slots_and_shared_blocks():
     before = pool.get_num_free_blocks()
     free = freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS)
     assert free is not None
-    # blocks 1..15 offloaded (the sink is 0, the window 16-17, 18 is the partial one)
-    assert free.freed == list(range(1, 16)) and free.digests == DIGESTS[1:16]
-    assert free.first_block == blocks[0].block_id
+    # blocks 1..15 offloaded (the sink is 0, the window 16-17, 18 is the partial one) but
+    # block 7, which another request holds too: it stays, resident, in both
+    offloaded = [*range(1, 7), *range(8, 16)]
+    assert free.freed == offloaded and free.digests == [DIGESTS[i] for i in offloaded]
     assert free.slots == [b.block_id for b in blocks[1:5]]  # 4 slots: budget 4
-    # 11 left the request; block 7 stays with the request that shares it
+    # 10 left the request, back in vLLM's pool
     assert pool.get_num_free_blocks() - before == 10
-    assert blocks[7].ref_cnt == 1
+    assert blocks[7].ref_cnt == 2
     row = kv.coordinator.single_type_managers[0].req_to_blocks["r0"]
-    assert [b.is_null for b in row] == [False] * 5 + [True] * 11 + [False] * 3
+    assert [b.is_null for b in row] == [False] * 5 + [True] * 2 + [False] + [True] * 8 + \
+        [False] * 3
     # the slots' hashes are gone (their contents will be other blocks'); a freed block keeps
     # its own, with its contents, for vLLM's prefix cache
     for i in range(1, 5):
@@ -106,11 +109,12 @@ def test_free_returns_blocks_keeps_slots_and_shared_blocks():
             BlockHashWithGroupId(b"r0-%d" % i)) is None
     assert pool.cached_block_hash_to_block.get_one_block(BlockHashWithGroupId(b"r0-9")) \
         is blocks[9]
-    assert stats["sparse_freed_blocks"] == 10 and stats["sparse_shared_blocks"] == 1
+    assert stats["sparse_freed_blocks"] == 10 and stats["sparse_kept_shared"] == 1
     assert stats["sparse_slot_blocks"] == 4 and stats["sparse_freed_requests"] == 1
     assert freer.plan("r0", PROMPT, PROMPT + 1, 18, DIGESTS) is None  # once
-    assert list(freer.freed) == [{"req_id": "r0", "offloaded": 15, "returned": 10,
-                                  "slots": 4, "pool_free_after": before + 10}]
+    assert list(freer.freed) == [{"req_id": "r0", "offloaded": 14, "returned": 10,
+                                  "slots": 4, "kept_shared": 1,
+                                  "pool_free_after": before + 10}]
 
 
 def test_slots_are_blocks_no_other_request_holds():
@@ -122,7 +126,8 @@ def test_slots_are_blocks_no_other_request_holds():
     free = freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS)
     assert free is not None
     assert free.slots == [b.block_id for b in owned["r0"][4:8]]
-    assert stats["sparse_shared_blocks"] == 3 and stats["sparse_freed_blocks"] == 8
+    assert free.freed == list(range(4, 16))
+    assert stats["sparse_kept_shared"] == 3 and stats["sparse_freed_blocks"] == 8
 
 
 def test_reasons_to_stay_dense_are_counted():
@@ -132,7 +137,8 @@ def test_reasons_to_stay_dense_are_counted():
     freer.start("r0", 0)
     assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is None  # no scheduler hook yet
     freer.attach(kv)
-    freer.start("r1", 64)  # a prefix from vLLM's prefix cache or ucm: keys not seen
+    freer.prefix_keys = False  # workers cannot read a prefix's keys (a cache layout unknown)
+    freer.start("r1", 64)  # a prefix from vLLM's prefix cache or ucm
     assert freer.plan("r1", PROMPT, PROMPT, 18, DIGESTS) is None
     freer.start("r2", 0)
     assert freer.plan("r2", 100, 100, 3, DIGESTS) is None  # 3 full blocks: sink + window
@@ -180,3 +186,41 @@ def test_blocks_ucm_does_not_confirm_are_not_freed():
     freer.start("r0", 0)
     assert freer.plan("r0", PROMPT, PROMPT, 18, DIGESTS) is not None
     assert pages.lookups == 2 and stats["sparse_freed_requests"] == 1
+
+
+def test_a_prefix_hit_is_freed_but_for_the_blocks_it_shares():
+    # r1 hit r0's first 8 blocks in vLLM's prefix cache (256 tokens computed) while r0 runs:
+    # both run sparse; blocks 1-7 are both requests' and stay in both, the rest go
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BS)
+    r0 = pool.get_new_blocks(19)
+    pool.touch(r0[:8])
+    r1 = r0[:8] + pool.get_new_blocks(11)
+    manager = SimpleNamespace(req_to_blocks={"r0": list(r0), "r1": list(r1)})
+    kv = SimpleNamespace(block_pool=pool,
+                         coordinator=SimpleNamespace(single_type_managers=[manager]))
+    freer, stats = _freer(_Pages())
+    freer.attach(kv)
+    freer.prefix_keys = True  # the config's `prefix`, the cache's keys readable
+    freer.start("r0", 0)
+    freer.start("r1", 256)
+    rows: dict[int, str] = {}
+    for req_id, blocks, computed in (("r0", r0, PROMPT), ("r1", r1, PROMPT)):
+        freer.name_row(rows, req_id, computed, [[b.block_id for b in blocks]])
+    # each named by the block its step writes into: its own
+    assert rows == {r0[18].block_id: "r0", r1[18].block_id: "r1"}
+    before = pool.get_num_free_blocks()
+    frees = [freer.plan(r, PROMPT, PROMPT, 18, DIGESTS) for r in ("r0", "r1")]
+    assert all(f is not None and f.freed == list(range(8, 16)) for f in frees)
+    assert [f.slots for f in frees if f] == [[b.block_id for b in blocks[8:12]]
+                                           for blocks in (r0, r1)]
+    assert pool.get_num_free_blocks() - before == 2 * 4
+    assert all(b.ref_cnt == 2 and not b.is_null for b in r0[1:8])
+    for req_id in ("r0", "r1"):
+        row = manager.req_to_blocks[req_id]
+        assert [b.is_null for b in row] == [False] * 12 + [True] * 4 + [False] * 3
+    assert stats["sparse_prefix_requests"] == 1 and stats["sparse_kept_shared"] == 14
+    assert not [k for k in stats if k.startswith("sparse_dense")]
+    # the worker is told which requests ended, once
+    freer.finished("r0")
+    freer.start("r1", 0)  # resumed after a preemption: ends, starts over
+    assert freer.take_ended() == ["r0", "r1"] and freer.take_ended() == []

@@ -6,10 +6,21 @@ request's slots, where attention reads them (ucm.vllm_hook.sparse).
 Three fresh engines (tests/vllm/_sparse_engine.py), greedy, two prompts decoded together, then
 a third prompt alone: dense (the connector, no sparse); quest at budget 1.0 (every offloaded
 block is loaded from ucm into a slot: the output must equal dense), whose third prompt has one
-offloaded block re-stored in ucm with noise (its output must change), and which then runs the
-first prompt again (its prefix comes from ucm: a counted dense fallback); quest with 4 top-k
+offloaded block re-stored in ucm with noise (its output must change); quest with 4 top-k
 blocks, 1 sink, 2 local blocks and a refresh every 4 steps (vLLM's free-block count grows by
 the blocks it freed; per-step attended blocks and loads are what the config says).
+
+vLLM's prefix cache is on, and both sparse engines turn the sparse config's `prefix` on: a
+request whose prefix came from a cache runs sparse, the worker reading the prefix's keys from
+vLLM's paged cache. Dense and budget 1.0 then run the first prompt again (a prefix hit: vLLM's
+prefix cache in dense, ucm in sparse, whose slots lost their prefix-cache hashes), and two
+prompts sharing 8 blocks, the second submitted once the first has its first token (it hits the
+first's blocks in vLLM's prefix cache in the step that frees the first's): each equals dense
+with the same hit. Budget 1.0 last runs the first prompt again with `prefix` off (the
+default): a counted dense fallback, dense's tokens. Budget 4 runs the first prompt twice after
+emptying vLLM's prefix cache (all but its last block from ucm: the two runs are equal, attend
+the same blocks and free what the computed one freed) and the shared pair (the shared blocks
+stay, resident, in both).
 """
 
 from __future__ import annotations
@@ -30,8 +41,10 @@ HERE = Path(__file__).resolve().parent
 BS = 32
 PROMPTS = [prompt(600, 7), prompt(450, 8)]  # 18 full blocks + 24 tokens; 14 full + 2
 THIRD = prompt(520, 9)  # 16 full blocks + 8
+SHARED = prompt(256, 11)  # 8 blocks: the pair's common prefix
+PAIR = [SHARED + prompt(360, 12), SHARED + prompt(210, 13)]  # 616 and 466 tokens
 MAX_TOKENS = 24
-SPARSE = {"method": "quest", "sink_blocks": 1, "local_blocks": 2, "stride": 4}
+SPARSE = {"method": "quest", "sink_blocks": 1, "local_blocks": 2, "stride": 4, "prefix": True}
 TOP_K = 4
 
 
@@ -51,6 +64,7 @@ def _engine(model: str, root: Path, name: str, sparse: dict | None, phases: list
                               timeout=600, check=False)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("UCM_SPARSE ")]
     assert proc.returncode == 0 and lines, log.read_text()[-4000:]
+    (root / f"{name}.json").write_text(lines[-1].split(" ", 1)[1])  # to read on a failure
     return dict(json.loads(lines[-1].split(" ", 1)[1]))
 
 
@@ -60,32 +74,43 @@ def runs(tmp_path_factory, engine_pool):
 
     root = tmp_path_factory.mktemp("sparse")
     model = str(build_model(root / "model", ModelSpec(max_positions=4096)))
+    pair = {"prompts": PAIR, "stagger": True}
     futures = {  # three engines, two at a time
         "dense": engine_pool.submit(_engine, model, root, "dense", None,
-                                    [{"prompts": PROMPTS}, {"prompts": [THIRD]}]),
+                                    [{"prompts": PROMPTS}, {"prompts": [THIRD]},
+                                     {"prompts": PROMPTS[:1]}, pair]),
         "full": engine_pool.submit(_engine, model, root, "full", {**SPARSE, "budget": 1.0},
                                    [{"prompts": PROMPTS}, {"prompts": [THIRD], "noise": True},
-                                    {"prompts": PROMPTS[:1]}]),
+                                    {"prompts": PROMPTS[:1]}, pair,
+                                    {"prompts": PROMPTS[:1], "prefix": False}]),
         "low": engine_pool.submit(_engine, model, root, "low", {**SPARSE, "budget": TOP_K},
-                                  [{"prompts": PROMPTS}, {"prompts": [THIRD], "drop": True}])}
+                                  [{"prompts": PROMPTS}, {"prompts": [THIRD], "drop": True},
+                                   {"prompts": PROMPTS[:1], "reset": True},
+                                   {"prompts": PROMPTS[:1], "reset": True}, pair])}
     return {name: future.result() for name, future in futures.items()}
 
 
-def _requests(result: dict, prompts: list[list[int]]) -> list[list[dict]]:
-    """The per-step records of the sparse requests of `prompts`, in their order."""
+def _phase_records(result: dict, phase: int) -> list[dict]:
+    """The records of a phase's sparse requests (by vLLM's ids), in its prompts' order."""
     sparse = result["stats"]["worker"]["sparse"]
     assert sparse.get("unplaced_blocks", 0) == 0
     assert sparse.get("frees_unmatched", 0) == 0 and sparse.get("resident_only_steps", 0) == 0
-    by_len = {r["steps"][0]["seq_len"]: r["steps"] for r in sparse["requests"]}
-    reqs = [by_len[len(p) + 1] for p in prompts]
-    assert all(len(s) == MAX_TOKENS - 1 for s in reqs)  # every decode step was planned
+    by_id = {r["req_id"]: r for r in sparse["requests"]}
+    reqs = [by_id[i] for i in result["ids"][phase]]
+    assert all(len(r["steps"]) == MAX_TOKENS - 1 for r in reqs)  # every step was planned
     return reqs
 
 
-def _check_steps(steps: list[dict], n_prompt: int, block_bytes: int) -> int:
+def _requests(result: dict, phase: int) -> list[list[dict]]:
+    """The per-step records of a phase's sparse requests, in its prompts' order."""
+    return [r["steps"] for r in _phase_records(result, phase)]
+
+
+def _check_steps(steps: list[dict], n_prompt: int, block_bytes: int, shared: int = 0) -> int:
     """Once freed, a request stays freed; an offloaded block attended is in a slot: loaded at
-    the step it first needs one, not again while a slot holds it. Returns the blocks loaded."""
-    offloaded = set(_offloaded(n_prompt))
+    the step it first needs one, not again while a slot holds it. Returns the blocks loaded.
+    `shared`: the first blocks another request holds too (never offloaded)."""
+    offloaded = set(_offloaded(n_prompt)) - set(range(shared))
     # freed at the first decode step: the scheduler waits for the worker's stores in flight
     # (one process) before its lookup confirms the blocks
     assert all(s["freed"] for s in steps), [s["freed"] for s in steps]
@@ -110,7 +135,7 @@ def test_full_budget_loads_from_ucm_and_equals_dense(runs):
     assert full["phases"][0] == dense["phases"][0]
     sparse = full["stats"]["worker"]["sparse"]
     block_bytes = sparse["block_bytes"]
-    for steps, p in zip(_requests(full, PROMPTS), PROMPTS, strict=True):
+    for steps, p in zip(_requests(full, 0), PROMPTS, strict=True):
         for s in steps:  # every block of the sequence is attended
             assert s["attended"] == list(range(s["n_blocks"])), s
         # every offloaded block came from ucm, at the first step: budget 1.0 keeps a slot
@@ -118,7 +143,8 @@ def test_full_budget_loads_from_ucm_and_equals_dense(runs):
         assert _check_steps(steps, len(p), block_bytes) == len(_offloaded(len(p)))
         assert steps[0]["load"] == list(_offloaded(len(p)))
     # budget 1.0: every offloaded block is a slot, none goes back to vLLM's pool
-    assert [(f["offloaded"], f["slots"], f["after"] - f["before"]) for f in full["frees"]] == [
+    assert [(f["offloaded"], f["slots"], f["after"] - f["before"])
+            for f in full["frees"] if f["phase"] < 2] == [
         (len(_offloaded(len(p))), len(_offloaded(len(p))), 0)
         for p in (*PROMPTS, THIRD)], full["frees"]
 
@@ -131,32 +157,113 @@ def test_attention_reads_what_ucm_loads(runs):
     assert len(runs["full"]["phases"][1][0]) == MAX_TOKENS
 
 
-def test_prefix_from_ucm_runs_dense_counted(runs):
-    full = runs["full"]
-    # the first prompt again: its prefix is loaded from ucm, whose keys the worker did not
-    # see: it runs dense, counted on both sides, and nothing of it is freed
-    assert full["stats"]["scheduler"]["sparse_dense.prefix"] == 1
-    assert full["stats"]["scheduler"]["sparse_requests"] == 4
-    assert full["stats"]["scheduler"]["sparse_freed_requests"] == 3
+def test_prefix_from_ucm_runs_dense_counted_with_prefix_off(runs):
+    dense, full = runs["dense"], runs["full"]
+    # the first prompt again with the sparse config's `prefix` off (its default), its prefix
+    # from ucm: it runs dense, counted on both sides, nothing of it freed: dense's tokens
+    sched = full["stats"]["scheduler"]
+    assert {k: v for k, v in sched.items() if k.startswith("sparse_dense")} == {
+        "sparse_dense.prefix": 1}, sched
     assert full["stats"]["worker"]["sparse"]["dense_requests"] == 1
-    assert len(full["frees"]) == 3
-    assert len(full["phases"][2][0]) == MAX_TOKENS
+    assert not [f for f in full["frees"] if f["phase"] == 4]
+    assert full["phases"][4] == dense["phases"][2]
+    assert len(full["phases"][4][0]) == MAX_TOKENS
+
+
+def test_prefix_hits_run_sparse_and_equal_dense_with_the_same_hit(runs):
+    dense, full = runs["dense"], runs["full"]
+    sched = full["stats"]["scheduler"]
+    # with `prefix` on, the first prompt again (its prefix from ucm, block 0 from vLLM's
+    # prefix cache) and the pair's second request run sparse; the one dense request is the
+    # last phase's (`prefix` off)
+    assert sched["sparse_requests"] == 7 and sched["sparse_freed_requests"] == 6
+    assert sched["sparse_prefix_requests"] == 2
+    worker = full["stats"]["worker"]["sparse"]
+    assert worker["prefix_requests"] == 2 and worker["prefix_tokens"] == 18 * BS + 8 * BS
+    block_bytes = worker["block_bytes"]
+    # budget 1.0 attends every block: the output is dense's with the same prefix hit
+    assert full["phases"][2] == dense["phases"][2]
+    [again] = _phase_records(full, 2)
+    assert again["prefix"] == 18 * BS  # every full block was a hit
+    assert _check_steps(again["steps"], len(PROMPTS[0]), block_bytes) == 15
+    assert all(s["attended"] == list(range(s["n_blocks"])) for s in again["steps"])
+    assert [(f["offloaded"], f["slots"], f["kept"], f["after"] - f["before"])
+            for f in full["frees"] if f["phase"] == 2] == [(15, 15, 0, 0)]
+
+
+def test_a_shared_prefix_stays_while_both_run(runs):
+    dense, full, low = runs["dense"], runs["full"], runs["low"]
+    # the pair decoded together, the second hitting the first's 8 blocks in vLLM's prefix
+    # cache: blocks 1-7 (0 is the sink) are both requests' and stay, resident, in both
+    assert full["phases"][3] == dense["phases"][3]
+    for result, phase in ((full, 3), (low, 4)):
+        records = _phase_records(result, phase)
+        assert [r["prefix"] for r in records] == [0, 8 * BS], records
+        by_id = {f["req_id"]: f for f in result["frees"] if f["phase"] == phase}
+        frees = [by_id[i] for i in result["ids"][phase]]
+        assert [(f["offloaded"], f["kept"]) for f in frees] == [(16 - 7, 7), (11 - 7, 7)]
+        # the second arrived (8 blocks computed: vLLM's prefix cache) in the step that freed
+        # the first's blocks
+        starts = {s["req_id"]: s for s in result["starts"]}
+        first, second = (starts[i] for i in result["ids"][phase])
+        assert (first["computed"], second["computed"]) == (0, 8 * BS)
+        assert second["step"] == frees[0]["step"] < frees[1]["step"]
+        block_bytes = result["stats"]["worker"]["sparse"]["block_bytes"]
+        for r, p, f in zip(records, PAIR, frees, strict=True):
+            loaded = _check_steps(r["steps"], len(p), block_bytes, shared=8)
+            assert all(not set(range(1, 8)) & set(s["load"]) for s in r["steps"])
+            if result is full:  # every block attended; each own offloaded one loaded once
+                assert all(s["attended"] == list(range(s["n_blocks"])) for s in r["steps"])
+                assert loaded == f["offloaded"] == f["slots"]
+    # budget 1.0: every own offloaded block is a slot; budget 4: the first's 9 own blocks,
+    # 5 back in vLLM's pool, the second's 4 all slots
+    assert [f["after"] - f["before"] for f in full["frees"] if f["phase"] == 3] == [0, 0]
+    frees = {f["req_id"]: f for f in low["frees"] if f["phase"] == 4}
+    assert [(frees[i]["slots"], frees[i]["after"] - frees[i]["before"])
+            for i in low["ids"][4]] == [(TOP_K, 5), (TOP_K, 0)]
+    assert full["stats"]["scheduler"]["sparse_kept_shared"] == 14
+    assert low["stats"]["scheduler"]["sparse_kept_shared"] == 14
+
+
+def test_a_prefix_from_ucm_frees_what_a_computed_one_frees(runs):
+    low = runs["low"]
+    computed = _phase_records(low, 0)[0]
+    hits = _phase_records(low, 2) + _phase_records(low, 3)
+    assert computed["prefix"] == 0 and [h["prefix"] for h in hits] == [18 * BS] * 2
+    # vLLM's prefix cache emptied before each: all but the last block from ucm, the keys read
+    # from vLLM's cache; the two hits run alike (tokens, blocks attended and loaded)
+    assert low["phases"][2] == low["phases"][3]
+    assert [s["attended"] for s in hits[0]["steps"]] == [s["attended"] for s in hits[1]["steps"]]
+    assert [s["load"] for s in hits[0]["steps"]] == [s["load"] for s in hits[1]["steps"]]
+    block_bytes = low["stats"]["worker"]["sparse"]["block_bytes"]
+    for h in hits:
+        assert _check_steps(h["steps"], len(PROMPTS[0]), block_bytes) > 0
+        assert all(s["budget"] == TOP_K for s in h["steps"])
+    # vLLM's free-block count grows by what the computed prompt's free gave back
+    first = next(f for f in low["frees"] if f["req_id"] == low["ids"][0][0])
+    for phase in (2, 3):
+        [f] = [f for f in low["frees"] if f["phase"] == phase]
+        assert (f["offloaded"], f["slots"], f["kept"]) == (15, TOP_K, 0)
+        assert f["after"] - f["before"] == first["after"] - first["before"] == 15 - TOP_K
 
 
 def test_low_budget_frees_vllm_blocks(runs):
     low = runs["low"]
     # vLLM's free-block count grows by the offloaded blocks beyond the budget's slots
-    frees = low["frees"]
+    frees = [f for f in low["frees"] if f["phase"] < 2]
     prompts = (*PROMPTS, THIRD)
     assert sorted((f["offloaded"], f["slots"]) for f in frees) == sorted(
         (len(_offloaded(len(p))), TOP_K) for p in prompts)
     for f in frees:
         assert f["after"] - f["before"] == f["offloaded"] - f["slots"], f
-    sched = low["stats"]["scheduler"]
     returned = sum(len(_offloaded(len(p))) - TOP_K for p in prompts)
-    assert sched["sparse_freed_blocks"] == returned == 11 + 7 + 9
-    assert sched["sparse_slot_blocks"] == 3 * TOP_K and sched["sparse_shared_blocks"] == 0
-    assert low["stats"]["worker"]["sparse"]["freed_blocks"] == returned
+    assert sum(f["after"] - f["before"] for f in frees) == returned == 11 + 7 + 9
+    # the counters: these, the first prompt twice from ucm (11 each) and the pair (5, 0)
+    sched = low["stats"]["scheduler"]
+    everything = sum(f["after"] - f["before"] for f in low["frees"])
+    assert sched["sparse_freed_blocks"] == everything == returned + 11 + 11 + 5
+    assert sched["sparse_slot_blocks"] == 7 * TOP_K
+    assert low["stats"]["worker"]["sparse"]["freed_blocks"] == everything
 
 
 def test_low_budget_attends_sinks_window_and_slots(runs):
@@ -168,7 +275,7 @@ def test_low_budget_attends_sinks_window_and_slots(runs):
     # reading fewer blocks changes this random model's greedy output: the compacted block
     # table is what the kernel reads (so the budget-1.0 equality above is not vacuous)
     assert low["phases"][0] != dense["phases"][0]
-    for steps, p in zip(_requests(low, PROMPTS), PROMPTS, strict=True):
+    for steps, p in zip(_requests(low, 0), PROMPTS, strict=True):
         loaded = _check_steps(steps, len(p), block_bytes)
         assert loaded > 0
         offloaded = set(_offloaded(len(p)))
@@ -212,7 +319,7 @@ def test_blocks_that_do_not_load_are_not_attended(runs):
     # step's loads fail, counted, and attention reads only what is resident
     offloaded = set(_offloaded(len(THIRD)))
     assert low["dropped"] == len(offloaded)
-    [steps] = _requests(low, [THIRD])
+    [steps] = _requests(low, 1)
     freed = [s for s in steps if s["freed"]]
     assert len(freed) == len(steps) and all(s["load"] == [] for s in freed)
     assert all(not set(s["attended"]) & offloaded for s in freed), freed
@@ -221,3 +328,73 @@ def test_blocks_that_do_not_load_are_not_attended(runs):
     assert low["stats"]["worker"]["sparse"]["failed_blocks"] == failed
     assert all(s["slots"] == [None] * TOP_K for s in freed)  # no slot holds a failed load
     assert len(low["phases"][1][0]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_keys_are_read_from_vllms_cache(dtype):
+    # a prefix this worker did not see being computed: its keys, as vLLM's own
+    # cpu_attn_reshape_and_cache wrote them (the ISA's order), read back through the block
+    # table (ucm.vllm_hook.sparse._key_reader: BlockLayout's segments, cache_layouts' order)
+    from types import SimpleNamespace
+
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from ucm.codecs.vllm import cache_layouts
+    from ucm.sparse.config import SparseConfig
+    from ucm.vllm_hook.layout import BlockLayout
+    from ucm.vllm_hook.sparse import SparseAttention
+
+    heads, dim, n_blocks = 2, 64, 8
+    torch_dtype = getattr(torch, dtype)
+    isa = _get_attn_isa(torch_dtype, BS, dim)
+    caches = {f"layers.{i}.attn": torch.zeros(n_blocks, heads, BS, 2 * dim, dtype=torch_dtype)
+              for i in range(2)}
+    layout = BlockLayout(caches, n_blocks)
+    found = cache_layouts(caches, n_blocks, layout.block_bytes, interpretable=False,
+                          cpu_isa=isa)
+    assert found, isa
+    row = [5, 2, 7, 0]  # blocks 5 and 2 full, 10 tokens in block 7
+    slots = torch.tensor([b * BS + t for b in row[:2] for t in range(BS)]
+                         + [7 * BS + t for t in range(10)])
+    written = []
+    for cache in caches.values():
+        keys = torch.randn(len(slots), heads, dim).to(torch_dtype)
+        kc, vc = cache.view(n_blocks, heads, 2 * BS, dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys, torch.randn_like(keys), kc, vc, slots, isa)
+        written.append(keys.float().transpose(0, 1))
+    sparse = SparseAttention(SparseConfig(block_size=BS),
+                             SimpleNamespace(layout=layout, kv_layouts=found))
+    sparse.register(list(caches))
+    got = sparse._read_keys(SimpleNamespace(num_kv_heads=heads, head_size=dim),
+                            torch.tensor(row), len(slots))
+    assert got is not None and len(got) == 2
+    for g, w in zip(got, written, strict=True):
+        assert g.shape == (heads, len(slots), dim) and torch.equal(g, w)
+    # a layout the worker does not know: nothing is read (the request stays dense, counted)
+    blind = SparseAttention(SparseConfig(block_size=BS),
+                            SimpleNamespace(layout=layout, kv_layouts=[]))
+    blind.register(list(caches))
+    assert blind._read_keys(SimpleNamespace(num_kv_heads=heads, head_size=dim),
+                            torch.tensor(row), len(slots)) is None
+
+
+def test_the_scheduler_knows_whether_prefix_keys_are_readable():
+    # the scheduler process has no cache: it judges from the config, through the same probe
+    # of vLLM's cache writes as the worker's registration (else prefixes stay dense, counted)
+    from types import SimpleNamespace
+
+    import torch
+
+    from ucm.vllm_hook.sparse import prefix_keys_readable
+
+    def config(dtype, cache_dtype="auto"):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(dtype=dtype, get_head_size=lambda: 64),
+            cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=BS))
+
+    assert prefix_keys_readable(config(torch.float32))
+    assert prefix_keys_readable(config(torch.bfloat16))
+    assert not prefix_keys_readable(config(torch.bfloat16, "fp8"))
+    assert not prefix_keys_readable(SimpleNamespace())

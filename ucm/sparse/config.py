@@ -47,6 +47,11 @@ class SparseConfig(BaseModel):
         "adaptive: the estimated attention mass the chosen blocks must reach"))
     min_budget: int = Field(default=1, ge=0, description="adaptive: blocks chosen at least")
     seed: int = Field(default=0, description="seed of the random method")
+    prefix: bool = Field(default=False, description=(
+        "vLLM: run a request whose prefix came from ucm or vLLM's prefix cache sparse too, "
+        "its keys read from vLLM's paged cache (where ucm knows the cache's layout: a cache "
+        "in the model's dtype; else dense, counted); off: such a request runs dense, counted "
+        "(sparse_dense.prefix)"))
     # what vLLM's sparse adapter keeps for statistics(); its counters stay exact
     step_records: int = Field(default=256, ge=0, description=(
         "per-step records kept per request, the newest (older ones are dropped, counted)"))

@@ -23,7 +23,7 @@ from ucm.codecs.vllm import attention_isa
 from ucm.vllm_hook.events import UCMKVEvents, WorkerEvents, group_metadata
 from ucm.vllm_hook.metadata import UCMConnectorMetadata
 from ucm.vllm_hook.settings import kv_layer_count, settings_from_vllm
-from ucm.vllm_hook.sparse import SparseAttention, install_scheduler
+from ucm.vllm_hook.sparse import SparseAttention, install_scheduler, prefix_keys_readable
 from ucm.vllm_hook.stats import SideStats, UCMConnectorStats, UCMPromMetrics
 
 if TYPE_CHECKING:
@@ -92,6 +92,9 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
                                            if publishes and self.settings.hybrid else ())
             if self.settings.sparse is not None:  # hands us vLLM's KV cache manager (.sparse)
                 install_scheduler()
+                freer = self.scheduler.sparse_blocks
+                if freer is not None and freer.prefix_keys:
+                    freer.prefix_keys = prefix_keys_readable(vllm_config)
             # A block that does not load is a miss: vLLM recomputes it (unless the user asked
             # for "fail"). The scheduler reads this right after building its connector.
             kvt = vllm_config.kv_transfer_config
@@ -138,7 +141,8 @@ class UCMConnector(KVConnectorBase_V1, SupportsHMA):
         meta = scheduler.build_connector_meta(scheduler_output)
         if meta.loads and self.settings.early_loads and not scheduler.shares_kernel:
             return StepMetadata(loads=meta.loads, saves=meta.saves,  # loads on arrival
-                                sessions=meta.sessions, sparse=meta.sparse)
+                                sessions=meta.sessions, sparse=meta.sparse,
+                                sparse_rows=meta.sparse_rows, sparse_ended=meta.sparse_ended)
         return meta
 
     def attach_kv_manager(self, kv_manager: Any) -> None:

@@ -28,11 +28,9 @@ class SparseFree:
     """A sparse request whose offloaded blocks the scheduler gave back to vLLM's free pool
     (`ucm.vllm_hook.sparse_blocks`): logical blocks `freed[i]` (stored in ucm as
     `digests[i]`) are no longer in its cache; `slots` are the physical blocks it kept to
-    load selected ones into (their contents are not any block's until loaded). The worker's
-    attention backend tells requests apart by `first_block`, the physical id of block 0."""
+    load selected ones into (their contents are not any block's until loaded)."""
 
     req_id: str
-    first_block: int
     freed: list[int]
     digests: list[bytes]
     slots: list[int]
@@ -44,7 +42,13 @@ class UCMConnectorMetadata(KVConnectorMetadata):
     saves: list[BlockTransfer] = field(default_factory=list)
     sessions: list[SessionOp] = field(default_factory=list)  # finished requests' hints
     sparse: list[SparseFree] = field(default_factory=list)  # requests whose blocks were freed
+    # sparse attention: the physical block each sparse request of the step writes its first
+    # token of the step into (never shared, never freed) -> its id, so that the worker's
+    # attention backend tells requests apart; and the sparse requests that ended
+    sparse_rows: dict[int, str] = field(default_factory=dict)
+    sparse_ended: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.saves or self.sessions or self.sparse)
+        return not (self.loads or self.saves or self.sessions or self.sparse
+                    or self.sparse_rows or self.sparse_ended)

@@ -383,11 +383,15 @@ class SchedulerSide:
                 continue
             meta.saves.extend(self._plan_save(st, computed_before[req_id] + n_scheduled))
             if self.sparse_blocks is not None:
+                self.sparse_blocks.name_row(meta.sparse_rows, req_id, computed_before[req_id],
+                                            st.block_ids)
                 free = self.sparse_blocks.plan(req_id, len(st.request.prompt_token_ids),
                                                computed_before[req_id], st.saved_blocks,
                                                st.chain.digests)
                 if free is not None:
                     meta.sparse.append(free)
+        if self.sparse_blocks is not None:
+            meta.sparse_ended = self.sparse_blocks.take_ended()
         for st in self._reqs.values():  # asynchronous loads: requests vLLM did not schedule
             if st.pending_loads:
                 meta.loads.extend(st.pending_loads)

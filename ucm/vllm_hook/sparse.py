@@ -17,9 +17,11 @@ a RuntimeError (the engine does not start).
 The scheduler side (`ucm.vllm_hook.sparse_blocks`): at a sparse request's first decode step,
 once a Lookup finds the prompt's blocks between the sinks and the local window in ucm, those
 blocks leave the request's block list (vLLM's null block there, as sliding-window layers do)
-and go back to vLLM's free pool, except `budget` of them that only this request holds, kept as
-slots (their prefix-cache hash dropped). The step's metadata (`SparseFree`) tells the worker
-which logical blocks are gone, their digests and the slots' physical ids.
+and go back to vLLM's free pool, except `budget` of them, kept as slots (their prefix-cache
+hash dropped), and those another request holds too (a prefix shared through vLLM's prefix
+cache), which stay resident and are attended where they are. The step's metadata
+(`SparseFree`) tells the worker which logical blocks are gone, their digests and the slots'
+physical ids.
 
 The worker side, per step, without an active `SparseAttention` the wrapper calls the original
 unchanged; with one:
@@ -49,12 +51,21 @@ stay in vLLM's cache; loads are synchronous in the step that needs them (prefetc
 tier, not vLLM's cache); a request whose earlier tokens this adapter did not see (a prefix
 loaded from ucm or vLLM's prefix cache, a preemption with a prefix hit) runs dense, counted in
 the worker's `dense_requests` and the scheduler's `sparse_dense.prefix` (other reasons:
-`ucm.vllm_hook.sparse_blocks`).
+`ucm.vllm_hook.sparse_blocks`), unless the sparse config's `prefix` is on: then the worker
+reads the prefix's keys from vLLM's paged cache through the request's block-table row
+(`_key_reader`: `BlockLayout`'s segments and the KV layout `ucm.codecs.vllm.cache_layouts`
+checks against vLLM's own cache writes; tests/vllm/test_sparse_vllm.py reads back what
+`cpu_attn_reshape_and_cache` wrote, vec and amx) and the request runs sparse like any other;
+the blocks it shares with another running request (a prefix hit in vLLM's prefix cache) stay
+resident and are attended in place. That mode is opt-in (off by default); the engine tests run
+it with fp32 caches: a prefix from ucm or vLLM's prefix cache decodes as dense with the same
+hit at budget 1.0, and a shared prefix's blocks stay in both requests.
 
-Requests are told apart by the first physical block of their block-table row (the attention
-backend does not see request ids), which is why block 0 is never freed. A request's state (its
-session's representatives and step records) stays until its first block is reused by another
-request.
+Requests are told apart by their ids: the attention backend sees block-table rows only, so the
+scheduler names, per step, the block each sparse request writes its first new token into
+(`sparse_rows`: its own block, never shared nor freed) and the requests that ended
+(`sparse_ended`, whose state goes). Per request the adapter keeps its newest `step_records`
+step records, and the newest `request_records` ended requests' (the counters count all).
 """
 
 from __future__ import annotations
@@ -150,9 +161,12 @@ class _Request:
     """One request's keys, newest queries, session, and (once the scheduler freed its
     offloaded blocks) those blocks' digests and its slots."""
 
-    def __init__(self, n_layers: int, dense: bool, step_records: int) -> None:
+    def __init__(self, n_layers: int, dense: bool, step_records: int, req_id: str = "",
+                 seen: int = 0) -> None:
+        self.req_id, self.seen = req_id, seen  # vLLM's id, the order this worker saw it in
         self.dense = dense
-        self.tokens = 0  # tokens whose keys this adapter saw
+        self.tokens = 0  # tokens in the cache (computed here, or before: `prefix`)
+        self.prefix = 0  # tokens computed before this worker saw the request
         self.prompt_keys: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
         self.new_keys: list[torch.Tensor | None] = [None] * n_layers
         self.queries: list[torch.Tensor | None] = [None] * n_layers
@@ -172,7 +186,9 @@ class SparseAttention:
         self.worker = worker
         self.stats: Counter[str] = Counter()
         self.layers: dict[str, int] = {}
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[str, _Request] = {}  # by vLLM's request id
+        self._step_rows: dict[int, str] = {}  # this step's: a block it writes -> request id
+        self._keys: list[tuple[Any, torch.Tensor, torch.dtype]] | None = None  # _key_reader
         self._md_in: Any = None
         self._md_out: Any = None
         self._rows: list[_Request | None] = []
@@ -193,13 +209,20 @@ class SparseAttention:
         self.layers = {name: i for i, name in enumerate(layer_names)}
 
     def observe(self, meta: Any) -> None:
-        """The step's frees (`SparseFree`): requests whose offloaded blocks left vLLM's cache."""
+        """The step's metadata: its sparse requests (`sparse_rows`: a block each writes this
+        step -> its id), the ones that ended (`sparse_ended`), and the frees (`SparseFree`):
+        requests whose offloaded blocks left vLLM's cache."""
+        for req_id in getattr(meta, "sparse_ended", ()):
+            rq = self._requests.pop(req_id, None)
+            if rq is not None:
+                self._retire(rq)
+        self._step_rows = dict(getattr(meta, "sparse_rows", {}))
         for free in getattr(meta, "sparse", ()):
-            rq = self._requests.get(free.first_block)
+            rq = self._requests.get(free.req_id)
             if rq is None:  # the scheduler frees only after this worker ran the prefill
                 self.stats["frees_unmatched"] += 1
-                log.error("ucm: sparse free of %s names block %d, which no request here "
-                          "starts with", free.req_id, free.first_block)
+                log.error("ucm: sparse free of %s, which this worker has not seen",
+                          free.req_id)
                 continue
             rq.freed = dict(zip(free.freed, free.digests, strict=True))
             rq.slots, rq.holds = list(free.slots), [None] * len(free.slots)
@@ -227,28 +250,71 @@ class SparseAttention:
         seq_lens = md.seq_lens[:n_reqs].tolist()
         self._rows = []
         rows: dict[int, tuple[list[int], int]] = {}
+        bs = self.config.block_size
         for r in range(n_reqs):
             qlen, seq_len = qsl[r + 1] - qsl[r], seq_lens[r]
-            first = int(md.block_table[r, 0])
-            rq = self._requests.get(first)
-            if rq is None or rq.tokens + qlen != seq_len:
-                if rq is not None:
+            computed = seq_len - qlen
+            # the block this step writes the request's first new token into: its own (vLLM
+            # shares only full blocks, the scheduler never frees it), named in the metadata
+            req_id = self._step_rows.get(int(md.block_table[r, computed // bs]))
+            if req_id is None:  # not a request the scheduler named (a dummy run): dense
+                self.stats["rows_unnamed"] += 1
+                self._rows.append(None)
+                continue
+            rq = self._requests.get(req_id)
+            if rq is None or rq.tokens != computed:
+                if rq is not None:  # vLLM recomputes it (a load that failed)
                     self._retire(rq)
-                rq = _Request(len(self.layers), dense=seq_len != qlen,
-                              step_records=self.config.step_records)
-                rq.tokens = seq_len - qlen  # a dense one's earlier tokens: not seen here
-                self.stats["requests_seen"] += 1
-                self.stats["dense_requests"] += rq.dense
-                self._requests[first] = rq
+                rq = self._new_request(impl, md.block_table[r], computed, req_id)
+                self._requests[req_id] = rq
             rq.row = md.block_table[r]
             self._rows.append(rq)
-            if qlen == 1 and not rq.dense and rq.tokens > 0:
+            if qlen == 1 and not rq.dense and all(q is not None for q in rq.queries):
                 rows[r] = self._plan(rq, seq_len)
             elif rq.freed is not None:  # never planned: attend what is resident, counted
                 rows[r] = self._resident_only(rq, seq_len)
         if not rows:
             return md
         return self._compact(impl, layer, query, md, rows, n_reqs, seq_lens)
+
+    def _new_request(self, impl: Any, row: torch.Tensor, computed: int, req_id: str,
+                     ) -> _Request:
+        """A request first seen here, `computed` tokens already in vLLM's cache (a prefix from
+        ucm or vLLM's prefix cache, a recompute): their keys are read from the cache."""
+        rq = _Request(len(self.layers), dense=False, step_records=self.config.step_records,
+                      req_id=req_id, seen=self.stats["requests_seen"])
+        rq.tokens = rq.prefix = computed
+        self.stats["requests_seen"] += 1
+        if computed and not self.config.prefix:  # off: dense, as the scheduler keeps it
+            rq.dense = True
+            self.stats["dense_requests"] += 1
+        elif computed:
+            keys = self._read_keys(impl, row, computed)
+            if keys is None:  # the cache's key layout is not known: dense, counted
+                rq.dense = True
+                self.stats["dense_requests"] += 1
+            else:
+                rq.prompt_keys = [[k] for k in keys]
+                self.stats["prefix_requests"] += 1
+                self.stats["prefix_tokens"] += computed
+        return rq
+
+    def _read_keys(self, impl: Any, row: torch.Tensor, tokens: int,
+                   ) -> list[torch.Tensor] | None:
+        """The keys of a request's first `tokens` tokens, per layer (Hkv, tokens, D) in fp32,
+        read from vLLM's paged cache through its block-table row; None when the cache's key
+        layout is not known."""
+        if self._keys is None:
+            self._keys = _key_reader(self.worker, list(self.layers)) or []
+        if not self._keys:
+            return None
+        blocks = row[:-(-tokens // self.config.block_size)].long()
+        out = []
+        for view, index, dtype in self._keys:
+            elems = view[blocks].view(dtype)[:, index]  # [blocks, T, Hkv * D]
+            keys = elems.reshape(-1, impl.num_kv_heads, impl.head_size)[:tokens]
+            out.append(keys.transpose(0, 1).float().contiguous())
+        return out
 
     def _plan(self, rq: _Request, seq_len: int) -> tuple[list[int], int]:
         """One decode step of one request: plan, load freed selected blocks into its slots,
@@ -414,14 +480,88 @@ class SparseAttention:
             self.stats["dropped_request_records"] += 1
             if not self.history.maxlen:
                 return
-        self.history.append({"steps": list(rq.steps)})
+        self.history.append(self._record_of(rq))
 
     # -- results ---------------------------------------------------------------------------------
+    @staticmethod
+    def _record_of(rq: _Request) -> dict[str, Any]:
+        return {"req_id": rq.req_id, "seen": rq.seen, "prefix": rq.prefix,
+                "steps": list(rq.steps)}
+
     def statistics(self) -> dict[str, Any]:
         """Counters (exact) and the kept per-step records (attended blocks, loads, bytes): each
         live request's newest `step_records`, and those of the newest `request_records` ended
         ones (`dropped_step_records`, `dropped_request_records`: what went)."""
-        requests = [*self.history, *({"steps": list(rq.steps)}
-                                     for rq in self._requests.values() if rq.steps)]
+        requests = [*self.history, *(self._record_of(rq) for rq in self._requests.values()
+                                     if rq.steps)]
         return {"config": self.config.model_dump(), "block_bytes": self.worker.layout.block_bytes
                 if self.worker.layout else 0, **self.stats, "requests": requests}
+
+
+_TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def prefix_keys_readable(vllm_config: Any) -> bool:
+    """Whether workers can read a prefix's keys back from vLLM's CPU cache (`_key_reader`),
+    judged from the config where no cache is at hand (the scheduler process): a cache in the
+    model's dtype ("auto") whose attention ISA's order `probe_cpu_orders` confirms through
+    vLLM's own cache writes, as the worker's registration does. Otherwise the scheduler keeps
+    a request with a prefix dense (`sparse_dense.prefix`)."""
+    from ucm.codecs.vllm import probe_cpu_orders
+
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        if cache.cache_dtype != "auto" or model.dtype not in _TORCH_DTYPES.values():
+            return False
+        head = model.get_head_size()
+        isa = _get_attn_isa(model.dtype, cache.block_size, head, cache.cache_dtype)
+        return bool(probe_cpu_orders(isa, model.dtype, 1, cache.block_size, head))
+    except Exception as exc:  # a config this check does not understand: no prefix reads
+        log.info("ucm: sparse attention cannot tell whether prefix keys are readable (%s); "
+                 "requests with a prefix run dense", exc)
+        return False
+
+
+def _key_reader(worker: Any, layer_names: list[str],
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.dtype]] | None:
+    """Where each layer's keys sit in vLLM's paged cache, from the layouts the worker found
+    at registration: the block's byte segments (`BlockLayout`, the direct load path's) and
+    its KV layout (`ucm.codecs.vllm.cache_layouts`, checked against vLLM's own cache writes):
+    per layer, (its segment's byte rows [num_blocks, bytes], the element index [T, Hkv * D]
+    of its keys in a row, the element dtype). None when no known layout covers every layer's
+    keys (a cache of another dtype, an ISA without a known order)."""
+    import numpy as np
+
+    from ucm.codecs.quant import to_logical
+
+    layout = getattr(worker, "layout", None)
+    if layout is None:
+        return None
+    found = [k for k in getattr(worker, "kv_layouts", ()) if k.raw_bytes == layout.block_bytes]
+    if not found or found[0].dtype not in _TORCH_DTYPES:
+        return None
+    kv = found[0]
+    dtype = _TORCH_DTYPES[kv.dtype]
+    item = torch.empty(0, dtype=dtype).element_size()
+    keys: dict[int, list[np.ndarray]] = {}  # segment offset -> its key parts' indexes
+    pos = 0
+    for part in kv.parts:
+        kind, tokens, channels, order = part
+        nbytes = kv.part_bytes(part)
+        if kind == "k":
+            seg = next(s for s in layout.segments if s.offset <= pos < s.offset + s.nbytes)
+            first = (pos - seg.offset) // item
+            keys.setdefault(seg.offset, []).append(
+                first + to_logical(np.arange(tokens * channels), tokens, channels, order))
+        pos += nbytes
+    out = []
+    for name in layer_names:
+        with_keys = [s for s in layout.by_layer.get(name, ()) if s.offset in keys]
+        if len(with_keys) != 1:
+            return None
+        seg = with_keys[0]
+        index = np.concatenate(keys[seg.offset], axis=1)  # [T, Hkv * D], heads in order
+        out.append((seg.view, torch.from_numpy(np.ascontiguousarray(index)), dtype))
+    return out

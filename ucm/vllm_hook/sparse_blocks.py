@@ -16,19 +16,23 @@ it looks up again at the next step.
 
 - logical blocks `max(1, sink_blocks)` .. `prompt // block_size - local_blocks` leave the
   request: its block list holds vLLM's null block there (as sliding-window layers do) and
-  `BlockPool.free_blocks` drops its reference; a block another request also uses (prefix
-  cache) keeps that request's reference and is not returned to the pool;
+  `BlockPool.free_blocks` returns it to the pool; a block another request holds too (ref
+  count > 1: a prefix shared through vLLM's prefix cache) stays in the request, resident, and
+  is attended there (`sparse_kept_shared`);
 - of those, `budget` blocks only this request holds stay its own as slots: the worker loads
   the selected blocks into them. Their prefix-cache hash is dropped first, so no request can
   hit them once their contents are another block's;
 - the worker is told (`SparseFree` in the step's metadata) which logical blocks are gone,
   their digests, and the slots.
 
-Block 0 is never freed: the worker's attention backend tells requests apart by its physical id.
+Each step names the sparse requests to the worker (`name_row`: the block each writes its first
+new token into, which is never freed) and the ones that ended (`take_ended`).
 A request that cannot run sparse stays dense, its reason counted once in
 `sparse_dense.<reason>`: `no_manager` (the scheduler hook is not attached), `layerwise`,
 `async` (async scheduling or pipeline parallelism: a step in flight may read freed blocks),
-`prefix` (its first step found tokens computed: the worker did not see their keys), `short`
+`prefix` (its first step found tokens computed, from ucm or vLLM's prefix cache, and the
+sparse config's `prefix` is off or the workers cannot read their keys from vLLM's cache:
+`ucm.vllm_hook.sparse.prefix_keys_readable`; with it on, `sparse_prefix_requests`), `short`
 (nothing between sinks and window), `not_stored` (ucm did not confirm the blocks within
 `load_timeout`), `blocks` (vLLM's block list is not what was expected), `unfreed` (it
 finished, or was preempted, before its blocks could go). A resumed request starts over
@@ -76,6 +80,11 @@ class BlockFreer:
         self.stats = stats
         self.kv_manager: Any = None
         self._reqs: dict[str, _Freeing] = {}
+        self._ended: list[str] = []  # since the last step's metadata (`take_ended`)
+        # whether a request with a prefix runs sparse: the config's `prefix`, and workers can
+        # read its keys from vLLM's cache (`ucm.vllm_hook.sparse.prefix_keys_readable`, which
+        # the connector checks); if not, it stays dense
+        self.prefix_keys = self.config.prefix
         # the last freed requests: blocks offloaded, returned to the pool, slots
         self.freed: deque[dict[str, Any]] = deque(maxlen=256)
 
@@ -85,14 +94,16 @@ class BlockFreer:
 
     def start(self, req_id: str, computed_tokens: int) -> None:
         """A request scheduled for the first time (or resumed), with this many tokens computed
-        (vLLM's prefix cache, a load from ucm)."""
+        (vLLM's prefix cache, a load from ucm: the worker reads their keys from the cache)."""
         if req_id in self._reqs:  # resumed after a preemption: vLLM recomputes it
             self.finished(req_id)
             self.stats["sparse_restarts"] += 1
         fr = self._reqs[req_id] = _Freeing()
         self.stats["sparse_requests"] += 1
-        if computed_tokens > 0:
+        if computed_tokens > 0 and not self.prefix_keys:
             self._dense(fr, "prefix")
+        elif computed_tokens > 0:
+            self.stats["sparse_prefix_requests"] += 1
 
     def finished(self, req_id: str) -> None:
         """The request finished (or is recomputed): one still waiting for its free is
@@ -100,10 +111,28 @@ class BlockFreer:
         fr = self._reqs.pop(req_id, None)
         if fr is None:
             return
+        self._ended.append(req_id)
         if fr.lookup is not None:
             fr.lookup.cancel()
         if fr.status == "wait":
             self.stats["sparse_dense.unfreed"] += 1
+
+    def name_row(self, rows: dict[int, str], req_id: str, computed_tokens: int,
+                 block_ids: Sequence[Sequence[int]]) -> None:
+        """Names a scheduled request to the worker's attention backend (which sees block-table
+        rows, not request ids): `rows[block] = req_id`, the block the step writes the
+        request's first new token into. That block is the request's own (vLLM shares only
+        full blocks) and is never freed (it is past the prompt's offloaded blocks)."""
+        ids = block_ids[0] if block_ids else ()
+        i = computed_tokens // self.settings.block_size
+        if req_id in self._reqs and i < len(ids):
+            rows[ids[i]] = req_id
+
+    def take_ended(self) -> list[str]:
+        """The requests that ended (or restart) since the last call: the worker drops their
+        state."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def _dense(self, fr: _Freeing, reason: str) -> None:
         fr.status = "dense"
@@ -132,7 +161,7 @@ class BlockFreer:
             self._dense(fr, reason)
             return None
         cfg, bs = self.config, self.settings.block_size
-        lo, hi = max(1, cfg.sink_blocks), prompt_tokens // bs - cfg.local_blocks
+        lo, hi = cfg.sink_blocks, prompt_tokens // bs - cfg.local_blocks
         if hi <= lo:
             self._dense(fr, "short")
             return None
@@ -183,11 +212,14 @@ class BlockFreer:
         n_blocks = math.ceil(prompt_tokens / self.settings.block_size)
         budget = min(hi - lo, cfg.budget_blocks(max(0, n_blocks - cfg.sink_blocks
                                                     - cfg.local_blocks)))
-        # slots: blocks no other request holds; their hash goes, their contents will change
-        slots = [i for i in range(lo, hi) if blocks[i].ref_cnt == 1][:budget]
+        # a block another request holds too (a prefix shared in vLLM's prefix cache) stays,
+        # resident, and is attended where it is; of the others, `budget` stay as slots (their
+        # hash goes: their contents will change) and the rest go back to vLLM's pool
+        kept = [i for i in range(lo, hi) if blocks[i].ref_cnt > 1]
+        own = [i for i in range(lo, hi) if blocks[i].ref_cnt == 1]
+        slots, gone = own[:budget], own[budget:]
         for i in slots:
             pool._maybe_evict_cached_block(blocks[i])
-        gone = [i for i in range(lo, hi) if i not in set(slots)]
         released = [blocks[i] for i in gone]
         before = pool.get_num_free_blocks()
         for i in gone:
@@ -197,12 +229,13 @@ class BlockFreer:
         fr.status = "freed"
         self.stats["sparse_freed_requests"] += 1
         self.stats["sparse_freed_blocks"] += returned  # back in vLLM's free pool
-        self.stats["sparse_shared_blocks"] += len(gone) - returned  # another request's too
+        self.stats["sparse_kept_shared"] += len(kept)  # another request's too: not freed
         self.stats["sparse_slot_blocks"] += len(slots)
         self.stats["sparse_slot_shortfall"] += budget - len(slots)
-        self.freed.append({"req_id": req_id, "offloaded": hi - lo, "returned": returned,
-                           "slots": len(slots), "pool_free_after": before + returned})
-        log.debug("ucm: %s: %d blocks freed (%d returned to vLLM's pool), %d slots", req_id,
-                  len(gone), returned, len(slots))
-        return SparseFree(req_id, blocks[0].block_id, list(range(lo, hi)),
-                          list(digests[lo:hi]), [blocks[i].block_id for i in slots])
+        self.freed.append({"req_id": req_id, "offloaded": len(own), "returned": returned,
+                           "slots": len(slots), "kept_shared": len(kept),
+                           "pool_free_after": before + returned})
+        log.debug("ucm: %s: %d blocks freed (%d returned to vLLM's pool), %d slots, %d kept "
+                  "(shared)", req_id, len(gone), returned, len(slots), len(kept))
+        return SparseFree(req_id, own, [digests[i] for i in own],
+                          [blocks[i].block_id for i in slots])
