@@ -127,22 +127,25 @@ def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
 
 
 def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
-                  retain_s: float | None, max_pinned: str = "50%") -> list[list[int]]:
+                  retain_s: float | None, max_pinned: str = "50%",
+                  ) -> tuple[list[list[int]], dict[str, int]]:
     """Each request's hits by tier (fastest first) as the kernel serves them with session
     holds in the first tier: the kernel's store (`simulate(..., kernel_stores=True)`, no
     promotion) and, after each request of a session (`Request.session`), a hold of all its
     stored blocks (`retain_s`; None: no holds) by the kernel's own `Holds`, capped at
     `max_pinned` of the first tier as `sessions.max_pinned` caps it. The clock stands still:
     `retain_s` is taken to outlast the replay, so no hold expires (the engine's replay takes
-    seconds)."""
+    seconds). Also the holds' counters (`session_holds`, `session_releases.<reason>`), as
+    the kernel's statistics count them."""
     from ucm.config import SessionsConfig
 
     policies = [make_policy(t.policy, t.capacity_bytes, clock=_still) for t in tiers]
     indexes = [p.index for p in policies]
     holds = None
+    stats: Counter[str] = Counter()
     if retain_s is not None:
         cap = SessionsConfig(max_pinned=max_pinned).cap_bytes(tiers[0].capacity_bytes)
-        holds = Holds(policies[0], cap, Counter(), clock=_still)
+        holds = Holds(policies[0], cap, stats, clock=_still)
     out = []
     for request in requests:
         blocks = request.blocks
@@ -159,7 +162,7 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 _store_held(policy, tier, blocks[hit:], holds if depth == 0 else None)
         if holds is not None and request.session is not None and blocks:
             holds.hold(request.session, blocks, retain_s)  # type: ignore[arg-type]
-    return out
+    return out, dict(stats)
 
 
 def _still() -> float:

@@ -247,7 +247,7 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
                                f"{expected[name]}: the prediction would count other bytes")
     reqs = [r._replace(session=s) for r, s in
             zip(vllm_requests(prompts, block_size, got["namespace"]), returning, strict=True)]
-    pred = predict_holds(reqs, sim_tiers, retain_s=retain_s if retain else None,
+    pred, sim_sessions = predict_holds(reqs, sim_tiers, retain_s=retain_s if retain else None,
                          max_pinned=max_pinned)
     measured = got["by_tier"]
     return {"trace": trace, "requests": len(prompts), "sample": sample,
@@ -260,7 +260,8 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
             "predicted_fast": sum(p[0] for p in pred), "measured_fast": sum(m[0] for m in measured),
             "predicted_hits": sum(map(sum, pred)), "measured_hits": sum(map(sum, measured)),
             "requests_differing": sum(1 for p, m in zip(pred, measured, strict=True) if p != m),
-            "cached_tokens": got["cached_tokens"], "sessions": got["sessions"]}
+            "cached_tokens": got["cached_tokens"], "sessions": got["sessions"],
+            "predicted_sessions": sim_sessions}
 
 
 if __name__ == "__main__":
