@@ -17,13 +17,16 @@ from __future__ import annotations
 import os
 import random
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ucm.autotune._simulate import SimResult, SimTier, simulate
+from ucm.autotune._simulate import SimResult, SimTier, _sources, _store_batch, simulate
 from ucm.autotune._traces import Request, jsonl_records
 from ucm.block import PAYLOAD_OFFSET
+from ucm.kernel._holds import Holds
+from ucm.kernel._policy import Policy, make_policy
 
 TRACE_BLOCK = 512  # tokens of one Mooncake hash id
 FIRST_TOKEN = 3  # ids below are the tiny model's special tokens
@@ -56,6 +59,12 @@ def read_slice(path: str | os.PathLike[str], *, requests: int = 96, sample: int 
         if len(out) >= requests:
             break
     return out
+
+
+def trace_session(request: TraceRequest) -> str | None:
+    """A slice request's session: its conversation chain, named by its second hash id (the
+    first past the system prompt every request shares); None for a one-block request."""
+    return f"chain-{request.hash_ids[1]}" if len(request.hash_ids) > 1 else None
 
 
 def block_tokens(hash_id: int, block_size: int, vocab: int) -> list[int]:
@@ -115,3 +124,67 @@ def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
         sim.append(SimTier(policy, None, "posix", capacity_bytes=posix_blocks * file_bytes,
                            block_bytes=file_bytes))
     return config, sim
+
+
+def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
+                  retain_s: float | None, max_pinned: str = "50%",
+                  ) -> tuple[list[list[int]], dict[str, int]]:
+    """Each request's hits by tier (fastest first) as the kernel serves them with session
+    holds in the first tier: the kernel's store (`simulate(..., kernel_stores=True)`, no
+    promotion) and, after each request of a session (`Request.session`), a hold of all its
+    stored blocks (`retain_s`; None: no holds) by the kernel's own `Holds`, capped at
+    `max_pinned` of the first tier as `sessions.max_pinned` caps it. The clock stands still:
+    `retain_s` is taken to outlast the replay, so no hold expires (the engine's replay takes
+    seconds). Also the holds' counters (`session_holds`, `session_releases.<reason>`), as
+    the kernel's statistics count them."""
+    from ucm.config import SessionsConfig
+
+    policies = [make_policy(t.policy, t.capacity_bytes, clock=_still) for t in tiers]
+    indexes = [p.index for p in policies]
+    holds = None
+    stats: Counter[str] = Counter()
+    if retain_s is not None:
+        cap = SessionsConfig(max_pinned=max_pinned).cap_bytes(tiers[0].capacity_bytes)
+        holds = Holds(policies[0], cap, stats, clock=_still)
+    out = []
+    for request in requests:
+        blocks = request.blocks
+        looked = blocks if request.lookup is None else blocks[:request.lookup]
+        sources = _sources(looked, indexes)
+        per_tier = [0] * len(tiers)
+        for i, depth in enumerate(sources):
+            per_tier[depth] += 1
+            policies[depth].touch(blocks[i], i)
+        out.append(per_tier)
+        hit = len(sources)
+        if hit < len(blocks):
+            for depth, (policy, tier) in enumerate(zip(policies, tiers, strict=True)):
+                _store_held(policy, tier, blocks[hit:], holds if depth == 0 else None)
+        if holds is not None and request.session is not None and blocks:
+            holds.hold(request.session, blocks, retain_s)  # type: ignore[arg-type]
+    return out, dict(stats)
+
+
+def _still() -> float:
+    return 0.0
+
+
+def _store_held(policy: Policy, tier: SimTier, keys: Sequence[bytes],
+                holds: Holds | None) -> None:
+    """`_simulate._store_batch` (one kernel Store into one tier), telling the holds of each
+    block indexed as `Tier.add` does."""
+    if holds is None:
+        _store_batch(policy, tier, keys)
+        return
+    need = tier.block_bytes + tier.header_bytes
+    reserved = 0
+    chosen = []
+    for key in keys:
+        if policy.make_room(need + reserved) is None:
+            continue
+        reserved += need
+        chosen.append(key)
+    for key in chosen:
+        old = policy.size_of(key)
+        policy.insert(key, tier.block_bytes)
+        holds.added(key, old)

