@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +34,7 @@ LOAD_TIME = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "P
              "MALLOC_ARENA_MAX", "TCMALLOC_RELEASE_RATE", "HF_HUB_OFFLINE",
              "TRANSFORMERS_OFFLINE", "HF_HOME", "VIRTUAL_ENV")
 
-_MAX_MESSAGE = 1 << 20  # an environment and a working directory, as JSON
+MAX_MESSAGE = 1 << 20  # an environment and a working directory, as JSON
 
 
 def load_time_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -93,7 +92,7 @@ class WarmProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         self._proc = subprocess.Popen(
-            [*wrap, sys.executable, "-m", "ucm.bench._warm", str(theirs.fileno())],
+            [*wrap, sys.executable, "-m", "ucm.bench._forkserver", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=dict(env), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=self._errors, start_new_session=True)
         theirs.close()
@@ -108,7 +107,7 @@ class WarmProcess:
     def _wait_ready(self) -> None:
         """Waits for its imports (under the lock); then `loaded_env` is what they left."""
         if self.loaded_env is None:
-            ready = self._sock.recv(_MAX_MESSAGE)
+            ready = self._sock.recv(MAX_MESSAGE)
             if not ready.startswith(b"ready "):
                 self._errors.seek(0)
                 raise WarmEnded("the warm engine process failed to start:\n"
@@ -208,63 +207,3 @@ def _close_all() -> None:
         for warm in _warm.values():
             warm.close()
         _warm.clear()
-
-
-def _child(message: dict[str, Any], fds: list[int]) -> None:
-    """In the forked child: its own session, the asker's pipes, environment and directory."""
-    os.setsid()
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # vLLM waits for the processes it starts
-    for fd, target in zip(fds, (0, 1, 2), strict=True):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(message["cwd"])
-    os.environ.clear()
-    os.environ.update(message["env"])
-    from ucm.bench.engines import _main
-
-    _main()
-
-
-def _serve(fd: int) -> None:
-    sock = socket.socket(fileno=fd)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # as engines.make_engine, before the imports
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    # What every engine process imports first; nothing here starts a thread pool or an engine.
-    from vllm import LLM, SamplingParams  # noqa: F401
-    from vllm.inputs import TokensPrompt  # noqa: F401
-
-    import ucm.bench.engines
-    import ucm.vllm_hook  # noqa: F401
-
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the engines
-    with open("/proc/self/maps") as f:
-        mapped = {os.path.realpath(line.split()[-1]) for line in f if ".so" in line}
-    ready = {"env": load_time_env(os.environ), "mapped": sorted(mapped)}
-    sock.send(b"ready " + json.dumps(ready).encode())
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
-        except OSError:
-            return
-        if not data:
-            return  # the asking process has gone
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            code = 1
-            try:
-                _child(json.loads(data), fds)
-                code = 0
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()  # into the engine's log (its stderr)
-            finally:
-                os._exit(code)
-        for f in fds:
-            os.close(f)
-        sock.send(json.dumps({"pid": pid}).encode())
-
-
-if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
