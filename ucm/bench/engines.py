@@ -101,6 +101,11 @@ class Phase:
     # Wait for the ucm worker's stores before answering, so that the next phase's lookups
     # see them (requests replayed one at a time in a simulator's order).
     wait_stores: bool = False
+    # Each prompt's `kv_transfer_params` (None: none), e.g. a ucm session hint.
+    hints: list[Any] | None = None
+    # Also return each ucm tier's blocks loaded in the phase (`tier_loads`, the kernel's
+    # `load_hits.<tier>` read around it; with wait_stores, so no store is still in flight).
+    tier_loads: bool = False
 
 
 def kv_transfer_config(spec: EngineSpec) -> Any:
@@ -171,8 +176,15 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     if phase.logprob_tail:  # vLLM skips every cache for such requests unless told not to,
         # and detokenizes every row, the uninitialised ones of loaded tokens included.
         extra = {"prompt_logprobs": 0, "skip_reading_prefix_cache": False, "detokenize": False}
-    params = SamplingParams(temperature=0.0, max_tokens=phase.max_tokens,
-                            ignore_eos=phase.ignore_eos, **extra)
+    params: Any = SamplingParams(temperature=0.0, max_tokens=phase.max_tokens,
+                                 ignore_eos=phase.ignore_eos, **extra)
+    if phase.hints is not None:
+        if phase.stepwise or len(phase.hints) != len(phase.prompts):
+            raise ValueError(f"phase {phase.name}: hints need one per prompt, not stepwise")
+        params = [SamplingParams(temperature=0.0, max_tokens=phase.max_tokens,
+                                 ignore_eos=phase.ignore_eos, **extra,
+                                 extra_args=None if h is None else {"kv_transfer_params": h})
+                  for h in phase.hints]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in phase.prompts]
     walls, ttft = [], []
     steps: list[dict[str, Any]] = []
@@ -180,6 +192,7 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
     if phase.reset_prefix_cache and not _reset_prefix_cache(llm):
         raise RuntimeError(f"phase {phase.name}: vLLM did not reset its prefix cache")
     before = _worker_counters()
+    loads_before = _tier_loads() if phase.tier_loads else {}
     for _ in range(phase.repeat):
         t0 = time.perf_counter()
         if phase.stepwise:
@@ -199,6 +212,8 @@ def run_phase(llm: Any, phase: Phase) -> dict[str, Any]:
         "prompt_tokens": [len(p) for p in phase.prompts],
         "worker_delta": {k: v - before.get(k, 0) for k, v in _worker_counters().items()},
     }
+    if phase.tier_loads:
+        result["tier_loads"] = {k: v - loads_before.get(k, 0) for k, v in _tier_loads().items()}
     if phase.logprob_tail:
         result["tail_logprobs"] = [_tail_logprobs(p, o, phase.logprob_tail)
                                    for p, o in zip(phase.prompts, outs, strict=True)]
@@ -252,6 +267,18 @@ def _worker_counters() -> dict[str, int]:
     for conn in live_connectors():
         if conn.worker is not None:
             return dict(conn.worker.stats)
+    return {}
+
+
+def _tier_loads() -> dict[str, int]:
+    """The ucm worker's kernel's blocks loaded from each tier so far, by tier name."""
+    from ucm.vllm_hook.connector import live_connectors
+
+    for conn in live_connectors():
+        if conn.worker is not None:
+            stats = conn.worker.kernel.statistics()
+            return {k[len("load_hits."):]: int(v) for k, v in stats.items()
+                    if k.startswith("load_hits.")}
     return {}
 
 

