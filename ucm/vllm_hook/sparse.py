@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter, deque
 from typing import Any
 
@@ -390,8 +391,11 @@ class SparseAttention:
             rq.holds[s] = None  # being overwritten
         keys = [rank_key(rq.freed[b], settings.tp_rank, settings.tp_size) for b, _ in targets]
         buffers = [worker.layout.scatter(rq.slots[s]) for _, s in targets]
+        began = time.perf_counter_ns()  # the step waits for these loads: what prefetch did not hide
         pending = worker.pages.start_load(keys, buffers, promote=settings.promote_loads)
         states = worker.await_load(pending, direct=True, what="sparse load")
+        self.stats["load_wait_ns"] += time.perf_counter_ns() - began
+        self.stats["load_waits"] += 1
         loaded, failed = [], []
         for i, (b, s) in enumerate(targets):
             if states is not None and states[i] is LoadState.OK:
