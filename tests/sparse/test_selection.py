@@ -176,10 +176,14 @@ def test_gsa_hamming_similarity_equals_a_brute_force_bit_count():
     from ucm.sparse.methods import hamming_similarity, pack_bits, popcount
 
     g = torch.Generator().manual_seed(20)
-    a = torch.randint(0, 256, (5, 7, 16), generator=g, dtype=torch.uint8)
-    b = torch.randint(0, 256, (1, 7, 16), generator=g, dtype=torch.uint8)
-    equal = (_brute_bits(a) == _brute_bits(b)).sum(-1)
-    assert torch.equal(hamming_similarity(a, b), equal)
+    for nbytes in (16, 5):  # 8-byte words (the SWAR count) and the byte table
+        a = torch.randint(0, 256, (5, 7, nbytes), generator=g, dtype=torch.uint8)
+        b = torch.randint(0, 256, (1, 7, nbytes), generator=g, dtype=torch.uint8)
+        a[0, 0] = 255  # every bit set, the int64 sign bit included
+        b[0, 1] = 255
+        equal = (_brute_bits(a) == _brute_bits(b)).sum(-1)
+        assert torch.equal(hamming_similarity(a, b), equal)
+        assert torch.equal(8 * nbytes - popcount(a ^ b), equal)
     assert popcount(torch.arange(256, dtype=torch.uint8)[:, None]).tolist() == [
         bin(i).count("1") for i in range(256)]
     bits = torch.rand(3, 40, generator=g) > 0.5
