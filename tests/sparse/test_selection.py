@@ -184,6 +184,10 @@ def test_gsa_hamming_similarity_equals_a_brute_force_bit_count():
         equal = (_brute_bits(a) == _brute_bits(b)).sum(-1)
         assert torch.equal(hamming_similarity(a, b), equal)
         assert torch.equal(8 * nbytes - popcount(a ^ b), equal)
+    flat = torch.randint(0, 256, (3 * 16 + 1,), generator=g, dtype=torch.uint8)
+    odd = flat[1:].reshape(3, 16)  # not 8-byte aligned: the byte table
+    assert torch.equal(hamming_similarity(odd, odd[:1]),
+                       (_brute_bits(odd) == _brute_bits(odd[:1])).sum(-1))
     assert popcount(torch.arange(256, dtype=torch.uint8)[:, None]).tolist() == [
         bin(i).count("1") for i in range(256)]
     bits = torch.rand(3, 40, generator=g) > 0.5

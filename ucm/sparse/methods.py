@@ -169,7 +169,8 @@ def _popcount64(words: torch.Tensor) -> torch.Tensor:
 def hamming_similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Bits equal in packed uint8 codes a and b (broadcast; the last dim holds the bytes)."""
     nbytes = a.shape[-1]
-    if nbytes % 8 == 0 and a.is_contiguous() and b.is_contiguous():
+    words = all(x.is_contiguous() and x.storage_offset() % 8 == 0 for x in (a, b))
+    if nbytes % 8 == 0 and words:  # int64 views of the same bytes
         xor = torch.bitwise_xor(a.view(torch.int64), b.view(torch.int64))
         return 8 * nbytes - _popcount64(xor)
     return 8 * nbytes - popcount(torch.bitwise_xor(a, b))
