@@ -56,7 +56,7 @@ def test_sparse_output_equals_masked_dense_reference(method):
     assert not torch.allclose(out, dense_attention(q, k, v), atol=1e-3)  # it is sparse
 
 
-@pytest.mark.parametrize("method", ["quest", "esa", "kvstar", "random"])
+@pytest.mark.parametrize("method", ["quest", "esa", "gsa", "kvstar", "random"])
 @pytest.mark.parametrize("budget", [0, 2, 5])
 def test_sinks_and_local_window_always_selected_and_count_exact(method, budget):
     q, k, _ = _qkv(2)
@@ -80,6 +80,11 @@ def test_config_validation():
         SparseConfig(budget=1.5)
     with pytest.raises(ValueError):
         SparseConfig(method="nope")
+    with pytest.raises(ValueError, match="hash_bits must be a multiple of 8"):
+        SparseConfig(method="gsa", hash_bits=12)
+    assert SparseConfig(method="gsa").hash_bits == 128
+    assert SparseConfig(method="gsa").prefetch_enabled
+    assert not SparseConfig(method="esa").prefetch_enabled
     assert SparseConfig(budget=1.0).budget_blocks(40) == 40
     assert SparseConfig(budget=1 / 8).budget_blocks(40) == 5
     assert SparseConfig(budget=7).budget_blocks(5) == 5
@@ -159,3 +164,80 @@ def test_adaptive_budget_grows_with_flatter_attention():
         budgets.append(selection(m, q[None, None], keys)[1])
     assert budgets[0] < budgets[1]
     assert budgets[1] > 30  # nearly uniform attention needs most blocks
+
+
+# ----- GSA: hashed keys, Hamming similarity -----
+def _brute_bits(codes: torch.Tensor) -> torch.Tensor:
+    """(..., nbytes) uint8 -> (..., 8 nbytes) bool, bit i of byte j at 8 j + i."""
+    return torch.stack([(codes.int() >> i) & 1 == 1 for i in range(8)], -1).flatten(-2)
+
+
+def test_gsa_hamming_similarity_equals_a_brute_force_bit_count():
+    from ucm.sparse.methods import hamming_similarity, pack_bits, popcount
+
+    g = torch.Generator().manual_seed(20)
+    for nbytes in (16, 5):  # 8-byte words (the SWAR count) and the byte table
+        a = torch.randint(0, 256, (5, 7, nbytes), generator=g, dtype=torch.uint8)
+        b = torch.randint(0, 256, (1, 7, nbytes), generator=g, dtype=torch.uint8)
+        a[0, 0] = 255  # every bit set, the int64 sign bit included
+        b[0, 1] = 255
+        equal = (_brute_bits(a) == _brute_bits(b)).sum(-1)
+        assert torch.equal(hamming_similarity(a, b), equal)
+        assert torch.equal(8 * nbytes - popcount(a ^ b), equal)
+    flat = torch.randint(0, 256, (3 * 16 + 1,), generator=g, dtype=torch.uint8)
+    odd = flat[1:].reshape(3, 16)  # not 8-byte aligned: the byte table
+    assert torch.equal(hamming_similarity(odd, odd[:1]),
+                       (_brute_bits(odd) == _brute_bits(odd[:1])).sum(-1))
+    assert popcount(torch.arange(256, dtype=torch.uint8)[:, None]).tolist() == [
+        bin(i).count("1") for i in range(256)]
+    bits = torch.rand(3, 40, generator=g) > 0.5
+    assert torch.equal(_brute_bits(pack_bits(bits)), bits)  # packing round-trips
+
+
+def test_gsa_hash_is_the_sign_of_a_seeded_projection_and_deterministic():
+    import subprocess
+    import sys
+
+    g = torch.Generator().manual_seed(21)
+    keys = torch.randn(2, 64, 64, generator=g)
+    m = sparse.GSA(SparseConfig(method="gsa", seed=3))
+    codes = m.hash(keys)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, 64, 16)
+    assert torch.equal(_brute_bits(codes), keys @ m.projection(64, keys.device) > 0)
+    assert torch.equal(sparse.GSA(SparseConfig(method="gsa", seed=3)).hash(keys), codes)
+    assert not torch.equal(sparse.GSA(SparseConfig(method="gsa", seed=4)).hash(keys), codes)
+    child = ("import torch; from ucm.sparse import GSA, SparseConfig; "
+             "x = torch.arange(64 * 5, dtype=torch.float32).reshape(5, 64).sin(); "
+             "print(GSA(SparseConfig(method='gsa', seed=3)).hash(x).flatten().tolist())")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         check=True).stdout
+    x = torch.arange(64 * 5, dtype=torch.float32).reshape(5, 64).sin()
+    assert out.strip() == str(m.hash(x).flatten().tolist())  # the same in another process
+
+
+def test_gsa_with_gqa_bf16_keys_scores_each_query_head_against_its_kv_head():
+    """SmolLM2's shape: 9 query heads over 3 KV heads, head dim 64; bf16 keys."""
+    g = torch.Generator().manual_seed(22)
+    keys = torch.randn(3, 320, 64, generator=g).to(torch.bfloat16)
+    q = torch.randn(9, 64, generator=g)
+    m = sparse.GSA(SparseConfig(method="gsa", block_size=32))
+    reps = m.prepare(keys)
+    assert reps.per_block["codes"].shape == (3, 10, 32, 16)
+    assert reps.per_block["codes"].dtype == torch.uint8
+    sim = m.block_similarity(reps, q)
+    p = m.projection(64, keys.device)
+    kbits = (keys.float() @ p > 0).reshape(3, 10, 32, 128)
+    for h in range(9):
+        brute = ((q[h] @ p > 0) == kbits[h // 3]).sum(-1).amax(-1)
+        assert torch.equal(sim[h], brute), h
+    scores = m.block_scores(reps, q[None])
+    assert scores.shape == (10,) and (scores > 0).all() and (scores <= 1).all()
+    s = SparseSession(SparseConfig(method="gsa", block_size=32, budget=3, stride=2))
+    s.prefill([keys[:, :300], keys[:, :300]])  # a partial last block, padded for scoring
+    for _ in range(4):
+        plan = s.step([q, q])
+        assert len(plan.selected) == 1 + 2 + 3 and plan.budget == 3
+        new = torch.randn(3, 16, 64, generator=g).to(torch.bfloat16)
+        s.append([new, new])  # full blocks' codes are appended to the prompt's
+    assert s._reps[0].per_block["codes"].shape == (3, (300 + 64) // 32, 32, 16)
+    assert s.block_scores().shape == (s.n_blocks,)

@@ -37,6 +37,9 @@ class SparseConfig(BaseModel):
     vote_queries: int = Field(default=8, ge=1, description="recent queries that vote (kvstar)")
     channel_fraction: float = Field(default=0.25, gt=0, le=1, description="kvstar channels")
     sub_block: int = Field(default=2, ge=1, description="tokens per sub-representative (kvstar)")
+    # GSA
+    hash_bits: int = Field(default=128, ge=8, description=(
+        "gsa: sign bits per key and query hash (a multiple of 8; UCM's default 128)"))
     # GSA-style prefetch (any method; on by default for "gsa")
     prefetch: bool | None = Field(default=None, description=(
         "predict and load the next selection early; null: on for gsa only"))
@@ -46,7 +49,8 @@ class SparseConfig(BaseModel):
     mass_target: float = Field(default=0.9, gt=0, le=1, description=(
         "adaptive: the estimated attention mass the chosen blocks must reach"))
     min_budget: int = Field(default=1, ge=0, description="adaptive: blocks chosen at least")
-    seed: int = Field(default=0, description="seed of the random method")
+    seed: int = Field(default=0, description=(
+        "seed of the random method's scores and of gsa's hash projection"))
     prefix: bool = Field(default=False, description=(
         "vLLM: run a request whose prefix came from ucm or vLLM's prefix cache sparse too, "
         "its keys read from vLLM's paged cache (where ucm knows the cache's layout: a cache "
@@ -67,6 +71,9 @@ class SparseConfig(BaseModel):
             raise ValueError("a block-count budget must be >= 0")
         if self.block_size % self.sub_block:
             raise ValueError("block_size must be a multiple of sub_block")
+        if self.hash_bits % 8:
+            raise ValueError(f"hash_bits must be a multiple of 8 (whole bytes), got "
+                             f"{self.hash_bits}")
         return self
 
     @property
