@@ -13,7 +13,8 @@ first empties vLLM's prefix cache, so that its prompts' prefixes come from ucm. 
 done): vLLM's prefix cache gives it the blocks it shares with the ones before, and it arrives
 in the step that frees the one before's blocks, which sees them held by both. A phase with
 `"prefix": false` turns the sparse config's `prefix` off on both sides for its requests (the
-engine runs in this process), as if the config had left it at its default.
+engine runs in this process), as if the config had left it at its default. The spec's
+`codec` is the memory tier's (the tier the offloaded blocks come back from).
 
 vLLM's prefix cache is on; ucm's lookups answer within the step (`lookup_wait`), so that a
 request is scheduled in the step it arrives in, not a step later when a lookup takes longer
@@ -44,7 +45,8 @@ def main(spec: dict[str, Any]) -> None:
         extra["sparse"] = spec["sparse"]
     llm = make_engine(EngineSpec(model=spec["model"], max_model_len=2048,
                                  kv_cache_bytes=16 * 2**20, connector="ucm", prefix_caching=True,
-                                 ucm={"tiers": [{"driver": "memory", "capacity": "64MiB"}]},
+                                 ucm={"tiers": [{"driver": "memory", "capacity": "64MiB",
+                                                 "codec": spec.get("codec")}]},
                                  extra=extra))
     [worker] = [c.worker for c in live_connectors() if c.worker is not None]
     [scheduler] = [c.scheduler for c in live_connectors() if c.scheduler is not None]

@@ -6,9 +6,10 @@ request's slots, where attention reads them (ucm.vllm_hook.sparse).
 Three fresh engines (tests/vllm/_sparse_engine.py), greedy, two prompts decoded together, then
 a third prompt alone: dense (the connector, no sparse); quest at budget 1.0 (every offloaded
 block is loaded from ucm into a slot: the output must equal dense), whose third prompt has one
-offloaded block re-stored in ucm with noise (its output must change); quest with 4 top-k
-blocks, 1 sink, 2 local blocks and a refresh every 4 steps (vLLM's free-block count grows by
-the blocks it freed; per-step attended blocks and loads are what the config says).
+offloaded block re-stored in ucm with noise (its output must change), its memory tier
+compressing (shuffle_zstd, lossless); quest with 4 top-k blocks, 1 sink, 2 local blocks and a
+refresh every 4 steps, its tier quantizing (int8) (vLLM's free-block count grows by the blocks
+it freed; per-step attended blocks and loads are what the config says).
 
 vLLM's prefix cache is on, and both sparse engines turn the sparse config's `prefix` on: a
 request whose prefix came from a cache runs sparse, the worker reading the prefix's keys from
@@ -53,10 +54,12 @@ def _offloaded(n_prompt: int) -> range:
     return range(1, n_prompt // BS - 2)
 
 
-def _engine(model: str, root: Path, name: str, sparse: dict | None, phases: list) -> dict:
+def _engine(model: str, root: Path, name: str, sparse: dict | None, phases: list,
+            codec: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(HERE), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    spec = {"model": model, "sparse": sparse, "max_tokens": MAX_TOKENS, "phases": phases}
+    spec = {"model": model, "sparse": sparse, "max_tokens": MAX_TOKENS, "phases": phases,
+            "codec": codec}
     log = root / f"{name}.log"
     with open(log, "w") as out:
         proc = subprocess.run([sys.executable, str(HERE / "_sparse_engine.py"), json.dumps(spec)],
@@ -82,11 +85,13 @@ def runs(tmp_path_factory, engine_pool):
         "full": engine_pool.submit(_engine, model, root, "full", {**SPARSE, "budget": 1.0},
                                    [{"prompts": PROMPTS}, {"prompts": [THIRD], "noise": True},
                                     {"prompts": PROMPTS[:1]}, pair,
-                                    {"prompts": PROMPTS[:1], "prefix": False}]),
+                                    {"prompts": PROMPTS[:1], "prefix": False}],
+                                   codec="shuffle_zstd"),
         "low": engine_pool.submit(_engine, model, root, "low", {**SPARSE, "budget": TOP_K},
                                   [{"prompts": PROMPTS}, {"prompts": [THIRD], "drop": True},
                                    {"prompts": PROMPTS[:1], "reset": True},
-                                   {"prompts": PROMPTS[:1], "reset": True}, pair])}
+                                   {"prompts": PROMPTS[:1], "reset": True}, pair],
+                                  codec="int8")}
     return {name: future.result() for name, future in futures.items()}
 
 
@@ -147,6 +152,17 @@ def test_full_budget_loads_from_ucm_and_equals_dense(runs):
             for f in full["frees"] if f["phase"] < 2] == [
         (len(_offloaded(len(p))), len(_offloaded(len(p))), 0)
         for p in (*PROMPTS, THIRD)], full["frees"]
+
+
+def test_offloaded_blocks_come_back_through_the_tiers_codec(runs):
+    # the tier that holds the offloaded blocks compresses them: budget 1.0 above equals dense
+    # through shuffle_zstd (lossless); budget 4 attends blocks quantized to int8 (KIVI)
+    for name, most in (("full", 1.0), ("low", 0.5)):
+        kernel = runs[name]["stats"]["worker"]["kernel"]
+        block_bytes = runs[name]["stats"]["worker"]["sparse"]["block_bytes"]
+        assert kernel["tier.memory.blocks"] > 0
+        assert kernel["tier.memory.bytes"] < most * kernel["tier.memory.blocks"] * block_bytes
+    assert runs["low"]["stats"]["worker"]["sparse"]["loaded_blocks"] > 0
 
 
 def test_attention_reads_what_ucm_loads(runs):
