@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from ucm.kernel._mrc import MissRatioCurve
+from ucm.kernel._mrc import MissRatioCurve, _MiniatureShadow
 from ucm.kernel._policy import ShadowLRUPolicy, _WeightCaches
 
 
@@ -176,15 +176,86 @@ def test_weight_caches_alone_match_one_cache_per_weight():
     assert most > 2 and merges > 10
 
 
-def test_the_live_curve_is_the_same_with_the_reference_miniatures(monkeypatch):
-    keys = [zlib.crc32(_key(i)).to_bytes(4, "big") + _key(i) for i in _stream(9, 30_000, 3000)]
+def _replay_both(a, b, stream, sizes=(1,), seed=0):
+    """Both policies fed the same stream; asserts the same victims and weights each step."""
+    rng = random.Random(seed)
+    for i in stream:
+        key, size = _key(i), rng.choice(sizes)
+        outcome = []
+        for policy in (a, b):
+            if key in policy:
+                policy.touch(key)
+                outcome.append(("hit",))
+            else:
+                outcome.append(("miss", policy.make_room(size)))
+                policy.insert(key, size)
+        assert outcome[0] == outcome[1]
+        assert a.weight == b.weight
+
+
+def test_a_large_miniature_runs_as_the_tiers_own_policy():
+    """At SAMPLE_BLOCKS blocks and more the weight miniatures see a sample: no cycle."""
+    mini, full = _MiniatureShadow(1000, clock=lambda: 0.0), ShadowLRUPolicy(1000)
+    _replay_both(mini, full, _stream(11, 20_000, 4000))
+    assert mini._shadows is not None and full._shadows is not None
+    assert mini._shadows.hits == full._shadows.hits
+    assert mini._periods == 0  # never counted a cycle
+
+
+class _AlwaysActive(_MiniatureShadow):
+    ACTIVE = CYCLE = 8
+
+
+def test_a_small_miniature_always_active_is_the_tiers_own_policy():
+    mini, full = _AlwaysActive(60, clock=lambda: 0.0), ShadowLRUPolicy(60)
+    _replay_both(mini, full, _stream(12, 20_000, 240), sizes=(1, 2))
+    assert mini._shadows.total_hits == full._shadows.total_hits
+
+
+def test_a_small_miniature_feeds_its_weight_miniatures_active_of_each_cycle():
+    fed = []
+
+    class _Counting(_WeightCaches):
+        __slots__ = ()
+
+        def access(self, key: bytes, size: int) -> None:
+            fed.append(key)
+            super().access(key, size)
+
+    mini = _MiniatureShadow(40, clock=lambda: 0.0)
+    changes, weight = 0, mini.weight
+    for i in _stream(13, 40_000, 160):
+        key = _key(i)
+        if mini._shadows is not None and type(mini._shadows) is _WeightCaches:
+            mini._shadows.__class__ = _Counting
+        if key in mini:
+            mini.touch(key)
+        else:
+            mini.make_room(1)
+            mini.insert(key, 1)
+        changes += mini.weight != weight
+        weight = mini.weight
+    period = mini._period
+    cycles = 40_000 // (period * mini.CYCLE)
+    # ACTIVE of CYCLE periods, give or take the cycle under way
+    assert (cycles * mini.ACTIVE * period - 1 <= len(fed)  # the first, before the swap
+            <= (cycles + 1) * mini.ACTIVE * period)
+    assert changes > 0  # the weight still moves
+    # each restart starts every weight from the miniature's state: one group
+    assert len(mini._shadows.groups) <= len(mini.WEIGHTS)
+
+
+def test_the_live_curve_of_large_miniatures_is_unchanged(monkeypatch):
+    """Miniatures of SAMPLE_BLOCKS blocks and more (the readers' `min_blocks`): the curve of
+    the reference `shadow` (one cache per weight), cell for cell."""
+    keys = [zlib.crc32(_key(i)).to_bytes(4, "big") + _key(i) for i in _stream(9, 30_000, 8000)]
     curves = []
-    for cls in (ShadowLRUPolicy, _Reference):
-        monkeypatch.setattr("ucm.kernel._mrc.make_policy",
-                            lambda name, capacity, clock, cls=cls: cls(capacity, clock=clock))
-        mrc = MissRatioCurve("shadow", [100, 300, 1000, 3000], rate=0.1, max_keys=200)
+    for make in (None, lambda name, capacity: _Reference(capacity, clock=lambda: 0.0)):
+        if make is not None:
+            monkeypatch.setattr("ucm.kernel._mrc._make_miniature", make)
+        mrc = MissRatioCurve("shadow", [3000, 6000, 12000], rate=0.1, min_blocks=300)
         for n, key in enumerate(keys):
             mrc.access(key, 1, n % 10 == 0)
-        curves.append((mrc.curve(), mrc.hits, mrc.sampled, mrc.lowered))
+        assert all(m._threshold < 2**32 for m in mrc._minis)  # sampled weight miniatures
+        curves.append((mrc.curve(), mrc.hits, mrc.sampled))
     assert curves[0] == curves[1]
-    assert curves[0][3] > 0  # the budget lowered the rate: the miniatures were resized

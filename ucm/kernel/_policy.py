@@ -346,8 +346,9 @@ class _WeightCaches:
     oldest, the lighter ones main's: a threshold in the weight), and `merge` joins groups
     whose states have become equal again (small caches converge within a few capacities of
     references). Hit for hit and victim for victim the same as one cache per weight
-    (tests/kernel/test_shadow_weight_caches.py runs that reference beside it), for a
-    third of its work on the kernel's live miss-ratio curve (docs/autotune.md, **Cost**)."""
+    (tests/kernel/test_shadow_weight_caches.py runs that reference beside it). It saves
+    most while the caches are young or restarted from one state (`_mrc._MiniatureShadow`):
+    once they fill, different weights hold different blocks and the groups stay apart."""
 
     __slots__ = ("capacity", "clock", "ghost_limit", "groups", "hits", "total_hits",
                  "weights")
