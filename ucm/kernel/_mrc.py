@@ -5,6 +5,7 @@ it falls below a threshold, so every reference of a sampled key is seen and none
 others. Each capacity of the curve gets a miniature cache (Waldspurger et al., ATC'17): the
 tier's policy class (`make_policy`, any policy, not only LRU) at the capacity times the
 sampling rate, fed the sampled references; its hit ratio estimates the full-size cache's.
+A small `shadow` miniature chooses its weight part of the time (`_MiniatureShadow`).
 
 The memory is bounded (SHARDS' fixed-size variant): when the miniatures together hold more
 than `max_keys` keys, the threshold drops by a quarter, sampled keys above it leave every
@@ -33,10 +34,11 @@ points (docs/autotune.md).
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from ucm.kernel._policy import Policy, make_policy
+from ucm.kernel._policy import Policy, ShadowLRUPolicy, _Group, _WeightCaches, make_policy
 
 SPACE = 1 << 32
 SHRINK = 0.75  # the threshold's factor each time the sample outgrows its budget
@@ -78,6 +80,72 @@ def uniform_key(key: bytes, seed: int = 0) -> bytes:
 
 def _no_time() -> float:
     return 0.0
+
+
+class _MiniatureShadow(ShadowLRUPolicy):
+    """`shadow` as a miniature of the curve. Where its weight miniatures would see every
+    reference (a miniature under SAMPLE_BLOCKS blocks: the kernel's case, rate 0.01), they
+    run for ACTIVE of each CYCLE periods and the weight they chose stays the rest of the
+    time; each time they start again, they take this cache's own state (all weights alike,
+    so one group of `_policy._WeightCaches`) and their hit counts from where they stopped.
+    Fed every sampled reference, eight weight miniatures made a `shadow` miniature cost
+    about five times an LRU one; this costs about twice (docs/autotune.md, **Cost**).
+    Where they see a sample of the keys (a miniature of SAMPLE_BLOCKS blocks or more: the
+    readers' `min_blocks` 1000), they run as in the tier's own policy, reference for
+    reference."""
+
+    ACTIVE = 2
+    CYCLE = 8
+
+    def __init__(self, capacity: int | None, **kwargs: Any) -> None:
+        super().__init__(capacity, **kwargs)
+        self._periods = 0  # periods of the cycle gone
+        self._idle = 0  # sampled references while idle
+
+    def resize(self, capacity: int) -> list[bytes]:
+        self._periods = self._idle = 0  # the weight miniatures start again, active
+        return super().resize(capacity)
+
+    def _sample(self, key: bytes) -> None:
+        shadows = self._shadows
+        if shadows is None or self._threshold < SPACE:
+            super()._sample(key)  # sampled weight miniatures: as the tier's own
+            return
+        if self._periods < self.ACTIVE:
+            sampled = self._sampled
+            super()._sample(key)
+            if self._sampled < sampled:  # a period ended
+                self._periods += 1
+                if self._periods >= self.CYCLE:  # never idle (ACTIVE == CYCLE)
+                    self._periods = 0
+            return
+        self._idle += 1
+        if self._idle < self._period:
+            return
+        self._idle = 0
+        self._periods += 1
+        if self._periods >= self.CYCLE:
+            self._periods = 0
+            self._restart(shadows)
+
+    def _restart(self, shadows: _WeightCaches) -> None:
+        """The weight miniatures take this cache's state (after the current reference)."""
+        sizes = self._sizes
+        ghost: OrderedDict[bytes, None] = OrderedDict.fromkeys(
+            list(self._ghost)[-shadows.ghost_limit:])
+        shadows.groups = [_Group(
+            OrderedDict((k, (t, sizes[k])) for k, t in self._fresh.items()),
+            OrderedDict((k, (t, sizes[k])) for k, t in self._main.items()),
+            ghost, self.used, sorted(range(len(shadows.weights)),
+                                     key=shadows.weights.__getitem__))]
+        shadows.clock = self._tick
+        self._sampled = 0
+
+
+def _make_miniature(policy: str, capacity: int) -> Policy:
+    if policy == "shadow":
+        return _MiniatureShadow(capacity, clock=_no_time)
+    return make_policy(policy, capacity, clock=_no_time)
 
 
 class MissRatioCurve:
@@ -126,7 +194,7 @@ class MissRatioCurve:
         self._candidates: dict[bytes, int] = {}  # first keys -> references this window
         self._review_at = HOT_WINDOW
         self._held = 0
-        self._minis: list[Policy] = [make_policy(policy, self._scaled(i), clock=_no_time)
+        self._minis: list[Policy] = [_make_miniature(policy, self._scaled(i))
                                      for i in range(len(caps))]
         self._indexes = [mini.index for mini in self._minis]  # their keys, for membership
 

@@ -121,7 +121,7 @@ class Policy:
         deletes them from storage."""
         if self.capacity is None or self.capacity - self.used >= needed:
             return []
-        if needed > self.capacity - self.pinned_bytes():
+        if needed > self.capacity - (self.pinned_bytes() if self._pins else 0):
             return None
         victims: list[bytes] = []
         while self.capacity - self.used < needed:
@@ -310,69 +310,132 @@ class AdaptiveS3FIFOPolicy(S3FIFOPolicy):
             ghost.popitem(last=False)
 
 
-class _ShadowCache:
-    """A miniature two-segment LRU with a fixed eviction weight, fed a key sample of the
-    real tier's accesses; it only counts its own hits (byte-weighted, no pins)."""
+class _Group:
+    """The state of the weight caches that are in the same state (`_WeightCaches`): the
+    segments (key -> (stamp, bytes)), the ghost keys and the bytes held, and the indexes of
+    its weights, by weight."""
 
-    __slots__ = (
-        "capacity",
-        "clock",
-        "fresh",
-        "ghost",
-        "ghost_limit",
-        "hits",
-        "main",
-        "total_hits",
-        "used",
-        "weight",
-    )
+    __slots__ = ("fresh", "ghost", "main", "members", "used")
 
-    def __init__(self, capacity: float, weight: float, ghost_limit: int) -> None:
+    def __init__(self, fresh: OrderedDict[bytes, tuple[int, int]],
+                 main: OrderedDict[bytes, tuple[int, int]], ghost: OrderedDict[bytes, None],
+                 used: int, members: list[int]) -> None:
+        self.fresh = fresh
+        self.main = main
+        self.ghost = ghost
+        self.used = used
+        self.members = members
+
+    def same_state(self, other: _Group) -> bool:
+        return (self.used == other.used and len(self.fresh) == len(other.fresh)
+                and len(self.main) == len(other.main) and len(self.ghost) == len(other.ghost)
+                and self.main == other.main and self.fresh == other.fresh
+                and self.ghost == other.ghost)  # OrderedDict equality compares the orders
+
+
+class _WeightCaches:
+    """`shadow`'s miniatures, one per candidate weight, all of one capacity and fed the same
+    sampled references; each counts its own hits (byte-weighted, no pins). A miniature is a
+    two-segment LRU with a fixed weight: a miss enters `fresh` (or `main`, if its key is in
+    the ghost list of keys evicted), a hit moves to `main`; the victim is the oldest of the
+    segment whose oldest block has the larger age, a fresh block's age counting the weight
+    times; victims join the ghost list (`ghost_limit` keys).
+
+    Miniatures in the same state are run once: they start as one group, a group splits
+    where its weights disagree on a victim (the heavier ones take the fresh segment's
+    oldest, the lighter ones main's: a threshold in the weight), and `merge` joins groups
+    whose states have become equal again (small caches converge within a few capacities of
+    references). Hit for hit and victim for victim the same as one cache per weight
+    (tests/kernel/test_shadow_weight_caches.py runs that reference beside it). It saves
+    most while the caches are young or restarted from one state (`_mrc._MiniatureShadow`):
+    once they fill, different weights hold different blocks and the groups stay apart."""
+
+    __slots__ = ("capacity", "clock", "ghost_limit", "groups", "hits", "total_hits",
+                 "weights")
+
+    def __init__(self, capacity: float, weights: tuple[float, ...], ghost_limit: int) -> None:
         self.capacity = capacity
-        self.weight = weight
-        self.used = 0
-        self.clock = 0
-        self.hits = 0.0
-        self.total_hits = 0  # never decayed
-        self.fresh: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (stamp, size)
-        self.main: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self.ghost: OrderedDict[bytes, None] = OrderedDict()
+        self.weights = weights
         self.ghost_limit = ghost_limit
+        self.clock = 0
+        self.hits = [0.0] * len(weights)
+        self.total_hits = [0] * len(weights)  # never decayed
+        self.groups = [_Group(OrderedDict(), OrderedDict(), OrderedDict(), 0,
+                              sorted(range(len(weights)), key=weights.__getitem__))]
 
     def access(self, key: bytes, size: int) -> None:
-        self.clock += 1
-        entry = self.fresh.pop(key, None) or self.main.pop(key, None)
-        if entry is not None:
-            self.hits += 1
-            self.total_hits += 1
-            self.main[key] = (self.clock, entry[1])
-            return
-        self.used += size
-        while self.used > self.capacity and (self.fresh or self.main):
-            queue = self.fresh if _fresh_first(self.fresh, self.main, self.clock,
-                                               self.weight) else self.main
+        """One reference to every weight's miniature."""
+        self.clock = clock = self.clock + 1
+        groups = self.groups
+        for group in tuple(groups):  # not those split off: see `_admit`
+            fresh, main = group.fresh, group.main
+            entry = fresh.pop(key, None) or main.pop(key, None)
+            if entry is not None:
+                hits, total = self.hits, self.total_hits
+                for m in group.members:
+                    hits[m] += 1
+                    total[m] += 1
+                main[key] = (clock, entry[1])
+            else:
+                self._admit(group, key, size, clock, group.used + size)
+
+    def _admit(self, group: _Group, key: bytes, size: int, clock: int, used: int) -> None:
+        """A miss's evictions and insertion in `group`, which holds `used` bytes with the
+        key's. A group that splits off finishes here, so `access` goes over the groups it
+        started with."""
+        capacity = self.capacity
+        fresh, main, ghost = group.fresh, group.main, group.ghost
+        while used > capacity and (fresh or main):
+            if not main:
+                queue = fresh
+            elif not fresh:
+                queue = main
+            else:
+                age_fresh = clock - next(iter(fresh.values()))[0]
+                age_main = clock - next(iter(main.values()))[0]
+                members, weights = group.members, self.weights  # by weight, fresh-first last
+                if age_fresh * weights[members[0]] >= age_main:
+                    queue = fresh
+                elif age_fresh * weights[members[-1]] < age_main:
+                    queue = main
+                else:
+                    cut = 1
+                    while age_fresh * weights[members[cut]] < age_main:
+                        cut += 1
+                    # the lighter weights take main's oldest: they go on in a copy of this
+                    other = _Group(fresh.copy(), main.copy(), ghost.copy(), used,
+                                   members[:cut])
+                    group.members = members[cut:]
+                    self.groups.append(other)
+                    self._admit(other, key, size, clock, used)
+                    queue = fresh
             victim, (_, vsize) = queue.popitem(last=False)
-            self.used -= vsize
-            self.ghost[victim] = None
-            if len(self.ghost) > self.ghost_limit:
-                self.ghost.popitem(last=False)
-        if key in self.ghost:
-            del self.ghost[key]
-            self.main[key] = (self.clock, size)
+            used -= vsize
+            ghost[victim] = None
+            if len(ghost) > self.ghost_limit:
+                ghost.popitem(last=False)
+        group.used = used
+        if key in ghost:
+            del ghost[key]
+            main[key] = (clock, size)
         else:
-            self.fresh[key] = (self.clock, size)
+            fresh[key] = (clock, size)
 
-
-def _fresh_first(fresh: Mapping[bytes, tuple[int, int]], main: Mapping[bytes, tuple[int, int]],
-                 clock: int, weight: float) -> bool:
-    """Whether the fresh segment's oldest block goes before main's: its age, weighted, is
-    the larger (weight 1 is plain LRU over both)."""
-    if not fresh:
-        return False
-    if not main:
-        return True
-    return (clock - next(iter(fresh.values()))[0]) * weight >= (
-        clock - next(iter(main.values()))[0])
+    def merge(self) -> None:
+        """Joins the groups whose states are equal."""
+        groups = self.groups
+        if len(groups) < 2:
+            return
+        kept: list[_Group] = []
+        for group in groups:
+            for into in kept:
+                if into.same_state(group):
+                    into.members = sorted(into.members + group.members,
+                                          key=self.weights.__getitem__)
+                    break
+            else:
+                kept.append(group)
+        self.groups = kept
 
 
 class ShadowLRUPolicy(Policy):
@@ -402,7 +465,7 @@ class ShadowLRUPolicy(Policy):
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._tick = 0
         self.weight = self.WEIGHTS[0]
-        self._shadows: list[_ShadowCache] = []
+        self._shadows: _WeightCaches | None = None
         self._threshold = 0  # sampled keys have crc32 below it (set at the first insert)
         self._sampled = 0
         self._period = 1
@@ -416,36 +479,38 @@ class ShadowLRUPolicy(Policy):
         self._threshold = int(rate * 2**32)
         mini = self.capacity * rate
         ghosts = max(16, int(self.GHOST_FACTOR * mini / size))
-        self._shadows = [_ShadowCache(mini, w, ghosts) for w in self.WEIGHTS]
+        self._shadows = _WeightCaches(mini, self.WEIGHTS, ghosts)
         self._period = max(8, int(mini / size))
 
     def resize(self, capacity: int) -> list[bytes]:
         # the miniatures are scaled to the capacity: start them again at the next insert
-        self._shadows, self._threshold, self._sampled = [], 0, 0
+        self._shadows, self._threshold, self._sampled = None, 0, 0
         return super().resize(capacity)
 
     def _sample(self, key: bytes) -> None:
-        if zlib.crc32(key) >= self._threshold:
+        shadows = self._shadows
+        if shadows is None or zlib.crc32(key) >= self._threshold:
             return
-        size = self._sizes[key]
-        for shadow in self._shadows:
-            shadow.access(key, size)
+        shadows.access(key, self._sizes[key])
         self._sampled += 1
         if self._sampled >= self._period:
             self._sampled = 0
-            current = self.weight
+            shadows.merge()
+            weights, hits = self.WEIGHTS, shadows.hits
+            here = math.log2(self.weight)
             # The most hits wins; among equals the weight nearest the current one.
-            best = max(self._shadows, key=lambda s: (s.hits, -abs(math.log2(s.weight)
-                                                                   - math.log2(current))))
-            lru = self._shadows[0]  # weight 1: LRU, the policy shadow must never fall below
-            if best.total_hits < lru.total_hits:
-                best = lru  # a weight whose miniature hits less than LRU's over the run
-            self.weight = best.weight
-            for shadow in self._shadows:
-                shadow.hits *= self.DECAY
+            best = max(range(len(weights)),
+                       key=lambda i: (hits[i], -abs(math.log2(weights[i]) - here)))
+            # weight 1 is LRU, the policy shadow must never fall below: a weight whose
+            # miniature hits less than LRU's over the run gives way to it
+            if shadows.total_hits[best] < shadows.total_hits[0]:
+                best = 0
+            self.weight = weights[best]
+            for i in range(len(hits)):
+                hits[i] *= self.DECAY
 
     def _on_insert(self, key: bytes, depth: int | None) -> None:
-        if not self._shadows and self._threshold == 0:
+        if self._shadows is None and self._threshold == 0:
             self._start_shadows(self._sizes[key])
         self._tick += 1
         if key in self._ghost:
@@ -453,16 +518,14 @@ class ShadowLRUPolicy(Policy):
             self._main[key] = self._tick
         else:
             self._fresh[key] = self._tick
-        if self._shadows:
-            self._sample(key)
+        self._sample(key)
 
     def _on_hit(self, key: bytes, depth: int | None) -> None:
         self._tick += 1
         if self._fresh.pop(key, None) is not None or key in self._main:
             self._main.pop(key, None)
             self._main[key] = self._tick
-        if self._shadows:
-            self._sample(key)
+        self._sample(key)
 
     def _on_remove(self, key: bytes, size: int) -> None:
         if self._fresh.pop(key, None) is None:
