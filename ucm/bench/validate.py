@@ -39,7 +39,8 @@ def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
     `ucm`: vLLM's prefix cache off, one request at a time (its stores waited for), one output
     token, each with its hint as `kv_transfer_params` (`hints`, None: none). `arrivals`: each
     request is sent no earlier than that many seconds after the first is (the replay sleeps
-    until then; a request still running at the next one's time delays it). Returns the blocks
+    until then; a request still running at the next one's time delays it), after a warm-up
+    request of half a block (nothing looked up or stored). Returns the blocks
     each request loaded (in all, and from each tier), the connector's counters and, with
     `arrivals`, each request's start and end (seconds after the first's start)."""
     import time
@@ -59,6 +60,10 @@ def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
     ends: list[float] = []
     with EngineProcess(spec, timeout=1800, log_path=log_path,
                        progress=engine_progress) as engine:
+        if arrivals is not None:  # the first request through vLLM takes seconds: not on the
+            # clock. Half a block: nothing to look up or store, so the tiers stay as they are.
+            engine.run(Phase([list(range(3, 3 + block_size // 2))], max_tokens=1,
+                             name="warm-up", wait_stores=True))
         t0 = time.monotonic()
         for i, prompt in enumerate(prompts):
             hint = None if hints is None else [hints[i]]
