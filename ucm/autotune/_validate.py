@@ -129,7 +129,7 @@ def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
 
 def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                   retain_s: float | None, max_pinned: str = "50%",
-                  times: Sequence[float] | None = None,
+                  times: Sequence[float] | None = None, promote: bool = False,
                   ) -> tuple[list[list[int]], dict[str, int]]:
     """Each request's hits by tier (fastest first) as the kernel serves them with session
     holds in the first tier: the kernel's store (`simulate(..., kernel_stores=True)`, no
@@ -144,7 +144,10 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     `retain_s` after its request's time; as in the kernel, an expired hold is released
     lazily, at the next store into the tier (`Tier.reserve` checks expiry before it evicts),
     the next hold, or a statistics read, so until then its blocks stay where they are. None:
-    the clock stands still (`retain_s` outlasts the replay, so no hold expires)."""
+    the clock stands still (`retain_s` outlasts the replay, so no hold expires).
+    `promote`: a request's hits from a slower tier are copied into the tiers above after its
+    load, one store each (as `simulate(..., kernel_stores=True, promote=True)` models the
+    kernel's promotion, which is not exact: the kernel promotes in the background)."""
     from ucm.config import SessionsConfig
 
     if times is not None and len(times) != len(requests):
@@ -173,6 +176,15 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
             per_tier[depth] += 1
             policies[depth].touch(blocks[i], i)
         out.append(per_tier)
+        if promote:
+            by_source: dict[int, list[bytes]] = {}
+            for i, depth in enumerate(sources):
+                if depth:
+                    by_source.setdefault(depth, []).append(blocks[i])
+            for depth, keys in by_source.items():
+                for above in range(depth):
+                    _store_held(policies[above], tiers[above], keys,
+                                holds if above == 0 else None)
         hit = len(sources)
         if hit < len(blocks):
             for depth, (policy, tier) in enumerate(zip(policies, tiers, strict=True)):

@@ -188,7 +188,7 @@ def run_validation(args: Any) -> list[dict[str, Any]]:
             args.trace, model, retain=retain, policy=args.policies.split(",")[0],
             requests=args.requests, sample=args.sample, max_blocks=args.max_blocks,
             capacity_blocks=args.capacity_blocks, max_pinned=f"{args.max_pinned * 100:g}%",
-            retain_s=args.retain_s, time_scale=args.time_scale,
+            retain_s=args.retain_s, time_scale=args.time_scale, promote=args.promote,
             block_size=block_size, vocab=spec.vocab,
             block_bytes=spec.kv_bytes_per_token() * block_size, log_path=args.log))
     return out
@@ -205,7 +205,8 @@ def print_validation(runs: Sequence[dict[str, Any]]) -> None:
                   f"{first['trace'].rsplit('/', 1)[-1]} (one conversation in "
                   f"{first['sample']}, at most {first['max_blocks']} blocks), memory tier of "
                   f"{first['capacity_blocks']} blocks ({first['policy']}) over posix, "
-                  f"promotion off, holds of {first['retain_s']:g} s within "
+                  f"promotion {'on' if first.get('promote') else 'off'}, holds of "
+                  f"{first['retain_s']:g} s within "
                   f"{first['max_pinned']}" + (
                       "" if first.get("time_scale") is None else
                       f", the holds' replay on the trace's clock x {first['time_scale']:g} "
@@ -281,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--validate: replay the holds' engine on the trace's clock times "
                         "this (requests sent at their arrival x S, holds of --retain-s x S), "
                         "so holds expire over pauses longer than --retain-s")
+    parser.add_argument("--promote", action="store_true",
+                        help="--validate: the kernel promotes posix hits into memory (predicted "
+                        "as one copy after the load; not exact, the kernel copies in the "
+                        "background)")
     parser.add_argument("--log", metavar="FILE", help="--validate: the engines' log")
     args = parser.parse_args(argv)
     if not 0 < args.max_pinned <= 1:

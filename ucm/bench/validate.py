@@ -172,12 +172,13 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
                        requests: int = 16, sample: int = 50, max_blocks: int = 12,
                        capacity_blocks: int = 24, posix_blocks: int = 4096,
                        retain_s: float = 600.0, max_pinned: str = "50%",
-                       time_scale: float | None = None,
+                       time_scale: float | None = None, promote: bool = False,
                        block_size: int = 32, vocab: int = 2048, block_bytes: int,
                        log_path: str | None = None) -> dict[str, Any]:
     """Predicted against measured hits by tier, request by request, of a scaled slice of
     `trace` on a memory tier of `capacity_blocks` over a posix tier of `posix_blocks` (a
-    fresh directory), promotion off, with session holds (`retain`) or without. Sessions are
+    fresh directory), promotion off (`promote`: on, predicted as `predict_holds` models it,
+    not exactly), with session holds (`retain`) or without. Sessions are
     the trace's conversation chains (`trace_session`); a request asks for a hold of
     `retain_s` when its conversation comes back later in the slice (`ucm bench retention
     --hints returning`: a client that knows it will return); `max_pinned` caps them on both
@@ -213,7 +214,7 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
         tiers, sim_tiers = tier_stack(policy, capacity_blocks, block_bytes,
                                       posix_blocks=posix_blocks, posix_path=root)
         got = measure(
-            model, prompts, {"tiers": tiers, "eviction": policy, "promote": False,
+            model, prompts, {"tiers": tiers, "eviction": policy, "promote": promote,
                              "sessions": {"max_pinned": max_pinned}},
             hints=hints, arrivals=arrivals if retain else None, block_size=block_size,
             max_model_len=max(4096, max(len(p) for p in prompts) + 16), log_path=log_path)
@@ -224,13 +225,13 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
             zip(vllm_requests(prompts, block_size, got["namespace"]), returning, strict=True)]
     pred, sim_sessions = predict_holds(reqs, sim_tiers, retain_s=hold_s if retain else None,
                                        max_pinned=max_pinned,
-                                       times=arrivals if retain else None)
+                                       times=arrivals if retain else None, promote=promote)
     measured = got["by_request_tier"]
     out = {"trace": trace, "requests": len(prompts), "sample": sample,
            "max_blocks": max_blocks, "capacity_blocks": capacity_blocks,
            "posix_blocks": posix_blocks, "policy": policy, "retain": retain,
            "retain_s": retain_s, "max_pinned": max_pinned, "block_bytes": block_bytes,
-           "time_scale": time_scale, "hint_retain_s": hold_s,
+           "time_scale": time_scale, "hint_retain_s": hold_s, "promote": promote,
            "hints": sum(1 for h in hints if h),
            "lookup_blocks": sum(r.lookup or 0 for r in reqs),
            "predicted_by_request": pred, "measured_by_request": measured,
