@@ -64,3 +64,13 @@ def test_the_pauses_and_the_clock_check():
     starts = [0.0, 5.0, 9.5, 13.0, 14.0]
     ends = [0.5, 5.5, 10.5, 13.5, 14.5]
     assert clock_ambiguous(arrivals, starts, ends, 14.6, returning, 10.0) == [(1, 3)]
+
+
+def test_promotion_copies_a_returning_sessions_posix_hits_into_memory():
+    # a expired and was evicted (above); with promotion its return's 2 posix hits are copied
+    # up after the load, so a third visit is served from memory
+    reqs = _requests()
+    hits, stats = predict_holds(reqs + [reqs[3]], _tiers(), retain_s=10.0, max_pinned="100%",
+                                times=[0.0, 5.0, 12.0, 13.0, 14.0, 14.5], promote=True)
+    assert hits[3] == [0, 2] and hits[5] == [2, 0]
+    assert stats == {"session_holds": 2, "session_releases.expired": 1, "promoted": 2}

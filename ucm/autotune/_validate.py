@@ -147,7 +147,8 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     the clock stands still (`retain_s` outlasts the replay, so no hold expires).
     `promote`: a request's hits from a slower tier are copied into the tiers above after its
     load, one store each (as `simulate(..., kernel_stores=True, promote=True)` models the
-    kernel's promotion, which is not exact: the kernel promotes in the background)."""
+    kernel's promotion, which is not exact: the kernel promotes in the background), counted
+    as the kernel's `promoted` (blocks that reached every tier above)."""
     from ucm.config import SessionsConfig
 
     if times is not None and len(times) != len(requests):
@@ -185,6 +186,8 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                 for above in range(depth):
                     _store_held(policies[above], tiers[above], keys,
                                 holds if above == 0 else None)
+                stats["promoted"] += sum(1 for k in keys  # the kernel's count: every tier
+                                         if all(k in indexes[a] for a in range(depth)))
         hit = len(sources)
         if hit < len(blocks):
             for depth, (policy, tier) in enumerate(zip(policies, tiers, strict=True)):

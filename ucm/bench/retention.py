@@ -225,7 +225,9 @@ def print_validation(runs: Sequence[dict[str, Any]]) -> None:
     for run in runs:
         print(f"{'holds' if run['retain'] else 'no holds'}: {run['requests_differing']} "
               f"requests differ; hints {run['hints']}; holds predicted "
-              f"{run['predicted_sessions']}, measured {run['sessions']}")
+              f"{run['predicted_sessions']}, measured {run['sessions']}"
+              + (f"; blocks promoted predicted {run['predicted_promoted']}, measured "
+                 f"{run['promoted']}" if run.get("promote") else ""))
     for run in runs:
         if not run["retain"] or "holds" not in run:
             continue

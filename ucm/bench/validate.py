@@ -223,7 +223,7 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
     _check_block_bytes(got, sim_tiers)
     reqs = [r._replace(session=s) for r, s in
             zip(vllm_requests(prompts, block_size, got["namespace"]), returning, strict=True)]
-    pred, sim_sessions = predict_holds(reqs, sim_tiers, retain_s=hold_s if retain else None,
+    pred, sim_stats = predict_holds(reqs, sim_tiers, retain_s=hold_s if retain else None,
                                        max_pinned=max_pinned,
                                        times=arrivals if retain else None, promote=promote)
     measured = got["by_request_tier"]
@@ -240,7 +240,9 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
            "requests_differing": sum(1 for p, m in zip(pred, measured, strict=True) if p != m),
            "cached_tokens": got["cached_tokens"],
            "sessions": {k: v for k, v in got["kernel"].items() if k.startswith("session")},
-           "predicted_sessions": sim_sessions}
+           "predicted_sessions": {k: v for k, v in sim_stats.items() if k.startswith("session")},
+           "promoted": int(got["kernel"].get("promoted", 0)),
+           "predicted_promoted": sim_stats.get("promoted", 0)}
     if time_scale is not None:
         stamps = [r.timestamp for r in slice_]
         out["holds"] = hold_pauses(sessions, returning, stamps, retain_s)
