@@ -7,7 +7,8 @@ conversation comes back later in the slice asks for a hold (`retain_s` 600: none
 during the replay; `sessions.max_pinned` 50 %). The simulator's hits from each tier must equal
 the blocks each request loaded from it, request by request, with holds and without, and the
 kernel's hold counters the simulator's; the holds move hits from the posix tier up to the
-memory tier."""
+memory tier. On the trace's clock (scaled), holds expire over the pauses longer than their
+retain time, on the engine as predicted."""
 
 from __future__ import annotations
 
@@ -53,3 +54,31 @@ def test_predicted_tier_hits_equal_measured_with_and_without_holds(tiny_model, t
     assert on["measured_hits"] == off["measured_hits"]
     assert on["measured_fast"] > off["measured_fast"]
     assert (off["predicted_fast"], on["predicted_fast"], on["predicted_hits"]) == (25, 35, 47)
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not here")
+def test_holds_expire_on_the_traces_clock_as_predicted(tiny_model, tmp_path):
+    """The same slice with the holds' replay on the trace's clock x 0.08 (21 s) and holds of
+    74 s of the trace (5.9 s), `max_pinned` 100 %: the holds after requests 2 and 3 expire
+    before their sessions return (pauses of 159 and 174 s), those after 1 and 8 do not (45
+    and 57 s). Each request's hits by tier and the expiry counters as predicted."""
+    from ucm.bench.models import ModelSpec
+    from ucm.bench.validate import validate_retention
+
+    spec = ModelSpec(max_positions=33792)  # tiny_model's
+    out = validate_retention(TRACE, tiny_model, retain=True, retain_s=74.0, time_scale=0.08,
+                             max_pinned="100%", vocab=spec.vocab,
+                             block_bytes=spec.kv_bytes_per_token() * 32,
+                             log_path=str(tmp_path / "engine.log"))
+    assert [(h["request"], h["returns"], h["expires_before_return"]) for h in out["holds"]] == [
+        (1, 2, False), (2, 11, True), (3, 16, True), (8, 14, False)]
+    # every expiry is 8 s of the trace (0.64 s here) from every check; a request that ran
+    # late by that much would leave the order open (a loaded machine, not a miscount)
+    assert out["clock_ambiguous"] == [], (out["starts"], out["ends"])
+    assert out["measured_by_request"] == out["predicted_by_request"]
+    assert out["sessions"] == out["predicted_sessions"] == {"session_holds": 4,
+                                                            "session_releases.expired": 3}
+    # C's return (request 14) within its hold, from memory; B's (16) after its hold expired
+    # and its blocks were evicted, from posix, as without holds
+    assert out["measured_by_request"][13] == [11, 0]
+    assert out["measured_by_request"][15] == [1, 10]

@@ -36,6 +36,7 @@ FIRST_TOKEN = 3  # ids below are the tiny model's special tokens
 class TraceRequest:
     hash_ids: tuple[int, ...]
     input_length: int  # tokens, in the trace's blocks of TRACE_BLOCK
+    timestamp: float = 0.0  # arrival, seconds (the trace's `timestamp`, milliseconds)
 
 
 def read_slice(path: str | os.PathLike[str], *, requests: int = 96, sample: int = 20,
@@ -55,7 +56,7 @@ def read_slice(path: str | os.PathLike[str], *, requests: int = 96, sample: int 
         length = int(obj.get("input_length", len(ids) * TRACE_BLOCK))
         if len(ids) > max_blocks:
             ids, length = ids[:max_blocks], max_blocks * TRACE_BLOCK
-        out.append(TraceRequest(tuple(ids), length))
+        out.append(TraceRequest(tuple(ids), length, float(obj.get("timestamp", 0)) / 1000.0))
         if len(out) >= requests:
             break
     return out
@@ -128,26 +129,46 @@ def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
 
 def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                   retain_s: float | None, max_pinned: str = "50%",
+                  times: Sequence[float] | None = None, promote: bool = False,
                   ) -> tuple[list[list[int]], dict[str, int]]:
     """Each request's hits by tier (fastest first) as the kernel serves them with session
     holds in the first tier: the kernel's store (`simulate(..., kernel_stores=True)`, no
     promotion) and, after each request of a session (`Request.session`), a hold of all its
     stored blocks (`retain_s`; None: no holds) by the kernel's own `Holds`, capped at
-    `max_pinned` of the first tier as `sessions.max_pinned` caps it. The clock stands still:
-    `retain_s` is taken to outlast the replay, so no hold expires (the engine's replay takes
-    seconds). Also the holds' counters (`session_holds`, `session_releases.<reason>`), as
-    the kernel's statistics count them."""
+    `max_pinned` of the first tier as `sessions.max_pinned` caps it. Also the holds' counters
+    (`session_holds`, `session_releases.<reason>`), as the kernel's statistics count them.
+
+    `times`: each request's arrival (seconds, any origin), the clock the holds read while the
+    request is served (its store, then its hold), and at the end the last request's (the
+    engine's statistics read at the end expire what is due by then). A hold expires
+    `retain_s` after its request's time; as in the kernel, an expired hold is released
+    lazily, at the next store into the tier (`Tier.reserve` checks expiry before it evicts),
+    the next hold, or a statistics read, so until then its blocks stay where they are. None:
+    the clock stands still (`retain_s` outlasts the replay, so no hold expires).
+    `promote`: a request's hits from a slower tier are copied into the tiers above after its
+    load, one store each (as `simulate(..., kernel_stores=True, promote=True)` models the
+    kernel's promotion, which is not exact: the kernel promotes in the background), counted
+    as the kernel's `promoted` (blocks that reached every tier above)."""
     from ucm.config import SessionsConfig
 
-    policies = [make_policy(t.policy, t.capacity_bytes, clock=_still) for t in tiers]
+    if times is not None and len(times) != len(requests):
+        raise ValueError(f"{len(times)} times for {len(requests)} requests")
+    now = [times[0] if times else 0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    policies = [make_policy(t.policy, t.capacity_bytes, clock=clock) for t in tiers]
     indexes = [p.index for p in policies]
     holds = None
     stats: Counter[str] = Counter()
     if retain_s is not None:
         cap = SessionsConfig(max_pinned=max_pinned).cap_bytes(tiers[0].capacity_bytes)
-        holds = Holds(policies[0], cap, stats, clock=_still)
+        holds = Holds(policies[0], cap, stats, clock=clock)
     out = []
-    for request in requests:
+    for n, request in enumerate(requests):
+        if times is not None:
+            now[0] = times[n]
         blocks = request.blocks
         looked = blocks if request.lookup is None else blocks[:request.lookup]
         sources = _sources(looked, indexes)
@@ -156,17 +177,26 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
             per_tier[depth] += 1
             policies[depth].touch(blocks[i], i)
         out.append(per_tier)
+        if promote:
+            by_source: dict[int, list[bytes]] = {}
+            for i, depth in enumerate(sources):
+                if depth:
+                    by_source.setdefault(depth, []).append(blocks[i])
+            for depth, keys in by_source.items():
+                for above in range(depth):
+                    _store_held(policies[above], tiers[above], keys,
+                                holds if above == 0 else None)
+                stats["promoted"] += sum(1 for k in keys  # the kernel's count: every tier
+                                         if all(k in indexes[a] for a in range(depth)))
         hit = len(sources)
         if hit < len(blocks):
             for depth, (policy, tier) in enumerate(zip(policies, tiers, strict=True)):
                 _store_held(policy, tier, blocks[hit:], holds if depth == 0 else None)
         if holds is not None and request.session is not None and blocks:
             holds.hold(request.session, blocks, retain_s)  # type: ignore[arg-type]
+    if holds is not None:
+        holds.expire()  # the engine's statistics at the end
     return out, dict(stats)
-
-
-def _still() -> float:
-    return 0.0
 
 
 def _store_held(policy: Policy, tier: SimTier, keys: Sequence[bytes],
@@ -176,6 +206,7 @@ def _store_held(policy: Policy, tier: SimTier, keys: Sequence[bytes],
     if holds is None:
         _store_batch(policy, tier, keys)
         return
+    holds.expire()  # as `Tier.reserve` does before it makes room
     need = tier.block_bytes + tier.header_bytes
     reserved = 0
     chosen = []

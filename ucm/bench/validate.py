@@ -32,16 +32,24 @@ from ucm.kernel._policy import POLICIES
 
 
 def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
-            hints: Sequence[Any] | None = None, block_size: int = 32,
+            hints: Sequence[Any] | None = None, arrivals: Sequence[float] | None = None,
+            extra: dict[str, Any] | None = None, block_size: int = 32,
             max_model_len: int = 4096, log_path: str | None = None,
             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Replays the prompts through one vLLM-CPU engine with the ucm connector and config
     `ucm`: vLLM's prefix cache off, one request at a time (its stores waited for), one output
-    token, each with its hint as `kv_transfer_params` (`hints`, None: none). Returns the blocks
-    each request loaded (in all, and from each tier) and the connector's counters."""
+    token, each with its hint as `kv_transfer_params` (`hints`, None: none). `arrivals`: each
+    request is sent no earlier than that many seconds after the first is (the replay sleeps
+    until then; a request still running at the next one's time delays it), after a warm-up
+    request of half a block (nothing looked up or stored). Returns the blocks
+    each request loaded (in all, and from each tier), the connector's counters and, with
+    `arrivals`, each request's start and end (seconds after the first's start). `extra`: more
+    of the connector's options (`kv_connector_extra_config`)."""
+    import time
+
     spec = EngineSpec(model=model, block_size=block_size, max_model_len=max_model_len,
                       kv_cache_bytes=64 * 2**20, connector="ucm", ucm=ucm,
-                      prefix_caching=False, max_num_seqs=1)
+                      prefix_caching=False, max_num_seqs=1, extra=dict(extra or {}))
     loaded, cached, by_tier = [], [], []
     label = ucm.get("eviction", "")
     names = [t.get("name") or t["driver"] for t in ucm["tiers"]]
@@ -50,18 +58,31 @@ def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
         if progress is not None and not line.startswith("request:"):
             progress(line)
 
+    starts: list[float] = []
+    ends: list[float] = []
     with EngineProcess(spec, timeout=1800, log_path=log_path,
                        progress=engine_progress) as engine:
+        if arrivals is not None:  # the first request through vLLM takes seconds: not on the
+            # clock. Half a block: nothing to look up or store, so the tiers stay as they are.
+            engine.run(Phase([list(range(3, 3 + block_size // 2))], max_tokens=1,
+                             name="warm-up", wait_stores=True))
+        t0 = time.monotonic()
         for i, prompt in enumerate(prompts):
             hint = None if hints is None else [hints[i]]
+            if arrivals is not None:
+                time.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
+                starts.append(time.monotonic() - t0)
             out = engine.run(Phase([prompt], max_tokens=1, name="request", wait_stores=True,
                                    hints=hint, tier_loads=True))
             loaded.append(int(out["worker_delta"].get("loaded_blocks", 0)))
             cached.append(int(out["num_cached_tokens"][0]))
             by_tier.append([int(out["tier_loads"].get(n, 0)) for n in names])
+            if arrivals is not None:
+                ends.append(time.monotonic() - t0)
             if progress is not None and (i + 1) % 10 == 0:
                 progress(f"{label}: {i + 1}/{len(prompts)} requests")
         done = engine.finish()
+        finished = time.monotonic() - t0  # after its statistics' read (which expires holds)
     worker = done["stats"].get("worker", {})
     kernel = worker.get("kernel", {})
     held = {n: (int(kernel.get(f"tier.{n}.bytes", 0)), int(kernel.get(f"tier.{n}.blocks", 0)))
@@ -70,6 +91,7 @@ def measure(model: str, prompts: Sequence[list[int]], ucm: dict[str, Any], *,
             "namespace": worker.get("namespace"),
             "loaded_by_tier": [int(kernel.get(f"load_hits.{n}", 0)) for n in names],
             "held_block_bytes": {n: b // k for n, (b, k) in held.items() if k},
+            "starts": starts, "ends": ends, "finished": finished,
             "worker": {k: v for k, v in worker.items() if k != "kernel"},
             "kernel": kernel}
 
@@ -152,15 +174,28 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
                        requests: int = 16, sample: int = 50, max_blocks: int = 12,
                        capacity_blocks: int = 24, posix_blocks: int = 4096,
                        retain_s: float = 600.0, max_pinned: str = "50%",
+                       time_scale: float | None = None, promote: bool = False,
                        block_size: int = 32, vocab: int = 2048, block_bytes: int,
                        log_path: str | None = None) -> dict[str, Any]:
     """Predicted against measured hits by tier, request by request, of a scaled slice of
     `trace` on a memory tier of `capacity_blocks` over a posix tier of `posix_blocks` (a
-    fresh directory), promotion off, with session holds (`retain`) or without. Sessions are
+    fresh directory), promotion off (`promote`: on, predicted as `predict_holds` models it,
+    not exactly), with session holds (`retain`) or without. Sessions are
     the trace's conversation chains (`trace_session`); a request asks for a hold of
     `retain_s` when its conversation comes back later in the slice (`ucm bench retention
-    --hints returning`: a client that knows it will return). `retain_s` outlasts the replay
-    (seconds), so no hold expires on either side; `max_pinned` caps them on both."""
+    --hints returning`: a client that knows it will return); `max_pinned` caps them on both
+    sides.
+
+    `time_scale` None: the replay runs as fast as it can and `retain_s` (600 s) outlasts it,
+    so no hold expires on either side. `time_scale` S: `retain_s` is in the trace's seconds;
+    with holds, the replay sends each request at its trace arrival (after the slice's first)
+    times S, each hint asks for `retain_s` x S, and the prediction's holds read the same
+    clock (the requests' scaled arrivals), so a hold expires before its session returns where
+    the trace's pause is longer than `retain_s`. Without holds nothing reads the clock
+    (promotion off), so that replay does not wait. `clock_ambiguous` lists the (hold, check)
+    request pairs whose order the measured start and end times do not fix (the engine holds
+    and checks expiry somewhere between a request's start and end): empty when the
+    prediction's clock and the engine's agree on every expiry."""
     import shutil
     import tempfile
 
@@ -169,35 +204,99 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
     sessions = [trace_session(r) for r in slice_]
     returning = [s if s is not None and s in sessions[i + 1:] else None
                  for i, s in enumerate(sessions)]
-    hints = [{"ucm": {"session": s, "retain_s": retain_s}} if retain and s else None
+    arrivals = None
+    hold_s = retain_s
+    if time_scale is not None:
+        arrivals = [(r.timestamp - slice_[0].timestamp) * time_scale for r in slice_]
+        hold_s = retain_s * time_scale
+    hints = [{"ucm": {"session": s, "retain_s": hold_s}} if retain and s else None
              for s in returning]
     root = tempfile.mkdtemp(prefix="ucm-validate-")
     try:
         tiers, sim_tiers = tier_stack(policy, capacity_blocks, block_bytes,
                                       posix_blocks=posix_blocks, posix_path=root)
         got = measure(
-            model, prompts, {"tiers": tiers, "eviction": policy, "promote": False,
+            model, prompts, {"tiers": tiers, "eviction": policy, "promote": promote,
                              "sessions": {"max_pinned": max_pinned}},
-            hints=hints, block_size=block_size,
+            hints=hints, arrivals=arrivals if retain else None, block_size=block_size,
+            # the connector promotes a step's loads only with promote_loads (lookups never)
+            extra={"promote_loads": True} if promote else None,
             max_model_len=max(4096, max(len(p) for p in prompts) + 16), log_path=log_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     _check_block_bytes(got, sim_tiers)
     reqs = [r._replace(session=s) for r, s in
             zip(vllm_requests(prompts, block_size, got["namespace"]), returning, strict=True)]
-    pred, sim_sessions = predict_holds(reqs, sim_tiers, retain_s=retain_s if retain else None,
-                         max_pinned=max_pinned)
+    pred, sim_stats = predict_holds(reqs, sim_tiers, retain_s=hold_s if retain else None,
+                                       max_pinned=max_pinned,
+                                       times=arrivals if retain else None, promote=promote)
     measured = got["by_request_tier"]
-    return {"trace": trace, "requests": len(prompts), "sample": sample,
-            "max_blocks": max_blocks, "capacity_blocks": capacity_blocks,
-            "posix_blocks": posix_blocks, "policy": policy, "retain": retain,
-            "retain_s": retain_s, "max_pinned": max_pinned, "block_bytes": block_bytes,
-            "hints": sum(1 for h in hints if h),
-            "lookup_blocks": sum(r.lookup or 0 for r in reqs),
-            "predicted_by_request": pred, "measured_by_request": measured,
-            "predicted_fast": sum(p[0] for p in pred), "measured_fast": sum(m[0] for m in measured),
-            "predicted_hits": sum(map(sum, pred)), "measured_hits": sum(map(sum, measured)),
-            "requests_differing": sum(1 for p, m in zip(pred, measured, strict=True) if p != m),
-            "cached_tokens": got["cached_tokens"],
-            "sessions": {k: v for k, v in got["kernel"].items() if k.startswith("session")},
-            "predicted_sessions": sim_sessions}
+    out = {"trace": trace, "requests": len(prompts), "sample": sample,
+           "max_blocks": max_blocks, "capacity_blocks": capacity_blocks,
+           "posix_blocks": posix_blocks, "policy": policy, "retain": retain,
+           "retain_s": retain_s, "max_pinned": max_pinned, "block_bytes": block_bytes,
+           "time_scale": time_scale, "hint_retain_s": hold_s, "promote": promote,
+           "hints": sum(1 for h in hints if h),
+           "lookup_blocks": sum(r.lookup or 0 for r in reqs),
+           "predicted_by_request": pred, "measured_by_request": measured,
+           "predicted_fast": sum(p[0] for p in pred), "measured_fast": sum(m[0] for m in measured),
+           "predicted_hits": sum(map(sum, pred)), "measured_hits": sum(map(sum, measured)),
+           "requests_differing": sum(1 for p, m in zip(pred, measured, strict=True) if p != m),
+           "cached_tokens": got["cached_tokens"],
+           "sessions": {k: v for k, v in got["kernel"].items() if k.startswith("session")},
+           "predicted_sessions": {k: v for k, v in sim_stats.items() if k.startswith("session")},
+           "promoted": int(got["kernel"].get("promoted", 0)),
+           "predicted_promoted": sim_stats.get("promoted", 0)}
+    if time_scale is not None:
+        stamps = [r.timestamp for r in slice_]
+        out["holds"] = hold_pauses(sessions, returning, stamps, retain_s)
+        if retain and arrivals is not None:
+            out.update(arrivals=arrivals, starts=got["starts"], ends=got["ends"],
+                       finished=got["finished"],
+                       max_lag_s=max(e - a for e, a in zip(got["ends"], arrivals, strict=True)),
+                       clock_ambiguous=clock_ambiguous(arrivals, got["starts"], got["ends"],
+                                                       got["finished"], returning, hold_s))
+    return out
+
+
+def hold_pauses(sessions: Sequence[str | None], returning: Sequence[str | None],
+                stamps: Sequence[float], retain_s: float) -> list[dict[str, Any]]:
+    """Each hold a request asks for (`returning`): its session's next request, the trace's
+    pause to it (seconds) and whether the hold expires before it (the pause is longer than
+    `retain_s`; the cap may release it earlier)."""
+    out = []
+    for i, s in enumerate(returning):
+        if s is None:
+            continue
+        j = next(k for k in range(i + 1, len(sessions)) if sessions[k] == s)
+        pause = stamps[j] - stamps[i]
+        out.append({"request": i + 1, "session": s, "returns": j + 1, "pause_s": pause,
+                    "expires_before_return": pause > retain_s})
+    return out
+
+
+def clock_ambiguous(arrivals: Sequence[float], starts: Sequence[float],
+                    ends: Sequence[float], finished: float, held: Sequence[str | None],
+                    hold_s: float) -> list[tuple[int, int]]:
+    """The (hold, check) request pairs (1-based; check len + 1: the statistics read at the
+    end) where the prediction's clock and the engine's may disagree on whether the hold had
+    expired. `held`: each request's session that it holds (None: no hold). The prediction
+    holds at request i's arrival and checks expiry at request c's; the engine holds
+    somewhere in [starts[i], ends[i]] and checks in [starts[c], ends[c]] (the end's read by
+    `finished`), so the order is fixed only where the whole intervals fall on the predicted
+    side. A hold is followed up to its session's next hold, which restarts it."""
+    last = len(arrivals) - 1
+    checks = [(c, arrivals[c], starts[c], ends[c]) for c in range(len(arrivals))]
+    checks.append((last + 1, arrivals[last], starts[last], finished))
+    out = []
+    for i, session in enumerate(held):
+        if session is None:
+            continue
+        until = next((k for k in range(i + 1, len(held)) if held[k] == session), last + 1)
+        for c, at, lo, hi in checks:
+            if c <= i or c > until:
+                continue
+            expired = arrivals[i] + hold_s <= at  # as predicted, by then
+            if not (ends[i] + hold_s <= lo if expired else starts[i] + hold_s > hi):
+                out.append((i + 1, c + 1))
+    return out
