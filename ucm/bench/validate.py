@@ -124,6 +124,8 @@ def validate(trace: str, model: str, *, policies: Sequence[str] = POLICIES,
                                           posix_blocks=posix_blocks, posix_path=root)
             got = measure(model, prompts, {"tiers": tiers, "eviction": policy,
                                            "promote": promote},
+                          # the connector promotes a step's loads only with promote_loads
+                          extra={"promote_loads": True} if promote else None,
                           block_size=block_size,
                           max_model_len=max(4096, max(len(p) for p in prompts) + 16),
                           log_path=log_path, progress=progress)
