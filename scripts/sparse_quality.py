@@ -345,6 +345,10 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         pts = sorted((float(r["run"].split("@")[1]), r["agree"]) for r in rows
                      if r["run"].startswith(m + "@"))
         ax.plot([p[0] for p in pts], [p[1] * 100 for p in pts], marker="o", label=m)
+    computed = next((r for r in rows if r["run"] == "computed"), None)
+    if computed is not None:  # the numeric path alone: dense computed against dense loaded
+        ax.axhline(computed["agree"] * 100, color="grey", linestyle="--",
+                   label="dense, computed (not loaded)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget (share of the blocks between sinks and window)")
     ax.set_ylabel("greedy tokens equal to dense (%)")
