@@ -13,7 +13,7 @@ first empties vLLM's prefix cache, so that its prompts' prefixes come from ucm. 
 done): vLLM's prefix cache gives it the blocks it shares with the ones before, and it arrives
 in the step that frees the one before's blocks, which sees them held by both. A phase with
 `"prefix": false` turns the sparse config's `prefix` off on both sides for its requests (the
-engine runs in this process), as if the config had left it at its default. The spec's
+engine runs in this process), as a config that turns it off would. The spec's
 `codec` is the memory tier's (the tier the offloaded blocks come back from).
 
 vLLM's prefix cache is on; ucm's lookups answer within the step (`lookup_wait`), so that a

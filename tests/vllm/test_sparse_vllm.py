@@ -11,17 +11,17 @@ compressing (shuffle_zstd, lossless); quest with 4 top-k blocks, 1 sink, 2 local
 refresh every 4 steps, its tier quantizing (int8) (vLLM's free-block count grows by the blocks
 it freed; per-step attended blocks and loads are what the config says).
 
-vLLM's prefix cache is on, and both sparse engines turn the sparse config's `prefix` on: a
-request whose prefix came from a cache runs sparse, the worker reading the prefix's keys from
-vLLM's paged cache. Dense and budget 1.0 then run the first prompt again (a prefix hit: vLLM's
-prefix cache in dense, ucm in sparse, whose slots lost their prefix-cache hashes), and two
-prompts sharing 8 blocks, the second submitted once the first has its first token (it hits the
-first's blocks in vLLM's prefix cache in the step that frees the first's): each equals dense
-with the same hit. Budget 1.0 last runs the first prompt again with `prefix` off (the
-default): a counted dense fallback, dense's tokens. Budget 4 runs the first prompt twice after
-emptying vLLM's prefix cache (all but its last block from ucm: the two runs are equal, attend
-the same blocks and free what the computed one freed) and the shared pair (the shared blocks
-stay, resident, in both).
+vLLM's prefix cache is on, and both sparse engines leave the sparse config's `prefix` at its
+default (on): a request whose prefix came from a cache runs sparse, the worker reading the
+prefix's keys from vLLM's paged cache. Dense and budget 1.0 then run the first prompt again (a
+prefix hit: vLLM's prefix cache in dense, ucm in sparse, whose slots lost their prefix-cache
+hashes), and two prompts sharing 8 blocks, the second submitted once the first has its first
+token (it hits the first's blocks in vLLM's prefix cache in the step that frees the first's):
+each equals dense with the same hit. Budget 1.0 last runs the first prompt again with `prefix`
+turned off: a counted dense fallback, dense's tokens. Budget 4 runs the first prompt twice
+after emptying vLLM's prefix cache (all but its last block from ucm: the two runs are equal,
+attend the same blocks and free what the computed one freed) and the shared pair (the shared
+blocks stay, resident, in both).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ THIRD = prompt(520, 9)  # 16 full blocks + 8
 SHARED = prompt(256, 11)  # 8 blocks: the pair's common prefix
 PAIR = [SHARED + prompt(360, 12), SHARED + prompt(210, 13)]  # 616 and 466 tokens
 MAX_TOKENS = 24
-SPARSE = {"method": "quest", "sink_blocks": 1, "local_blocks": 2, "stride": 4, "prefix": True}
+SPARSE = {"method": "quest", "sink_blocks": 1, "local_blocks": 2, "stride": 4}  # prefix: default
 TOP_K = 4
 
 
@@ -175,7 +175,7 @@ def test_attention_reads_what_ucm_loads(runs):
 
 def test_prefix_from_ucm_runs_dense_counted_with_prefix_off(runs):
     dense, full = runs["dense"], runs["full"]
-    # the first prompt again with the sparse config's `prefix` off (its default), its prefix
+    # the first prompt again with the sparse config's `prefix` off (on by default), its prefix
     # from ucm: it runs dense, counted on both sides, nothing of it freed: dense's tokens
     sched = full["stats"]["scheduler"]
     assert {k: v for k, v in sched.items() if k.startswith("sparse_dense")} == {

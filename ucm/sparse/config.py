@@ -51,7 +51,8 @@ class SparseConfig(BaseModel):
     min_budget: int = Field(default=1, ge=0, description="adaptive: blocks chosen at least")
     seed: int = Field(default=0, description=(
         "seed of the random method's scores and of gsa's hash projection"))
-    prefix: bool = Field(default=False, description=(
+    # on since the SmolLM2 runs (bf16, AMX order): budget 1 from ucm equals dense on every token
+    prefix: bool = Field(default=True, description=(
         "vLLM: run a request whose prefix came from ucm or vLLM's prefix cache sparse too, "
         "its keys read from vLLM's paged cache (where ucm knows the cache's layout: a cache "
         "in the model's dtype; else dense, counted); off: such a request runs dense, counted "
