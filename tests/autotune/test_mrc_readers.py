@@ -134,3 +134,16 @@ def test_ucm_trace_mrc_reads_a_trace_directory(tmp_path, capsys):
     assert doc["curve"][1][1] > 0.5
     assert trace_main(["mrc", str(tmp_path / "nothing")]) == 2
     assert "ucm-trace:" in capsys.readouterr().err
+
+
+def test_bench_mrc_accuracy_takes_the_workloads_and_their_length(capsys):
+    from ucm.bench.mrc import main as bench_mrc
+
+    assert bench_mrc(["--accuracy", "--workloads", "zipf,chat", "--synthetic-refs", "3000",
+                      "--policies", "lru", "--seeds", "1"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()
+    assert [row.split()[0] for row in rows] == ["zipf", "chat"]  # no trace row
+    assert "(3000 references)" in rows[0]
+    assert 0 < int(rows[1].split("(")[1].split()[0]) <= 3000  # chat's count is its own
+    with pytest.raises(SystemExit):
+        bench_mrc(["--accuracy", "--workloads", "zipf,nope"])

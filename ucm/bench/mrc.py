@@ -107,21 +107,31 @@ def accuracy_row(label: str, requests: Sequence[Request], policy: str,
         worst = [max(w, abs(a - b)) for w, (_, a), (_, b) in zip(worst, curve, exact,
                                                                  strict=True)]
     return {"workload": label, "policy": policy, "exact": [h for _, h in exact],
+            "references": sum(len(r.blocks) for r in requests),
             "max_error_points": [100 * w for w in worst], "capacities": list(capacities)}
 
 
 def accuracy(args: argparse.Namespace) -> None:
     rows = []
-    trace = read_jsonl(args.trace, limit=args.requests if args.requests else None)
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - {"trace", "zipf", "zipf+scan", "chat"}
+    if unknown:
+        raise SystemExit(f"ucm bench mrc: unknown workloads {sorted(unknown)}")
+    trace = (read_jsonl(args.trace, limit=args.requests if args.requests else None)
+             if "trace" in workloads else [])
     caps = [int(c) for c in args.capacities.split(",")]
     for policy in args.policies.split(","):
-        rows.append(accuracy_row("trace", trace, policy, caps, args.rate, args.min_blocks,
-                                 args.seeds))
+        if "trace" in workloads:
+            rows.append(accuracy_row("trace", trace, policy, caps, args.rate,
+                                     args.min_blocks, args.seeds))
         for name in ("zipf", "zipf+scan", "chat"):
-            rows.append(accuracy_row(name, synthetic(name), policy, (500, 2000, 5000, 10000),
-                                     args.rate, args.min_blocks, args.seeds))
+            if name in workloads:
+                rows.append(accuracy_row(name, synthetic(name, n=args.synthetic_refs), policy,
+                                         (500, 2000, 5000, 10000), args.rate,
+                                         args.min_blocks, args.seeds))
     for row in rows:
-        print(f"{row['workload']:>10} {row['policy']:>7}: " + ", ".join(
+        print(f"{row['workload']:>10} {row['policy']:>7} "
+              f"({row['references']} references): " + ", ".join(
             f"{c}: {h:.4f} (+-{e:.2f})" for c, h, e in zip(
                 row["capacities"], row["exact"], row["max_error_points"], strict=True)))
 
@@ -141,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, help="default: 0.01 (cost), 0.1 (--accuracy)")
     parser.add_argument("--min-blocks", type=int, help="default: 0 (cost), 1000 (--accuracy)")
     parser.add_argument("--max-keys", type=int, default=16384)
+    parser.add_argument("--workloads", default="trace,zipf,zipf+scan,chat",
+                        help="--accuracy: which of trace, zipf, zipf+scan, chat")
+    parser.add_argument("--synthetic-refs", type=int, default=100_000,
+                        help="--accuracy: references of each synthetic workload (over 20,000 "
+                        "blocks)")
     parser.add_argument("--seeds", type=int, default=4, help="--accuracy: samples drawn")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
