@@ -54,8 +54,9 @@ class _Pages:
         return _Lookup([i >= missing for i in range(len(keys))])
 
 
-def _freer(pages: _Pages, wait_stores=None, **kw: object) -> tuple[BlockFreer, Counter[str]]:
-    sparse = SparseConfig(method="quest", budget=4, block_size=BS, sink_blocks=1,
+def _freer(pages: _Pages, wait_stores=None, budget: int | float = 4,
+           **kw: object) -> tuple[BlockFreer, Counter[str]]:
+    sparse = SparseConfig(method="quest", budget=budget, block_size=BS, sink_blocks=1,
                           local_blocks=2)
     cfg = load_config({"namespace": "ns", "tiers": [{"driver": "memory", "capacity": "1MiB"}]})
     settings = HookSettings(ucm_config=cfg, namespace="ns", block_size=BS, sparse=sparse,
@@ -111,7 +112,8 @@ def test_free_returns_blocks_keeps_slots_and_shared_blocks():
         is blocks[9]
     assert stats["sparse_freed_blocks"] == 10 and stats["sparse_kept_shared"] == 1
     assert stats["sparse_slot_blocks"] == 4 and stats["sparse_freed_requests"] == 1
-    assert freer.plan("r0", PROMPT, PROMPT + 1, 18, DIGESTS) is None  # once
+    again = freer.plan("r0", PROMPT, PROMPT + 1, 18, DIGESTS)  # once: later, the window
+    assert again is not None and again.window and again.freed == [16]
     assert list(freer.freed) == [{"req_id": "r0", "offloaded": 14, "returned": 10,
                                   "slots": 4, "kept_shared": 1,
                                   "pool_free_after": before + 10}]
@@ -224,3 +226,66 @@ def test_a_prefix_hit_is_freed_but_for_the_blocks_it_shares():
     freer.finished("r0")
     freer.start("r1", 0)  # resumed after a preemption: ends, starts over
     assert freer.take_ended() == ["r0", "r1"] and freer.take_ended() == []
+
+
+def test_blocks_the_moving_window_leaves_are_freed_once_ucm_holds_them():
+    # after the first free, each step frees the full blocks that left the worker's local
+    # window (its session's last 2 of ceil(tokens / 32) blocks), generated ones too, once a
+    # lookup confirms them (no waiting for stores); budget 4: its 4 slots are enough, so
+    # they go back to vLLM's pool
+    pool, _, kv = _vllm()
+    row = kv.coordinator.single_type_managers[0].req_to_blocks["r0"]
+    digests = [bytes([i]) * 16 for i in range(24)]
+    pages = _Pages(0, 0, 1, 0)  # the third lookup misses block 17 (its store in flight)
+    freer, stats = _freer(pages)
+    freer.attach(kv)
+    freer.start("r0", 0)
+    assert freer.plan("r0", PROMPT, PROMPT, 18, digests) is not None  # blocks 1-15
+    assert [freer.window_end(c) for c in (600, 608, 609, 640, 641)] == [17, 17, 18, 18, 19]
+    before = pool.get_num_free_blocks()
+    free = freer.plan("r0", PROMPT, PROMPT + 1, 18, digests)  # 601 tokens: block 16 left
+    assert free is not None and free.window
+    assert (free.freed, free.digests, free.slots) == ([16], [digests[16]], [])
+    assert row[16].is_null and pool.get_num_free_blocks() - before == 1
+    assert freer.plan("r0", PROMPT, 602, 18, digests) is None  # nothing new
+    row.append(pool.get_new_blocks(1)[0])  # block 19, generated tokens
+    # 609 tokens: block 17 left the window, but ucm does not hold it yet: it waits
+    assert freer.plan("r0", PROMPT, 609, 19, digests) is None
+    assert not row[17].is_null and stats["sparse_window_waits"] == 1
+    free = freer.plan("r0", PROMPT, 610, 19, digests)  # confirmed at a later step
+    assert free is not None and free.freed == [17] and row[17].is_null
+    # 641 tokens: block 18 (prompt and generated tokens, saved) left; not before it is saved
+    row.append(pool.get_new_blocks(1)[0])
+    assert freer.plan("r0", PROMPT, 641, 18, digests) is None
+    free = freer.plan("r0", PROMPT, 642, 19, digests)
+    assert free is not None and free.freed == [18] and free.digests == [digests[18]]
+    assert stats["sparse_window_freed_blocks"] == 3 and stats["sparse_window_frees"] == 3
+    assert stats["sparse_window_slot_blocks"] == 0 and stats["sparse_freed_blocks"] == 11
+    assert pool.get_num_free_blocks() - before == 3 - 2  # 2 allocated for generated tokens
+    assert pages.lookups == 5  # the first free's, then one per step with a block to confirm
+    freer.finished("r0")  # ended: nothing more
+    assert freer.plan("r0", PROMPT, 700, 20, digests) is None and freer.take_ended() == ["r0"]
+
+
+def test_the_window_keeps_a_slot_for_each_block_the_budget_may_select():
+    # budget 1.0: every block between sinks and window may be selected, so each block the
+    # window leaves stays the request's as a slot holding itself (its hash dropped), none
+    # goes back to the pool; a block another request holds too stays, resident
+    pool, owned, kv = _vllm()
+    row = kv.coordinator.single_type_managers[0].req_to_blocks["r0"]
+    digests = [bytes([i]) * 16 for i in range(24)]
+    freer, stats = _freer(_Pages(), budget=1.0)
+    freer.attach(kv)
+    freer.start("r0", 0)
+    first = freer.plan("r0", PROMPT, PROMPT, 18, digests)
+    assert first is not None and len(first.slots) == 15
+    before = pool.get_num_free_blocks()
+    free = freer.plan("r0", PROMPT, PROMPT + 1, 18, digests)
+    assert free is not None and free.freed == [16] and free.slots == [owned["r0"][16].block_id]
+    assert free.holding == [16] and not row[16].is_null and row[16].block_hash is None
+    assert pool.get_num_free_blocks() == before
+    pool.touch([owned["r0"][17]])  # another request hit block 17 in vLLM's prefix cache
+    row.append(pool.get_new_blocks(1)[0])
+    assert freer.plan("r0", PROMPT, 609, 19, digests) is None  # shared: it stays
+    assert stats["sparse_window_kept_shared"] == 1 and owned["r0"][17].ref_cnt == 2
+    assert stats["sparse_window_slot_blocks"] == 1 and stats["sparse_window_freed_blocks"] == 0

@@ -28,12 +28,19 @@ class SparseFree:
     """A sparse request whose offloaded blocks the scheduler gave back to vLLM's free pool
     (`ucm.vllm_hook.sparse_blocks`): logical blocks `freed[i]` (stored in ucm as
     `digests[i]`) are no longer in its cache; `slots` are the physical blocks it kept to
-    load selected ones into (their contents are not any block's until loaded)."""
+    load selected ones into (their contents are not any block's until loaded).
+
+    `window`: a later free of blocks the moving local window left (after the request's first
+    free): the worker adds them to the ones freed before, and its new `slots` to its slots;
+    `holding[i]` is the logical block slot `slots[i]` already holds (its own block, kept as a
+    slot; None: nothing), empty where no slot holds any."""
 
     req_id: str
     freed: list[int]
     digests: list[bytes]
     slots: list[int]
+    window: bool = False
+    holding: list[int | None] = field(default_factory=list)
 
 
 @dataclass

@@ -176,6 +176,8 @@ class _Request:
         self.freed: dict[int, bytes] | None = None  # logical block -> digest, not in the cache
         self.slots: list[int] = []  # physical blocks selected freed ones are loaded into
         self.holds: list[int | None] = []  # the logical block each slot holds (None: nothing)
+        self.window: list[int] = []  # of `freed`, the blocks freed as the local window moved
+        self.recorded = 0  # of those, the ones a step record named ("window": the new ones)
         self.steps: deque[dict[str, Any]] = deque(maxlen=step_records)  # the newest
 
 
@@ -220,6 +222,9 @@ class SparseAttention:
         self._step_rows = dict(getattr(meta, "sparse_rows", {}))
         for free in getattr(meta, "sparse", ()):
             rq = self._requests.get(free.req_id)
+            if getattr(free, "window", False):
+                self._window_free(rq, free)
+                continue
             if rq is None:  # the scheduler frees only after this worker ran the prefill
                 self.stats["frees_unmatched"] += 1
                 log.error("ucm: sparse free of %s, which this worker has not seen",
@@ -230,6 +235,24 @@ class SparseAttention:
             self.stats["freed_requests"] += 1
             self.stats["freed_blocks"] += len(free.freed) - len(free.slots)
             self.stats["slots"] += len(free.slots)
+
+    def _window_free(self, rq: _Request | None, free: Any) -> None:
+        """A later free of a freed request: the blocks its moving local window left join its
+        freed ones (selected, they are loaded into a slot like any other), its new slots
+        join its slots, each holding what the scheduler says (its own block)."""
+        if rq is None or rq.freed is None:
+            self.stats["frees_unmatched"] += 1
+            log.error("ucm: sparse window free of %s, which this worker has not seen freed",
+                      free.req_id)
+            return
+        rq.freed.update(zip(free.freed, free.digests, strict=True))
+        holding = list(free.holding) or [None] * len(free.slots)
+        rq.slots.extend(free.slots)
+        rq.holds.extend(holding[:len(free.slots)])
+        rq.window.extend(free.freed)
+        self.stats["window_frees"] += 1
+        self.stats["window_freed_blocks"] += len(free.freed) - len(free.slots)
+        self.stats["window_slots"] += len(free.slots)
 
     # -- the patched forward ---------------------------------------------------------------------
     def on_layer(self, impl: Any, layer: Any, query: torch.Tensor, key: torch.Tensor,
@@ -349,8 +372,10 @@ class SparseAttention:
         rq.steps.append({"step": plan.step, "seq_len": seq_len, "n_blocks": current + 1,
                          "attended": blocks, "selected": len(plan.selected),
                          "budget": plan.budget, "refreshed": plan.refreshed, "born": born,
-                         "freed": rq.freed is not None, "load": loaded, "loaded_bytes": nbytes,
+                         "freed": rq.freed is not None, "window": rq.window[rq.recorded:],
+                         "load": loaded, "loaded_bytes": nbytes,
                          "failed": failed, "unplaced": unplaced, "slots": list(rq.holds)})
+        rq.recorded = len(rq.window)
         new_len = (len(blocks) - 1) * bs + (seq_len - current * bs)
         return [self._physical(rq, b) for b in blocks], new_len
 

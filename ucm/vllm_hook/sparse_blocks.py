@@ -60,8 +60,15 @@ log = logging.getLogger("ucm.vllm_hook")
 @dataclass
 class _Freeing:
     status: str = "wait"  # wait -> freed | dense
-    lookup: PendingPages | None = None
+    lookup: PendingPages | None = None  # once freed: the window's lookup of `looking`
     since: float | None = None  # the first lookup's start
+    # once freed, the moving window's bookkeeping: the first logical block it has not freed
+    # yet, the blocks its lookup in flight covers, and the request's own offloaded blocks
+    # and slots so far
+    next: int = 0
+    looking: range = range(0)
+    own: int = 0
+    slots: int = 0
 
 
 class BlockFreer:
@@ -154,6 +161,8 @@ class BlockFreer:
              saved_blocks: int, digests: Sequence[bytes]) -> SparseFree | None:
         """The request's free, in the step whose metadata carries it; None: not (yet)."""
         fr = self._reqs.get(req_id)
+        if fr is not None and fr.status == "freed":
+            return self._window(req_id, fr, computed_before, saved_blocks, digests)
         if fr is None or fr.status != "wait" or computed_before < prompt_tokens:
             return None
         reason = self._refusal()
@@ -227,6 +236,7 @@ class BlockFreer:
         pool.free_blocks(released)
         returned = pool.get_num_free_blocks() - before
         fr.status = "freed"
+        fr.next, fr.own, fr.slots = hi, len(own), len(slots)
         self.stats["sparse_freed_requests"] += 1
         self.stats["sparse_freed_blocks"] += returned  # back in vLLM's free pool
         self.stats["sparse_kept_shared"] += len(kept)  # another request's too: not freed
@@ -239,3 +249,92 @@ class BlockFreer:
                   "(shared)", req_id, len(gone), returned, len(slots), len(kept))
         return SparseFree(req_id, own, [digests[i] for i in own],
                           [blocks[i].block_id for i in slots])
+
+    # -- the moving window ---------------------------------------------------------------------
+    def window_end(self, computed_before: int) -> int:
+        """The first logical block still in the worker's local window (or not full) at a
+        decode step that starts with `computed_before` tokens in the cache: the worker's
+        session then holds that many tokens, `ceil(computed_before / block_size)` blocks, and
+        its window is their last `local_blocks` (`SparseSession._fixed_mask`); a block below
+        it stays below it, selectable by score only."""
+        bs = self.settings.block_size
+        return max(0, min(-(-computed_before // bs) - self.config.local_blocks,
+                          computed_before // bs))
+
+    def _window(self, req_id: str, fr: _Freeing, computed_before: int, saved_blocks: int,
+                digests: Sequence[bytes]) -> SparseFree | None:
+        """A freed request's later step: the full blocks the local window has left since,
+        stored (`saved_blocks`: saves planned, generated blocks' too with `save_generated`)
+        and confirmed in ucm by a lookup that does not wait for stores (a block not confirmed
+        yet waits for a later step), leave the request as its first free's did."""
+        end = min(self.window_end(computed_before), saved_blocks, len(digests))
+        if fr.lookup is None and end > fr.next:
+            size = self.settings.tp_size
+            fr.looking = range(fr.next, end)
+            keys = [rank_key(digests[i], r, size) for r in range(size) for i in fr.looking]
+            fr.lookup = self._pages().start_lookup(keys, prefix=False, promote=False)
+            self.stats["sparse_window_lookups"] += 1
+        lookup = fr.lookup
+        if lookup is None or not lookup.wait(self.settings.lookup_wait):
+            return None
+        lookup.result()
+        fr.lookup = None
+        looking, n = fr.looking, len(fr.looking)
+        hits = list(lookup.hits) if lookup.error is None else []
+        confirmed = 0  # the leading blocks every rank's shard of which ucm holds
+        while confirmed < n and len(hits) == n * self.settings.tp_size and all(
+                hits[r * n + confirmed] for r in range(self.settings.tp_size)):
+            confirmed += 1
+        if confirmed < n:
+            self.stats["sparse_window_waits"] += 1  # looked up again at a later step
+        if not confirmed:
+            return None
+        return self._free_window(req_id, fr, looking.start, looking.start + confirmed,
+                                 computed_before, digests)
+
+    def _free_window(self, req_id: str, fr: _Freeing, lo: int, hi: int, computed_before: int,
+                     digests: Sequence[bytes]) -> SparseFree | None:
+        """Logical blocks `lo..hi` leave the request: a block another request holds too stays,
+        resident (`sparse_window_kept_shared`); of the others, enough become slots (each
+        holding its own block, its prefix-cache hash dropped) that the request has as many
+        as the worker may select among its freed blocks (`budget_blocks` of the blocks between
+        sinks and window, as `SparseSession._choose_k`), and the rest go back to vLLM's pool
+        (`sparse_window_freed_blocks`)."""
+        cfg = self.config
+        manager = self.kv_manager.coordinator.single_type_managers[0]
+        pool = self.kv_manager.block_pool
+        blocks = manager.req_to_blocks.get(req_id)
+        fr.next = hi
+        if not blocks or len(blocks) < hi or any(b.is_null for b in blocks[lo:hi]):
+            self.stats["sparse_window_unexpected"] += 1  # not what was expected: they stay
+            log.warning("ucm: %s: the blocks %d..%d the sparse window left are not in vLLM's "
+                        "block list as expected; they stay", req_id, lo, hi)
+            return None
+        kept = [i for i in range(lo, hi) if blocks[i].ref_cnt > 1]
+        own = [i for i in range(lo, hi) if blocks[i].ref_cnt == 1]
+        if not own:
+            self.stats["sparse_window_kept_shared"] += len(kept)
+            return None
+        selectable = max(0, self.window_end(computed_before) - cfg.sink_blocks)
+        want = min(fr.own + len(own), cfg.budget_blocks(selectable))
+        slots, gone = own[:max(0, want - fr.slots)], own[max(0, want - fr.slots):]
+        for i in slots:
+            pool._maybe_evict_cached_block(blocks[i])
+        released = [blocks[i] for i in gone]
+        before = pool.get_num_free_blocks()
+        for i in gone:
+            blocks[i] = pool.null_block
+        pool.free_blocks(released)
+        returned = pool.get_num_free_blocks() - before
+        fr.own += len(own)
+        fr.slots += len(slots)
+        self.stats["sparse_window_frees"] += 1
+        self.stats["sparse_window_freed_blocks"] += returned  # back in vLLM's free pool
+        self.stats["sparse_window_slot_blocks"] += len(slots)
+        self.stats["sparse_window_kept_shared"] += len(kept)
+        log.debug("ucm: %s: %d blocks left the sparse window (%d returned to vLLM's pool), "
+                  "%d new slots, %d kept (shared)", req_id, len(own), returned, len(slots),
+                  len(kept))
+        holding: list[int | None] = list(slots)  # each new slot holds its own block
+        return SparseFree(req_id, own, [digests[i] for i in own],
+                          [blocks[i].block_id for i in slots], window=True, holding=holding)
