@@ -6,8 +6,9 @@ free (read from the scheduler's block pool), and both connector sides' counters.
 A phase with `"noise": true` re-stores, right after its request's blocks are freed (in the
 step's schedule, before that step's forward loads them), one freed block under its own key
 with other values: the decode must then attend what ucm holds, not what vLLM computed. A phase
-with `"drop": true` deletes every freed block of its request from ucm there instead: no load
-can succeed, and the decode must attend only what is resident. A phase with `"reset": true`
+with `"drop": true` deletes every freed block of its request from ucm there instead (and each
+block the moving window frees later, in the step that frees it): no load can succeed, and the
+decode must attend only what is resident. A phase with `"reset": true`
 first empties vLLM's prefix cache, so that its prompts' prefixes come from ucm. A phase with
 `"stagger": true` submits each prompt once the one before has its first token (its prefill
 done): vLLM's prefix cache gives it the blocks it shares with the ones before, and it arrives
@@ -20,7 +21,9 @@ vLLM's prefix cache is on; ucm's lookups answer within the step (`lookup_wait`),
 request is scheduled in the step it arrives in, not a step later when a lookup takes longer
 than the default 2 ms. Besides the tokens, the JSON line names each phase's requests by vLLM's
 ids (`ids`) and gives the tokens each sparse request had computed when the scheduler first
-saw it (`starts`) and the engine step of that and of each free."""
+saw it (`starts`) and the engine step of that and of each free; `window` lists the later frees
+of blocks the moving local window left (their logical blocks, slots, and vLLM's free-block
+count around each). A phase's `max_tokens` overrides the spec's."""
 
 from __future__ import annotations
 
@@ -55,7 +58,9 @@ def main(spec: dict[str, Any]) -> None:
     ids: list[list[str]] = []
     starts: list[dict[str, Any]] = []  # the tokens each sparse request had computed at its start
     clock = {"step": 0}  # engine steps so far
-    noise: dict[str, Any] = {"armed": False, "stored": [], "drop": False, "dropped": 0}
+    noise: dict[str, Any] = {"armed": False, "stored": [], "drop": False, "dropped": 0,
+                             "dropping": []}
+    window: list[dict[str, Any]] = []  # the frees of blocks the moving window left
     freer = scheduler.sparse_blocks
     if freer is not None:
         free = freer._free
@@ -77,9 +82,27 @@ def main(spec: dict[str, Any]) -> None:
                     keys = [rank_key(d, 0, 1) for d in out.digests]
                     worker.kernel.submit(Delete(keys)).result(30)
                     noise["dropped"] += len(keys)
+                    noise["dropping"].append(req_id)
             return out
 
         freer._free = observed
+        free_window = freer._free_window
+
+        def observed_window(req_id: str, *args: Any) -> Any:
+            pool = freer.kv_manager.block_pool
+            before = pool.get_num_free_blocks()
+            out = free_window(req_id, *args)
+            if out is not None:
+                window.append({"before": before, "after": pool.get_num_free_blocks(),
+                               "freed": out.freed, "slots": len(out.slots),
+                               "req_id": req_id, "phase": len(phases), "step": clock["step"]})
+                if req_id in noise["dropping"]:  # its first free's blocks were deleted
+                    keys = [rank_key(d, 0, 1) for d in out.digests]
+                    worker.kernel.submit(Delete(keys)).result(30)
+                    noise["dropped"] += len(keys)
+            return out
+
+        freer._free_window = observed_window
         start = freer.start
 
         def started(req_id: str, computed_tokens: int) -> None:
@@ -97,7 +120,8 @@ def main(spec: dict[str, Any]) -> None:
         if saved is not None and phase.get("prefix") is False:  # both sides' `prefix` off
             freer.prefix_keys = False
             sparse.config = sparse.config.model_copy(update={"prefix": False})
-        params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+        params = SamplingParams(temperature=0.0, ignore_eos=True,
+                                max_tokens=phase.get("max_tokens", spec["max_tokens"]))
         prompts = [TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]]
         tokens, req_ids = _generate(llm, prompts, params, bool(phase.get("stagger")), clock)
         phases.append(tokens)
@@ -105,7 +129,8 @@ def main(spec: dict[str, Any]) -> None:
         if saved is not None:
             freer.prefix_keys, sparse.config = saved
     print("UCM_SPARSE " + json.dumps({"phases": phases, "ids": ids, "starts": starts,
-                                      "frees": frees, "noise": noise["stored"],
+                                      "frees": frees, "window": window,
+                                      "noise": noise["stored"],
                                       "dropped": noise["dropped"], "stats": connector_stats()},
                                      default=str), flush=True)
 

@@ -54,10 +54,10 @@ class _Pages:
         return _Lookup([i >= missing for i in range(len(keys))])
 
 
-def _freer(pages: _Pages, wait_stores=None, budget: int | float = 4,
+def _freer(pages: _Pages, wait_stores=None, budget: int | float = 4, stride: int = 8,
            **kw: object) -> tuple[BlockFreer, Counter[str]]:
     sparse = SparseConfig(method="quest", budget=budget, block_size=BS, sink_blocks=1,
-                          local_blocks=2)
+                          local_blocks=2, stride=stride)
     cfg = load_config({"namespace": "ns", "tiers": [{"driver": "memory", "capacity": "1MiB"}]})
     settings = HookSettings(ucm_config=cfg, namespace="ns", block_size=BS, sparse=sparse,
                             **kw)  # type: ignore[arg-type]
@@ -230,18 +230,19 @@ def test_a_prefix_hit_is_freed_but_for_the_blocks_it_shares():
 
 def test_blocks_the_moving_window_leaves_are_freed_once_ucm_holds_them():
     # after the first free, each step frees the full blocks that left the worker's local
-    # window (its session's last 2 of ceil(tokens / 32) blocks), generated ones too, once a
-    # lookup confirms them (no waiting for stores); budget 4: its 4 slots are enough, so
-    # they go back to vLLM's pool
+    # window (its session's last 2 of ceil(tokens / 32) blocks) as its last refresh saw it
+    # (up to stride - 1 = 3 tokens back), generated ones too, once a lookup confirms them
+    # (no waiting for stores); budget 4: its 4 slots are enough, so they go back to the pool
     pool, _, kv = _vllm()
     row = kv.coordinator.single_type_managers[0].req_to_blocks["r0"]
     digests = [bytes([i]) * 16 for i in range(24)]
     pages = _Pages(0, 0, 1, 0)  # the third lookup misses block 17 (its store in flight)
-    freer, stats = _freer(pages)
+    freer, stats = _freer(pages, stride=4)
     freer.attach(kv)
     freer.start("r0", 0)
     assert freer.plan("r0", PROMPT, PROMPT, 18, digests) is not None  # blocks 1-15
     assert [freer.window_end(c) for c in (600, 608, 609, 640, 641)] == [17, 17, 18, 18, 19]
+    assert [freer.left_window(c) for c in (601, 611, 612)] == [17, 17, 18]
     before = pool.get_num_free_blocks()
     free = freer.plan("r0", PROMPT, PROMPT + 1, 18, digests)  # 601 tokens: block 16 left
     assert free is not None and free.window
@@ -249,15 +250,17 @@ def test_blocks_the_moving_window_leaves_are_freed_once_ucm_holds_them():
     assert row[16].is_null and pool.get_num_free_blocks() - before == 1
     assert freer.plan("r0", PROMPT, 602, 18, digests) is None  # nothing new
     row.append(pool.get_new_blocks(1)[0])  # block 19, generated tokens
-    # 609 tokens: block 17 left the window, but ucm does not hold it yet: it waits
-    assert freer.plan("r0", PROMPT, 609, 19, digests) is None
+    # block 17 left the window at 609 tokens, the last refresh's window at 612; but ucm
+    # does not hold it yet: it waits
+    assert freer.plan("r0", PROMPT, 611, 19, digests) is None
+    assert freer.plan("r0", PROMPT, 612, 19, digests) is None
     assert not row[17].is_null and stats["sparse_window_waits"] == 1
-    free = freer.plan("r0", PROMPT, 610, 19, digests)  # confirmed at a later step
+    free = freer.plan("r0", PROMPT, 613, 19, digests)  # confirmed at a later step
     assert free is not None and free.freed == [17] and row[17].is_null
-    # 641 tokens: block 18 (prompt and generated tokens, saved) left; not before it is saved
+    # 644 tokens: block 18 (prompt and generated tokens, saved) left; not before it is saved
     row.append(pool.get_new_blocks(1)[0])
-    assert freer.plan("r0", PROMPT, 641, 18, digests) is None
-    free = freer.plan("r0", PROMPT, 642, 19, digests)
+    assert freer.plan("r0", PROMPT, 644, 18, digests) is None
+    free = freer.plan("r0", PROMPT, 645, 19, digests)
     assert free is not None and free.freed == [18] and free.digests == [digests[18]]
     assert stats["sparse_window_freed_blocks"] == 3 and stats["sparse_window_frees"] == 3
     assert stats["sparse_window_slot_blocks"] == 0 and stats["sparse_freed_blocks"] == 11
@@ -274,7 +277,7 @@ def test_the_window_keeps_a_slot_for_each_block_the_budget_may_select():
     pool, owned, kv = _vllm()
     row = kv.coordinator.single_type_managers[0].req_to_blocks["r0"]
     digests = [bytes([i]) * 16 for i in range(24)]
-    freer, stats = _freer(_Pages(), budget=1.0)
+    freer, stats = _freer(_Pages(), budget=1.0, stride=1)
     freer.attach(kv)
     freer.start("r0", 0)
     first = freer.plan("r0", PROMPT, PROMPT, 18, digests)

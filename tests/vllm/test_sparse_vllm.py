@@ -21,7 +21,9 @@ each equals dense with the same hit. Budget 1.0 last runs the first prompt again
 turned off: a counted dense fallback, dense's tokens. Budget 4 runs the first prompt twice
 after emptying vLLM's prefix cache (all but its last block from ucm: the two runs are equal,
 attend the same blocks and free what the computed one freed) and the shared pair (the shared
-blocks stay, resident, in both).
+blocks stay, resident, in both). Each engine last decodes one prompt for LONG_TOKENS tokens:
+the blocks its moving local window leaves (generated ones too) leave vLLM's cache as well,
+back in the pool at budget 4, kept as slots holding themselves at budget 1.0 (dense's tokens).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ THIRD = prompt(520, 9)  # 16 full blocks + 8
 SHARED = prompt(256, 11)  # 8 blocks: the pair's common prefix
 PAIR = [SHARED + prompt(360, 12), SHARED + prompt(210, 13)]  # 616 and 466 tokens
 MAX_TOKENS = 24
+LONG = prompt(500, 14)  # 15 full blocks + 20: decoded for LONG_TOKENS, the window moves
+LONG_TOKENS = 96  # to 596 tokens: blocks 13-16 (16 generated) leave the local window
 SPARSE = {"method": "quest", "sink_blocks": 1, "local_blocks": 2, "stride": 4}  # prefix: default
 TOP_K = 4
 
@@ -78,19 +82,20 @@ def runs(tmp_path_factory, engine_pool):
     root = tmp_path_factory.mktemp("sparse")
     model = str(build_model(root / "model", ModelSpec(max_positions=4096)))
     pair = {"prompts": PAIR, "stagger": True}
+    long = {"prompts": [LONG], "max_tokens": LONG_TOKENS}
     futures = {  # three engines, two at a time
         "dense": engine_pool.submit(_engine, model, root, "dense", None,
                                     [{"prompts": PROMPTS}, {"prompts": [THIRD]},
-                                     {"prompts": PROMPTS[:1]}, pair]),
+                                     {"prompts": PROMPTS[:1]}, pair, long]),
         "full": engine_pool.submit(_engine, model, root, "full", {**SPARSE, "budget": 1.0},
                                    [{"prompts": PROMPTS}, {"prompts": [THIRD], "noise": True},
                                     {"prompts": PROMPTS[:1]}, pair,
-                                    {"prompts": PROMPTS[:1], "prefix": False}],
+                                    {"prompts": PROMPTS[:1], "prefix": False}, long],
                                    codec="shuffle_zstd"),
         "low": engine_pool.submit(_engine, model, root, "low", {**SPARSE, "budget": TOP_K},
                                   [{"prompts": PROMPTS}, {"prompts": [THIRD], "drop": True},
                                    {"prompts": PROMPTS[:1], "reset": True},
-                                   {"prompts": PROMPTS[:1], "reset": True}, pair],
+                                   {"prompts": PROMPTS[:1], "reset": True}, pair, long],
                                   codec="int8")}
     return {name: future.result() for name, future in futures.items()}
 
@@ -102,7 +107,9 @@ def _phase_records(result: dict, phase: int) -> list[dict]:
     assert sparse.get("frees_unmatched", 0) == 0 and sparse.get("resident_only_steps", 0) == 0
     by_id = {r["req_id"]: r for r in sparse["requests"]}
     reqs = [by_id[i] for i in result["ids"][phase]]
-    assert all(len(r["steps"]) == MAX_TOKENS - 1 for r in reqs)  # every step was planned
+    # every step was planned
+    assert all(len(r["steps"]) == len(t) - 1 for r, t in zip(reqs, result["phases"][phase],
+                                                              strict=True))
     return reqs
 
 
@@ -113,7 +120,9 @@ def _requests(result: dict, phase: int) -> list[list[dict]]:
 
 def _check_steps(steps: list[dict], n_prompt: int, block_bytes: int, shared: int = 0) -> int:
     """Once freed, a request stays freed; an offloaded block attended is in a slot: loaded at
-    the step it first needs one, not again while a slot holds it. Returns the blocks loaded.
+    the step it first needs one, not again while a slot holds it. Blocks the moving window
+    left (each step's `window`: freed in that step) are offloaded from then on; a slot the
+    window adds holds its own block (not loaded). Returns the blocks loaded.
     `shared`: the first blocks another request holds too (never offloaded)."""
     offloaded = set(_offloaded(n_prompt)) - set(range(shared))
     # freed at the first decode step: the scheduler waits for the worker's stores in flight
@@ -123,11 +132,16 @@ def _check_steps(steps: list[dict], n_prompt: int, block_bytes: int, shared: int
     loaded = 0
     for s in steps:
         assert s["failed"] == []
+        assert not offloaded & set(s["window"]), s  # each freed once
+        offloaded |= set(s["window"])
+        added = s["slots"][len(held):] if held else []  # the window's new slots, if any
+        assert set(added) <= set(s["window"]) | {None}, s
         wanted = set(s["attended"]) & offloaded
-        assert set(s["load"]) == wanted - set(held), s  # exactly the ones no slot held
+        # exactly the ones no slot held
+        assert set(s["load"]) == wanted - set(held) - set(added), s
         assert wanted <= set(s["slots"]), s  # every one attended is in a slot
         if held:  # a slot changes only to take a load
-            assert all(a == b or b in s["load"] for a, b in zip(held, s["slots"], strict=True))
+            assert all(a == b or b in s["load"] for a, b in zip(held, s["slots"], strict=False))
         assert s["loaded_bytes"] == len(s["load"]) * block_bytes
         held = s["slots"]
         loaded += len(s["load"])
@@ -192,7 +206,7 @@ def test_prefix_hits_run_sparse_and_equal_dense_with_the_same_hit(runs):
     # with `prefix` on, the first prompt again (its prefix from ucm, block 0 from vLLM's
     # prefix cache) and the pair's second request run sparse; the one dense request is the
     # last phase's (`prefix` off)
-    assert sched["sparse_requests"] == 7 and sched["sparse_freed_requests"] == 6
+    assert sched["sparse_requests"] == 8 and sched["sparse_freed_requests"] == 7
     assert sched["sparse_prefix_requests"] == 2
     worker = full["stats"]["worker"]["sparse"]
     assert worker["prefix_requests"] == 2 and worker["prefix_tokens"] == 18 * BS + 8 * BS
@@ -274,11 +288,12 @@ def test_low_budget_frees_vllm_blocks(runs):
         assert f["after"] - f["before"] == f["offloaded"] - f["slots"], f
     returned = sum(len(_offloaded(len(p))) - TOP_K for p in prompts)
     assert sum(f["after"] - f["before"] for f in frees) == returned == 11 + 7 + 9
-    # the counters: these, the first prompt twice from ucm (11 each) and the pair (5, 0)
+    # the counters: these, the first prompt twice from ucm (11 each), the pair (5, 0) and
+    # the long decode (12 - 4)
     sched = low["stats"]["scheduler"]
     everything = sum(f["after"] - f["before"] for f in low["frees"])
-    assert sched["sparse_freed_blocks"] == everything == returned + 11 + 11 + 5
-    assert sched["sparse_slot_blocks"] == 7 * TOP_K
+    assert sched["sparse_freed_blocks"] == everything == returned + 11 + 11 + 5 + 8
+    assert sched["sparse_slot_blocks"] == 8 * TOP_K
     assert low["stats"]["worker"]["sparse"]["freed_blocks"] == everything
 
 
@@ -308,6 +323,61 @@ def test_low_budget_attends_sinks_window_and_slots(runs):
             assert len(attended) < nb
 
 
+def test_blocks_the_moving_window_leaves_go_back_to_vllms_pool(runs):
+    low = runs["low"]
+    # the long decode at budget 4: after its first free (blocks 1-12, 4 slots), each block
+    # that left the local window (13, 14 from the prompt; 15, 16 with generated tokens) left
+    # vLLM's cache once ucm confirmed it, back in vLLM's pool (its 4 slots are enough)
+    [rec] = _phase_records(low, 5)
+    [req_id] = low["ids"][5]
+    [first] = [f for f in low["frees"] if f["req_id"] == req_id]
+    assert (first["offloaded"], first["slots"], first["after"] - first["before"]) == \
+        (len(_offloaded(len(LONG))), TOP_K, 12 - TOP_K)
+    window = [w for w in low["window"] if w["req_id"] == req_id]
+    assert [b for w in window for b in w["freed"]] == [13, 14, 15, 16], window
+    assert all(w["slots"] == 0 and w["after"] - w["before"] == len(w["freed"]) for w in window)
+    assert all(w["step"] > first["step"] for w in window)
+    # the worker's records name the same blocks; each attended one came from a slot
+    assert [b for s in rec["steps"] for b in s["window"]] == [13, 14, 15, 16]
+    block_bytes = low["stats"]["worker"]["sparse"]["block_bytes"]
+    assert _check_steps(rec["steps"], len(LONG), block_bytes) > 0
+    assert all(len(s["attended"]) <= 1 + 2 + TOP_K + 1 for s in rec["steps"])
+    gone: set[int] = set()
+    window_loads = 0  # selected after the window left them: loaded from ucm into a slot
+    for s in rec["steps"]:
+        gone |= set(s["window"])
+        window_loads += len(gone & set(s["load"]))
+    assert window_loads > 0
+    assert len(low["phases"][5][0]) == LONG_TOKENS
+    # the counters, both sides: every window free of the engine (the other phases' too)
+    sched, worker = low["stats"]["scheduler"], low["stats"]["worker"]["sparse"]
+    returned = sum(w["after"] - w["before"] for w in low["window"])
+    assert sched["sparse_window_freed_blocks"] == worker["window_freed_blocks"] == returned
+    assert sched["sparse_window_frees"] == worker["window_frees"] == len(low["window"])
+    assert sched.get("sparse_window_slot_blocks", 0) == 0
+
+
+def test_a_long_decode_at_full_budget_equals_dense(runs):
+    dense, full = runs["dense"], runs["full"]
+    # budget 1.0: each block the window leaves stays the request's as a slot holding itself
+    # (none goes back to the pool, none is loaded again), every block is attended: dense's
+    # tokens over the whole long decode
+    assert full["phases"][5] == dense["phases"][4]
+    assert len(full["phases"][5][0]) == LONG_TOKENS
+    [rec] = _phase_records(full, 5)
+    [req_id] = full["ids"][5]
+    window = [w for w in full["window"] if w["req_id"] == req_id]
+    assert [b for w in window for b in w["freed"]] == [13, 14, 15, 16], window
+    assert all(w["slots"] == len(w["freed"]) and w["after"] == w["before"] for w in window)
+    assert all(s["attended"] == list(range(s["n_blocks"])) for s in rec["steps"])
+    block_bytes = full["stats"]["worker"]["sparse"]["block_bytes"]
+    assert _check_steps(rec["steps"], len(LONG), block_bytes) == len(_offloaded(len(LONG)))
+    sched = full["stats"]["scheduler"]
+    assert sched.get("sparse_window_freed_blocks", 0) == 0
+    assert sched["sparse_window_slot_blocks"] == full["stats"]["worker"]["sparse"][
+        "window_slots"] == sum(w["slots"] for w in full["window"])
+
+
 def test_other_vllm_versions_and_platforms_are_refused(monkeypatch):
     import vllm
     from vllm.platforms import current_platform
@@ -333,12 +403,16 @@ def test_blocks_that_do_not_load_are_not_attended(runs):
     low = runs["low"]
     # every freed block of the third prompt was deleted from ucm right after its free: each
     # step's loads fail, counted, and attention reads only what is resident
-    offloaded = set(_offloaded(len(THIRD)))
-    assert low["dropped"] == len(offloaded)
     [steps] = _requests(low, 1)
+    # and each block the moving window left, deleted in the step that freed it
+    offloaded = set(_offloaded(len(THIRD))) | {b for s in steps for b in s["window"]}
+    assert low["dropped"] == len(offloaded) == 13 + 1
     freed = [s for s in steps if s["freed"]]
     assert len(freed) == len(steps) and all(s["load"] == [] for s in freed)
-    assert all(not set(s["attended"]) & offloaded for s in freed), freed
+    gone = set(_offloaded(len(THIRD)))
+    for s in freed:  # what is freed by then, the window's blocks included, is not attended
+        gone |= set(s["window"])
+        assert not set(s["attended"]) & gone, s
     failed = sum(len(s["failed"]) for s in freed)
     assert failed > 0 and all(set(s["failed"]) <= offloaded for s in freed)
     assert low["stats"]["worker"]["sparse"]["failed_blocks"] == failed

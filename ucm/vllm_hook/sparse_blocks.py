@@ -261,13 +261,21 @@ class BlockFreer:
         return max(0, min(-(-computed_before // bs) - self.config.local_blocks,
                           computed_before // bs))
 
+    def left_window(self, computed_before: int) -> int:
+        """The blocks below this one left the local window of every selection the worker may
+        still use at that step: a refresh's top-k keeps the window of its own step
+        (`select_blocks`) until the next refresh, `stride` steps on (one token each), so the
+        window that counts is the one `stride - 1` tokens back."""
+        return self.window_end(max(0, computed_before - self.config.stride + 1))
+
     def _window(self, req_id: str, fr: _Freeing, computed_before: int, saved_blocks: int,
                 digests: Sequence[bytes]) -> SparseFree | None:
-        """A freed request's later step: the full blocks the local window has left since,
+        """A freed request's later step: the full blocks the local window has left since
+        (`left_window`),
         stored (`saved_blocks`: saves planned, generated blocks' too with `save_generated`)
         and confirmed in ucm by a lookup that does not wait for stores (a block not confirmed
         yet waits for a later step), leave the request as its first free's did."""
-        end = min(self.window_end(computed_before), saved_blocks, len(digests))
+        end = min(self.left_window(computed_before), saved_blocks, len(digests))
         if fr.lookup is None and end > fr.next:
             size = self.settings.tp_size
             fr.looking = range(fr.next, end)
