@@ -45,9 +45,11 @@ unchanged; with one:
 
 What is real: attention reads only the attended blocks, a freed block's data is what ucm
 loaded into a slot (tests/vllm/test_sparse_vllm.py re-stores one with noise and the output
-changes), and vLLM's free-block count grows by the freed blocks beyond the slots. What is not
-done: blocks generated during decode, and blocks that leave the local window as it moves,
-stay in vLLM's cache; loads are synchronous in the step that needs them (prefetch warms ucm's
+changes), and vLLM's free-block count grows by the freed blocks beyond the slots. Later, the
+blocks the moving local window leaves (generated ones too) are freed the same way, a step at a
+time (`SparseFree.window`: they join the request's freed blocks, and any new slots its slots,
+each holding its own block); a step record's `window` names the ones freed that step. What is
+not done: loads are synchronous in the step that needs them (prefetch warms ucm's
 tier, not vLLM's cache); a request whose earlier tokens this adapter did not see (a prefix
 loaded from ucm or vLLM's prefix cache, a preemption with a prefix hit) runs dense, counted in
 the worker's `dense_requests` and the scheduler's `sparse_dense.prefix` (other reasons:

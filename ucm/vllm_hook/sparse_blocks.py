@@ -25,6 +25,17 @@ it looks up again at the next step.
 - the worker is told (`SparseFree` in the step's metadata) which logical blocks are gone,
   their digests, and the slots.
 
+Once freed, each later step frees the full blocks the moving local window has left (`_window`,
+`left_window`: out of the window of the worker's last refresh, `stride - 1` tokens back), the
+prompt's last ones and then generated ones (stored with `save_generated`), once one lookup
+(it waits `lookup_wait`, never for stores) finds every rank's shard of them in ucm; a block
+not confirmed yet, and those after it, wait for a later step. Each such free is one more
+`SparseFree` (`window=True`): a block another request holds stays, resident; of the others,
+enough stay the request's as slots, each holding its own block (`holding`; its prefix-cache
+hash dropped), that the request has `budget_blocks` of the blocks between sinks and window
+(what the worker may select), and the rest go back to vLLM's pool. Counted in
+`sparse_window_*`.
+
 Each step names the sparse requests to the worker (`name_row`: the block each writes its first
 new token into, which is never freed) and the ones that ended (`take_ended`).
 A request that cannot run sparse stays dense, its reason counted once in
