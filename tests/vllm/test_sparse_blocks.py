@@ -292,3 +292,36 @@ def test_the_window_keeps_a_slot_for_each_block_the_budget_may_select():
     assert freer.plan("r0", PROMPT, 609, 19, digests) is None  # shared: it stays
     assert stats["sparse_window_kept_shared"] == 1 and owned["r0"][17].ref_cnt == 2
     assert stats["sparse_window_slot_blocks"] == 1 and stats["sparse_window_freed_blocks"] == 0
+
+
+def test_the_window_frees_a_block_once_every_rank_holds_its_shard():
+    # TP 2: a block leaves once both ranks' shards are found; rank 1's shard of block 17
+    # still missing holds it (and the ones after it) back
+    from ucm.vllm_hook.keys import rank_key
+
+    digests = [bytes([i]) * 16 for i in range(24)]
+    missing = {rank_key(digests[17], 1, 2)}
+
+    class _Held:
+        lookups: list[list[bytes]] = []
+
+        def start_lookup(self, keys: list[bytes], **kw: object) -> _Lookup:
+            self.lookups.append(keys)
+            return _Lookup([k not in missing for k in keys])
+
+    pool, _, kv = _vllm()
+    row = kv.coordinator.single_type_managers[0].req_to_blocks["r0"]
+    row.append(pool.get_new_blocks(1)[0])
+    pages = _Held()
+    freer, stats = _freer(pages, stride=1, tp_size=2)  # type: ignore[arg-type]
+    freer.attach(kv)
+    freer.start("r0", 0)
+    assert freer.plan("r0", PROMPT, PROMPT, 18, digests) is not None
+    free = freer.plan("r0", PROMPT, 641, 19, digests)  # blocks 16-18 left the window
+    assert free is not None and free.freed == [16]
+    assert pages.lookups[-1] == [rank_key(digests[i], r, 2) for r in (0, 1)
+                                 for i in (16, 17, 18)]
+    assert not row[17].is_null and stats["sparse_window_waits"] == 1
+    missing.clear()
+    free = freer.plan("r0", PROMPT, 642, 19, digests)
+    assert free is not None and free.freed == [17, 18] and row[17].is_null and row[18].is_null
