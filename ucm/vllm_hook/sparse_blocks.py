@@ -282,10 +282,10 @@ class BlockFreer:
     def _window(self, req_id: str, fr: _Freeing, computed_before: int, saved_blocks: int,
                 digests: Sequence[bytes]) -> SparseFree | None:
         """A freed request's later step: the full blocks the local window has left since
-        (`left_window`),
-        stored (`saved_blocks`: saves planned, generated blocks' too with `save_generated`)
-        and confirmed in ucm by a lookup that does not wait for stores (a block not confirmed
-        yet waits for a later step), leave the request as its first free's did."""
+        (`left_window`), stored (`saved_blocks`: saves planned, generated blocks' too with
+        `save_generated`) and confirmed in ucm by a lookup that does not wait for stores (a
+        block not confirmed yet waits for a later step), leave the request as its first
+        free's did."""
         end = min(self.left_window(computed_before), saved_blocks, len(digests))
         if fr.lookup is None and end > fr.next:
             size = self.settings.tp_size
