@@ -43,25 +43,27 @@ unchanged; with one:
   never read half-written (a timed-out load is waited for until it has stopped writing).
   Predicted blocks (`prefetch`) are warmed in ucm's fastest tier with a Prefetch event.
 
-What is real: attention reads only the attended blocks, a freed block's data is what ucm
-loaded into a slot (tests/vllm/test_sparse_vllm.py re-stores one with noise and the output
-changes), and vLLM's free-block count grows by the freed blocks beyond the slots. Later, the
-blocks the moving local window leaves (generated ones too) are freed the same way, a step at a
-time (`SparseFree.window`: they join the request's freed blocks, and any new slots its slots,
-each holding its own block); a step record's `window` names the ones freed that step. What is
-not done: loads are synchronous in the step that needs them (prefetch warms ucm's
-tier, not vLLM's cache); a request whose earlier tokens this adapter did not see (a prefix
-loaded from ucm or vLLM's prefix cache, a preemption with a prefix hit) runs dense, counted in
-the worker's `dense_requests` and the scheduler's `sparse_dense.prefix` (other reasons:
-`ucm.vllm_hook.sparse_blocks`), unless the sparse config's `prefix` is on: then the worker
-reads the prefix's keys from vLLM's paged cache through the request's block-table row
-(`_key_reader`: `BlockLayout`'s segments and the KV layout `ucm.codecs.vllm.cache_layouts`
-checks against vLLM's own cache writes; tests/vllm/test_sparse_vllm.py reads back what
-`cpu_attn_reshape_and_cache` wrote, vec and amx) and the request runs sparse like any other;
-the blocks it shares with another running request (a prefix hit in vLLM's prefix cache) stay
-resident and are attended in place. That mode is opt-in (off by default); the engine tests run
-it with fp32 caches: a prefix from ucm or vLLM's prefix cache decodes as dense with the same
-hit at budget 1.0, and a shared prefix's blocks stay in both requests.
+What is real: attention reads only the attended blocks, a freed block's data is what ucm loaded
+into a slot (tests/vllm/test_sparse_vllm.py re-stores one with noise and the output changes),
+and vLLM's free-block count grows by the freed blocks beyond the slots. Later, the blocks the
+moving local window leaves (generated ones too) are freed the same way, a step at a time
+(`SparseFree.window`: they join the request's freed blocks, and any new slots its slots, each
+holding its own block); a step record's `window` names the ones freed that step. What is not
+done: loads are synchronous in the step that needs them (prefetch warms ucm's tier, not vLLM's
+cache). A request whose earlier tokens this adapter did not see (a prefix loaded from ucm or
+vLLM's prefix cache, a preemption with a prefix hit) runs dense, counted in the worker's
+`dense_requests` and the scheduler's `sparse_dense.prefix` (other reasons:
+`ucm.vllm_hook.sparse_blocks`), only where the sparse config's `prefix` is off or the keys
+cannot be read; with it on (the default) the worker reads the prefix's keys from vLLM's paged
+cache through the request's block-table row (`_key_reader`: `BlockLayout`'s segments and the KV
+layout `ucm.codecs.vllm.cache_layouts` checks against vLLM's own cache writes;
+tests/vllm/test_sparse_vllm.py reads back what `cpu_attn_reshape_and_cache` wrote, vec and amx)
+and the request runs sparse like any other; the blocks it shares with another running request
+(a prefix hit in vLLM's prefix cache) stay resident and are attended in place. The engine tests
+run it with fp32 caches (a prefix from ucm or vLLM's prefix cache decodes as dense with the
+same hit at budget 1.0, and a shared prefix's blocks stay in both requests), the SmolLM2
+measurements (docs/performance.md) with bf16 ones in the AMX order (budget 1.0 from ucm equals
+dense on every token).
 
 Requests are told apart by their ids: the attention backend sees block-table rows only, so the
 scheduler names, per step, the block each sparse request writes its first new token into
