@@ -269,11 +269,7 @@ def _simulate_kernel(requests: Sequence[Request], tiers: Sequence[SimTier], *,
             result.hits_by_tier[depth] += 1
             policies[depth].touch(blocks[i], i)
         if promote:  # one copy of a source tier's hits into the tiers above (`promote`)
-            by_source: dict[int, list[bytes]] = {}
-            for i, depth in enumerate(sources):
-                if depth:
-                    by_source.setdefault(depth, []).append(blocks[i])
-            for depth, keys in by_source.items():
+            for depth, keys in _by_source(sources, blocks).items():
                 for above in range(depth):
                     _store_batch(policies[above], tiers[above], keys)
         if hit:
@@ -383,3 +379,13 @@ Belady's offline optimum under prefix semantics, for one tier of `capacity` bloc
             heapq.heapify(heap)
     result.hits_by_tier[0] = result.hits
     return result
+
+
+def _by_source(sources: Sequence[int], blocks: Sequence[bytes]) -> dict[int, list[bytes]]:
+    """A request's hits from below the top tier, by the tier that served them (promotion's
+    sources: each is copied into the tiers above it)."""
+    by_source: dict[int, list[bytes]] = {}
+    for i, depth in enumerate(sources):
+        if depth:
+            by_source.setdefault(depth, []).append(blocks[i])
+    return by_source

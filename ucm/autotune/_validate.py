@@ -22,7 +22,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ucm.autotune._simulate import SimResult, SimTier, _sources, _store_batch, simulate
+from ucm.autotune._simulate import (
+    SimResult,
+    SimTier,
+    _by_source,
+    _sources,
+    _store_batch,
+    simulate,
+)
 from ucm.autotune._traces import Request, jsonl_records
 from ucm.block import PAYLOAD_OFFSET
 from ucm.kernel._holds import Holds
@@ -178,11 +185,7 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
             policies[depth].touch(blocks[i], i)
         out.append(per_tier)
         if promote:
-            by_source: dict[int, list[bytes]] = {}
-            for i, depth in enumerate(sources):
-                if depth:
-                    by_source.setdefault(depth, []).append(blocks[i])
-            for depth, keys in by_source.items():
+            for depth, keys in _by_source(sources, blocks).items():
                 for above in range(depth):
                     _store_held(policies[above], tiers[above], keys,
                                 holds if above == 0 else None)

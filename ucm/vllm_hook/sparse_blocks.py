@@ -238,14 +238,7 @@ class BlockFreer:
         kept = [i for i in range(lo, hi) if blocks[i].ref_cnt > 1]
         own = [i for i in range(lo, hi) if blocks[i].ref_cnt == 1]
         slots, gone = own[:budget], own[budget:]
-        for i in slots:
-            pool._maybe_evict_cached_block(blocks[i])
-        released = [blocks[i] for i in gone]
-        before = pool.get_num_free_blocks()
-        for i in gone:
-            blocks[i] = pool.null_block
-        pool.free_blocks(released)
-        returned = pool.get_num_free_blocks() - before
+        returned = _release(pool, blocks, slots, gone)
         fr.status = "freed"
         fr.next, fr.own, fr.slots = hi, len(own), len(slots)
         self.stats["sparse_freed_requests"] += 1
@@ -255,7 +248,7 @@ class BlockFreer:
         self.stats["sparse_slot_shortfall"] += budget - len(slots)
         self.freed.append({"req_id": req_id, "offloaded": len(own), "returned": returned,
                            "slots": len(slots), "kept_shared": len(kept),
-                           "pool_free_after": before + returned})
+                           "pool_free_after": pool.get_num_free_blocks()})
         log.debug("ucm: %s: %d blocks freed (%d returned to vLLM's pool), %d slots, %d kept "
                   "(shared)", req_id, len(gone), returned, len(slots), len(kept))
         return SparseFree(req_id, own, [digests[i] for i in own],
@@ -337,14 +330,7 @@ class BlockFreer:
         selectable = max(0, self.window_end(computed_before) - cfg.sink_blocks)
         want = min(fr.own + len(own), cfg.budget_blocks(selectable))
         slots, gone = own[:max(0, want - fr.slots)], own[max(0, want - fr.slots):]
-        for i in slots:
-            pool._maybe_evict_cached_block(blocks[i])
-        released = [blocks[i] for i in gone]
-        before = pool.get_num_free_blocks()
-        for i in gone:
-            blocks[i] = pool.null_block
-        pool.free_blocks(released)
-        returned = pool.get_num_free_blocks() - before
+        returned = _release(pool, blocks, slots, gone)
         fr.own += len(own)
         fr.slots += len(slots)
         self.stats["sparse_window_frees"] += 1
@@ -357,3 +343,17 @@ class BlockFreer:
         holding: list[int | None] = list(slots)  # each new slot holds its own block
         return SparseFree(req_id, own, [digests[i] for i in own],
                           [blocks[i].block_id for i in slots], window=True, holding=holding)
+
+
+def _release(pool: Any, blocks: list[Any], slots: list[int], gone: list[int]) -> int:
+    """Drops the prefix-cache hash of the `slots` (their contents will change) and gives the
+    `gone` blocks back to vLLM's pool, leaving its null block in their places in the
+    request's list. Returns how many blocks the pool gained."""
+    for i in slots:
+        pool._maybe_evict_cached_block(blocks[i])
+    released = [blocks[i] for i in gone]
+    before = pool.get_num_free_blocks()
+    for i in gone:
+        blocks[i] = pool.null_block
+    pool.free_blocks(released)
+    return int(pool.get_num_free_blocks() - before)
