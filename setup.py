@@ -6,9 +6,10 @@ that live outside it (pyproject.toml's package-dir maps them): `ucm.tools` (tool
 checks the list against the tree.
 
 The extensions: `ucm._hostcopy`, a copy that takes the block's xxh3 on the way
-(native/hostcopy*.c), and `ucm._kvcodec`, the int8/int4 KV decoding loop (native/kvcodec*.c).
-Optional: without a C compiler or xxhash.h (Debian libxxhash-dev) ucm installs and runs,
-verifying with xxh3 then memmove, decoding with numpy."""
+(native/hostcopy*.c), `ucm._kvcodec`, the int8/int4 KV decoding loop (native/kvcodec*.c), and
+`ucm._mrcsim`, the live miss-ratio curve's miniature caches (native/mrcsim.c). Optional: without
+a C compiler or xxhash.h (Debian libxxhash-dev) ucm installs and runs, verifying with xxh3 then
+memmove, decoding with numpy, simulating the curve's miniatures in Python."""
 
 from setuptools import Extension, find_packages, setup
 
@@ -25,4 +26,7 @@ setup(packages=[*find_packages(include=["ucm", "ucm.*"]), *MAPPED],
                    Extension("ucm._kvcodec", ["native/kvcodec.c", "native/kvcodec_avx2.c"],
                              depends=["native/kvcodec_impl.h"], optional=True,
                              # no fused multiply-add: bit for bit the numpy reference
-                             extra_compile_args=["-O3", "-ffp-contract=off"])])
+                             extra_compile_args=["-O3", "-ffp-contract=off"]),
+                   # the live miss-ratio curve's miniature caches (native/mrcsim.c)
+                   Extension("ucm._mrcsim", ["native/mrcsim.c"], optional=True,
+                             extra_compile_args=["-O2"])])

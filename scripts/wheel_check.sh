@@ -90,7 +90,7 @@ visit("ucm")
 for extra, names in sorted(skipped.items()):
     print(f"  skipped, needs the extra {extra}: {', '.join(names)}")
 print(f"  imported {len(imported)} modules, skipped {sum(map(len, skipped.values()))}")
-native = [n for n in ("ucm._hostcopy", "ucm._kvcodec") if n in imported]
+native = [n for n in ("ucm._hostcopy", "ucm._kvcodec", "ucm._mrcsim") if n in imported]
 print(f"  native extensions in the wheel: {', '.join(native) or 'none (no C compiler or xxhash.h at build)'}")
 missing = {"ucm.drivers.posix", "ucm.drivers.kit", "ucm.codecs", "ucm.kernel",
            "ucm.testing.plugin", "ucm.tools.trace_cli"} - set(imported)

@@ -24,11 +24,11 @@ PRODUCT = ("kernel", "drivers", "engine", "vllm_hook", "sglang_hook", "sparse", 
 BENCH_PATH = re.compile(r"ucm\.bench(\.\w+)*")
 
 # docs/architecture.md's Layers table: the packages and modules of each layer (the compiled
-# ucm._hostcopy and ucm._kvcodec included). test_the_table_of_layers_is_the_documented_one
-# holds the two together.
+# ucm._hostcopy, ucm._kvcodec and ucm._mrcsim included).
+# test_the_table_of_layers_is_the_documented_one holds the two together.
 LAYERS: dict[int, tuple[str, ...]] = {
     1: ("ucm", "ucm._version", "ucm.errors", "ucm.block", "ucm.codecs", "ucm.ops",
-        "ucm._hostcopy", "ucm._kvcodec"),
+        "ucm._hostcopy", "ucm._kvcodec", "ucm._mrcsim"),
     2: ("ucm.drivers", "ucm.config"),
     3: ("ucm.kernel", "ucm.trace"),
     4: ("ucm.engine", "ucm.vllm_hook", "ucm.sglang_hook", "ucm.autotune", "ucm.sparse",

@@ -48,8 +48,14 @@ def test_over_the_budget_the_rate_drops_and_the_miniatures_shrink():
     snap = mrc.snapshot()
     assert mrc.lowered > 0 and mrc.rate < 0.2
     assert snap["held_keys"] <= 500
-    assert snap["held_keys"] == sum(len(m) for m in mrc._minis)
-    assert all(sample_hash(k) < mrc.threshold for m in mrc._minis for k in m)
+    assert snap["held_keys"] == sum(mrc.front.lengths())
+    python = MissRatioCurve("lru", [1000, 4000], rate=1.0, max_keys=500, min_blocks=1,
+                            native=False)
+    for i in range(20_000):
+        python.access(uniform_key(i.to_bytes(8, "little")))
+    assert python.front.lengths() == mrc.front.lengths()
+    minis = python.front.minis.minis  # type: ignore[attr-defined]
+    assert all(sample_hash(k) < python.threshold for m in minis for k in m)
 
 
 def test_the_sample_is_decided_by_the_keys_own_bytes():

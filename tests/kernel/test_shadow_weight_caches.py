@@ -253,9 +253,11 @@ def test_the_live_curve_of_large_miniatures_is_unchanged(monkeypatch):
     for make in (None, lambda name, capacity: _Reference(capacity, clock=lambda: 0.0)):
         if make is not None:
             monkeypatch.setattr("ucm.kernel._mrc._make_miniature", make)
-        mrc = MissRatioCurve("shadow", [3000, 6000, 12000], rate=0.1, min_blocks=300)
+        mrc = MissRatioCurve("shadow", [3000, 6000, 12000], rate=0.1, min_blocks=300,
+                             native=False)
         for n, key in enumerate(keys):
             mrc.access(key, 1, n % 10 == 0)
-        assert all(m._threshold < 2**32 for m in mrc._minis)  # sampled weight miniatures
+        minis = mrc.front.minis.minis  # type: ignore[attr-defined]
+        assert all(m._threshold < 2**32 for m in minis)  # sampled weight miniatures
         curves.append((mrc.curve(), mrc.hits, mrc.sampled))
     assert curves[0] == curves[1]

@@ -35,10 +35,15 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ucm.kernel._policy import Policy, ShadowLRUPolicy, _Group, _WeightCaches, make_policy
+
+try:  # the front and the miniatures in C (native/mrcsim.c), an optional extension
+    from ucm._mrcsim import Curve as _NativeCurve
+except ImportError:  # pragma: no cover - built where a C compiler is
+    _NativeCurve = None  # type: ignore[assignment,misc]
 
 SPACE = 1 << 32
 SHRINK = 0.75  # the threshold's factor each time the sample outgrows its budget
@@ -49,6 +54,7 @@ _FIBONACCI = 0x9E3779B1
 # The threshold of a rate of 1, as bytes: above every key (no key starts with 32 bytes 0xff
 # but with probability 2**-256).
 _EVERY = b"\xff" * 32
+NATIVE_POLICIES = ("lru", "shadow")  # the policies ucm._mrcsim runs
 
 
 def sample_hash(key: bytes) -> int:
@@ -148,97 +154,116 @@ def _make_miniature(policy: str, capacity: int) -> Policy:
     return make_policy(policy, capacity, clock=_no_time)
 
 
-class MissRatioCurve:
-    """Hit ratios at `capacities` (bytes, or blocks when every size is 1) of `policy`, from
-    the references passed to `access`. Not thread-safe: one caller (the kernel's trio thread).
-    Keys must be hashes (module docstring).
+class PolicyMiniatures:
+    """The curve's miniature caches as Python policies: any policy (`make_policy`); for `lru`
+    and `shadow` the reference `ucm._mrcsim.Curve` is checked against. Each miniature has a
+    sample threshold: a key reaches it when its sample place is below."""
 
-    Each miniature samples at `rate`, or more where that would leave it under `min_blocks`
-    blocks (sized by the first reference): a miniature of a few dozen blocks misjudges a
-    small cache. The thresholds nest (a key sampled for a large capacity is sampled for every
-    smaller one), so one comparison decides for all."""
+    def __init__(self, policy: str, capacities: Sequence[int]) -> None:
+        self.minis = [_make_miniature(policy, c) for c in capacities]
+        self._indexes = [mini.index for mini in self.minis]  # their keys, for membership
+        self._bounds = [_EVERY] * len(self.minis)
+        self.hits = [0] * len(self.minis)
+        self.sampled = [0] * len(self.minis)
+        self.held = 0  # keys held by all the miniatures
 
-    def __init__(self, policy: str, capacities: Sequence[int], *, rate: float = 0.1,
-                 max_keys: int = 16384, min_blocks: int = 0) -> None:
-        if not 0 < rate <= 1:
-            raise ValueError(f"mrc sample rate must be in (0, 1], got {rate}")
-        if max_keys < 1:
-            raise ValueError(f"mrc max_keys must be >= 1, got {max_keys}")
-        caps = sorted({int(c) for c in capacities})
-        if not caps or caps[0] <= 0:
-            raise ValueError("mrc capacities must be a non-empty list of positive sizes")
-        self.policy = policy
-        self.capacities = caps
+    def access(self, key: bytes, size: int) -> int:
+        """One sampled reference to each miniature the key's place is under; the keys held
+        after it."""
+        hits, sampled, bounds, held = self.hits, self.sampled, self._bounds, self._indexes
+        for i, mini in enumerate(self.minis):
+            if not key < bounds[i]:
+                continue
+            sampled[i] += 1
+            if key in held[i]:
+                mini.touch(key)
+                hits[i] += 1
+                continue
+            victims = mini.make_room(size)
+            if victims is None:
+                continue  # larger than the miniature: a miss, not kept
+            mini.insert(key, size)
+            self.held += 1 - len(victims)
+        return self.held
+
+    def remove(self, key: bytes) -> None:
+        for mini in self.minis:
+            if key in mini:
+                mini.remove(key)
+                self.held -= 1
+
+    def configure(self, thresholds: Sequence[int], capacities: Sequence[int]) -> int:
+        """New thresholds (keys at or above one leave its miniature) and capacities; the keys
+        held after."""
+        self._bounds = [threshold_key(t) for t in thresholds]
+        held = 0
+        for mini, bound, capacity in zip(self.minis, self._bounds, capacities, strict=True):
+            for key in [k for k in mini if not k < bound]:
+                mini.remove(key)
+            mini.resize(capacity)
+            held += len(mini)
+        self.held = held
+        return held
+
+    def lengths(self) -> list[int]:
+        return [len(mini) for mini in self.minis]
+
+    def weights(self) -> list[float]:
+        return [getattr(mini, "weight", 1.0) for mini in self.minis]
+
+
+class _PyFront:
+    """The curve's front in Python: every reference counted, the sample test (a key's first
+    four bytes against the top threshold), the hot keys, and the miniatures
+    (`PolicyMiniatures`, any policy). `ucm._mrcsim.Curve` is the same in C for `lru` and
+    `shadow`, count for count (tests/kernel/test_mrc_native.py). `events(code, size)` asks
+    the curve to size the rates (0, at the first sampled reference), to lower them (1, over
+    `max_keys`) or to make room for a changed set of hot keys (2)."""
+
+    def __init__(self, policy: str, capacities: Sequence[int], max_keys: int,
+                 events: Callable[[int, int], None]) -> None:
+        self.minis = PolicyMiniatures(policy, capacities)
         self.max_keys = max_keys
-        self.min_blocks = min_blocks
-        self.base_rate = rate  # before any lowering
-        self.scale = 1.0  # the rates' factor after lowering for the budget
-        self._rates = [rate] * len(caps)  # each miniature's rate at scale 1
-        self._thresholds = [int(rate * SPACE)] * len(caps)
-        self._top = self._thresholds[0]  # the highest threshold: above it, no miniature
-        # Until the first reference sizes the rates, every key takes the sampled path.
-        self._top_key = _EVERY
-        self._keys = [_EVERY] * len(caps)  # each miniature's threshold, as bytes
-        self._sized = False
+        self._events = events
+        self.sized = False
         self.accesses = 0  # every reference offered
-        self.sampled = [0] * len(caps)  # references each miniature saw
         self.sampled_bytes = 0  # of references under the top threshold
         self.top_sampled = 0
-        self.hits = [0] * len(caps)
-        self.lowered = 0  # times the rates dropped
         self.hot_refs = 0  # references of hot keys (counted exactly, outside the sample)
         self.hot_hits = 0
-        self._scaled_cold = 0.0  # sum over earlier epochs of their cold references x scale
-        self._epoch_cold = 0  # cold references when the current scale began
+        # Until the first reference sizes the rates, every key takes the sampled path.
+        self._top_key = _EVERY
         self._hot: dict[bytes, int] = {}  # hot key -> its references in the current window
         self._candidates: dict[bytes, int] = {}  # first keys -> references this window
         self._review_at = HOT_WINDOW
-        self._held = 0
-        self._minis: list[Policy] = [_make_miniature(policy, self._scaled(i))
-                                     for i in range(len(caps))]
-        self._indexes = [mini.index for mini in self._minis]  # their keys, for membership
 
     @property
-    def rate(self) -> float:
-        """The sampling rate of the largest capacities (smaller ones may sample more)."""
-        return self.base_rate * self.scale
+    def hits(self) -> list[int]:
+        return self.minis.hits
 
     @property
-    def threshold(self) -> int:
-        """Keys whose hash is below it reach some miniature (the smallest capacity's)."""
-        return self._top
+    def sampled(self) -> list[int]:
+        return self.minis.sampled
 
-    def _scaled(self, i: int) -> int:
-        # the hot keys, held at any capacity, leave the rest of it to the sampled keys
-        room = self.capacities[i] - len(self._hot) * self.mean_size
-        return max(1, round(room * self._rates[i] * self.scale))
+    @property
+    def held(self) -> int:
+        return self.minis.held
 
-    def _size_rates(self, size: int) -> None:
-        """Raises the rate of miniatures that would hold under `min_blocks` blocks."""
-        self._sized = True
-        for i, capacity in enumerate(self.capacities):
-            floor = self.min_blocks * max(1, size) / capacity
-            self._rates[i] = min(1.0, max(self.base_rate, floor))
-        self._apply_scale()
+    @property
+    def hot_count(self) -> int:
+        return len(self._hot)
 
-    def _apply_scale(self) -> None:
-        self._thresholds = [min(SPACE, int(r * self.scale * SPACE)) for r in self._rates]
-        self._top = max(self._thresholds)
-        self._keys = [threshold_key(t) for t in self._thresholds]
-        self._top_key = threshold_key(self._top)
-        held = 0
-        for i, mini in enumerate(self._minis):
-            bound = self._keys[i]
-            for key in [k for k in mini if not k < bound]:
-                mini.remove(key)
-            mini.resize(self._scaled(i))
-            held += len(mini)
-        self._held = held
+    def configure(self, thresholds: Sequence[int], capacities: Sequence[int]) -> int:
+        self._top_key = threshold_key(max(thresholds))
+        return self.minis.configure(thresholds, capacities)
+
+    def lengths(self) -> list[int]:
+        return self.minis.lengths()
+
+    def weights(self) -> list[float]:
+        return self.minis.weights()
 
     def access(self, key: bytes, size: int = 1, first: bool = False) -> None:
-        """One reference of `key` (a lookup hit loaded, or a block stored); `first`: the
-        first key of its request or batch (a chain's head, where hot keys are). A reference
-        outside the sample and the hot keys costs a comparison and a dictionary look."""
         self.accesses += 1
         if first:
             self._first(key)
@@ -250,8 +275,6 @@ class MissRatioCurve:
             self.hot_hits += 1
 
     def access_many(self, keys: Sequence[bytes], size: int = 1) -> None:
-        """The references of one batch (a request's blocks, in order; its first key is a
-        chain's head), as `access` of each."""
         if not keys:
             return
         self.accesses += len(keys)
@@ -281,28 +304,15 @@ class MissRatioCurve:
             self.hot_refs += 1
             self.hot_hits += 1
             return
-        if not self._sized:
-            self._size_rates(size)
+        if not self.sized:
+            self.sized = True
+            self._events(0, size)
             if not key < self._top_key:
                 return
         self.top_sampled += 1
         self.sampled_bytes += size
-        hits, sampled, bounds, held = self.hits, self.sampled, self._keys, self._indexes
-        for i, mini in enumerate(self._minis):
-            if not key < bounds[i]:
-                continue
-            sampled[i] += 1
-            if key in held[i]:
-                mini.touch(key)
-                hits[i] += 1
-                continue
-            victims = mini.make_room(size)
-            if victims is None:
-                continue  # larger than the miniature: a miss, not kept
-            mini.insert(key, size)
-            self._held += 1 - len(victims)
-        if self._held > self.max_keys:
-            self._lower()
+        if self.minis.access(key, size) > self.max_keys:
+            self._events(1, 0)
 
     def _review(self) -> None:
         """Each window: first keys with HOT_SHARE of the window's references become hot (and
@@ -316,14 +326,169 @@ class MissRatioCurve:
             if n < keep or len(self._hot) >= MAX_HOT:
                 break
             self._hot[key] = 0
-            for mini in self._minis:
-                mini.remove(key)
+            self.minis.remove(key)
         self._candidates.clear()
-        if set(self._hot) != before and self._sized:
+        if set(self._hot) != before and self.sized:
+            self._events(2, 0)
+
+
+class Front(Protocol):
+    """What the curve asks of its front (`_PyFront`, or `ucm._mrcsim.Curve`)."""
+
+    @property
+    def hits(self) -> list[int]: ...
+    @property
+    def sampled(self) -> list[int]: ...
+    @property
+    def held(self) -> int: ...
+    @property
+    def accesses(self) -> int: ...
+    @property
+    def hot_refs(self) -> int: ...
+    @property
+    def hot_hits(self) -> int: ...
+    @property
+    def top_sampled(self) -> int: ...
+    @property
+    def sampled_bytes(self) -> int: ...
+    @property
+    def hot_count(self) -> int: ...
+    @property
+    def sized(self) -> bool: ...
+    def access(self, key: bytes, size: int = 1, first: bool = False, /) -> None: ...
+    def access_many(self, keys: Sequence[bytes], size: int = 1, /) -> None: ...
+    def configure(self, thresholds: Sequence[int], capacities: Sequence[int], /) -> int: ...
+    def lengths(self) -> list[int]: ...
+    def weights(self) -> list[float]: ...
+
+
+def make_front(policy: str, capacities: Sequence[int], max_keys: int,
+               events: Callable[[int, int], None], native: bool | None = None) -> Front:
+    """`ucm._mrcsim.Curve` (C) for `lru` and `shadow` where it is built and `native` is not
+    False; else `_PyFront`. True insists on the C one (ValueError without)."""
+    if native is not False and policy in NATIVE_POLICIES and _NativeCurve is not None:
+        return _NativeCurve(policy, list(capacities), max_keys, events)
+    if native:
+        raise ValueError(f"no native miniatures for {policy!r}: ucm._mrcsim "
+                         f"{'is not built' if _NativeCurve is None else 'runs lru, shadow'}")
+    return _PyFront(policy, capacities, max_keys, events)
+
+
+class MissRatioCurve:
+    """Hit ratios at `capacities` (bytes, or blocks when every size is 1) of `policy`, from
+    the references passed to `access`. Not thread-safe: one caller (the kernel's trio thread).
+    Keys must be hashes (module docstring).
+
+    Each miniature samples at `rate`, or more where that would leave it under `min_blocks`
+    blocks (sized by the first reference): a miniature of a few dozen blocks misjudges a
+    small cache. The thresholds nest (a key sampled for a large capacity is sampled for every
+    smaller one), so one comparison decides for all.
+
+    `access` and `access_many` are the front's own (`make_front`): for `lru` and `shadow`
+    the C ones of `ucm._mrcsim` where built (`native` None or True), so a reference costs
+    one call into C; this class keeps the rates."""
+
+    def __init__(self, policy: str, capacities: Sequence[int], *, rate: float = 0.1,
+                 max_keys: int = 16384, min_blocks: int = 0, native: bool | None = None) -> None:
+        if not 0 < rate <= 1:
+            raise ValueError(f"mrc sample rate must be in (0, 1], got {rate}")
+        if max_keys < 1:
+            raise ValueError(f"mrc max_keys must be >= 1, got {max_keys}")
+        caps = sorted({int(c) for c in capacities})
+        if not caps or caps[0] <= 0:
+            raise ValueError("mrc capacities must be a non-empty list of positive sizes")
+        self.policy = policy
+        self.capacities = caps
+        self.max_keys = max_keys
+        self.min_blocks = min_blocks
+        self.base_rate = rate  # before any lowering
+        self.scale = 1.0  # the rates' factor after lowering for the budget
+        self._rates = [rate] * len(caps)  # each miniature's rate at scale 1
+        self._thresholds = [int(rate * SPACE)] * len(caps)
+        self._top = self._thresholds[0]  # the highest threshold: above it, no miniature
+        self.lowered = 0  # times the rates dropped
+        self._scaled_cold = 0.0  # sum over earlier epochs of their cold references x scale
+        self._epoch_cold = 0  # cold references when the current scale began
+        self.front = make_front(policy, [self._scaled(i, 0, 0.0) for i in range(len(caps))],
+                                max_keys, self._event, native)
+        self.access = self.front.access
+        self.access_many = self.front.access_many
+
+    # the front's counts
+    @property
+    def hits(self) -> list[int]:
+        """Each miniature's hits."""
+        return self.front.hits
+
+    @property
+    def sampled(self) -> list[int]:
+        """The references each miniature saw."""
+        return self.front.sampled
+
+    @property
+    def accesses(self) -> int:
+        """Every reference offered."""
+        return self.front.accesses
+
+    @property
+    def hot_refs(self) -> int:
+        """References of hot keys (counted exactly, outside the sample)."""
+        return self.front.hot_refs
+
+    @property
+    def hot_hits(self) -> int:
+        return self.front.hot_hits
+
+    @property
+    def top_sampled(self) -> int:
+        """References under the top threshold (not of hot keys)."""
+        return self.front.top_sampled
+
+    @property
+    def sampled_bytes(self) -> int:
+        return self.front.sampled_bytes
+
+    @property
+    def rate(self) -> float:
+        """The sampling rate of the largest capacities (smaller ones may sample more)."""
+        return self.base_rate * self.scale
+
+    @property
+    def threshold(self) -> int:
+        """Keys whose hash is below it reach some miniature (the smallest capacity's)."""
+        return self._top
+
+    def _scaled(self, i: int, hot: int, mean_size: float) -> int:
+        # the hot keys, held at any capacity, leave the rest of it to the sampled keys
+        room = self.capacities[i] - hot * mean_size
+        return max(1, round(room * self._rates[i] * self.scale))
+
+    def _event(self, code: int, size: int) -> None:
+        """The front's calls: size the rates at the first sampled reference (0), lower them
+        over `max_keys` (1), make room for a changed set of hot keys (2)."""
+        if code == 0:
+            self._size_rates(size)
+        elif code == 1:
+            self._lower()
+        else:
             self._apply_scale()
 
+    def _size_rates(self, size: int) -> None:
+        """Raises the rate of miniatures that would hold under `min_blocks` blocks."""
+        for i, capacity in enumerate(self.capacities):
+            floor = self.min_blocks * max(1, size) / capacity
+            self._rates[i] = min(1.0, max(self.base_rate, floor))
+        self._apply_scale()
+
+    def _apply_scale(self) -> None:
+        self._thresholds = [min(SPACE, int(r * self.scale * SPACE)) for r in self._rates]
+        self._top = max(self._thresholds)
+        hot, mean = self.front.hot_count, self.mean_size
+        self.front.configure(self._thresholds,
+                             [self._scaled(i, hot, mean) for i in range(len(self._rates))])
+
     def _lower(self) -> None:
-        while self._held > self.max_keys and self._top > 1:
+        while self.front.held > self.max_keys and self._top > 1:
             cold = self.accesses - self.hot_refs
             self._scaled_cold += (cold - self._epoch_cold) * self.scale
             self._epoch_cold = cold
@@ -368,4 +533,4 @@ class MissRatioCurve:
         """Plain data for statistics and metrics."""
         return {"policy": self.policy, "rate": self.rate, "accesses": self.accesses,
                 "sampled": self.top_sampled, "block_bytes": self.mean_size,
-                "held_keys": self._held, "curve": [list(p) for p in self.curve()]}
+                "held_keys": self.front.held, "curve": [list(p) for p in self.curve()]}
