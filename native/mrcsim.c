@@ -37,22 +37,36 @@
 
 static const double WEIGHT[NWEIGHTS] = {1, 2, 4, 8, 16, 32, 64, 128};
 
-/* -- a hash table of 64-bit keys to node indexes (linear probing, keys inline) -------------- */
+/* -- a hash table of 64-bit keys to node indexes ------------------------------------------- */
 
+/* Linear probing over slots of 8 bytes: the key's top 32 bits (its home comes from them, so
+ * a deletion's backward shift reads no node) and the node's index; a match is confirmed
+ * against the node's own key (each node type begins with it), found through `base`. */
 typedef struct {
-    uint64_t key;
-    int64_t idx; /* NIL where empty */
+    uint32_t fp;
+    int32_t idx; /* NIL where empty */
 } slot_t;
 
 typedef struct {
     slot_t *slots;
     uint64_t mask;
     int64_t count;
+    char **base; /* the nodes' memory (a pool's, which may move) */
+    size_t stride;
 } table_t;
 
-static inline uint64_t home_of(uint64_t key) { return (key * 0x9E3779B97F4A7C15ull) >> 20; }
+static inline uint32_t fp_of(uint64_t key) { return (uint32_t)(key >> 32); }
 
-static int table_init(table_t *t, uint64_t size)
+static inline uint64_t home_of(uint32_t fp) { return ((uint64_t)fp * 0x9E3779B97F4A7C15ull) >> 24; }
+
+static inline uint64_t key_at(const table_t *t, int32_t idx)
+{
+    uint64_t key;
+    memcpy(&key, *t->base + (size_t)idx * t->stride, sizeof(key));
+    return key;
+}
+
+static int table_init(table_t *t, uint64_t size, char **base, size_t stride)
 {
     t->slots = PyMem_Malloc(sizeof(slot_t) * size);
     if (!t->slots)
@@ -61,53 +75,60 @@ static int table_init(table_t *t, uint64_t size)
         t->slots[i].idx = NIL;
     t->mask = size - 1;
     t->count = 0;
+    t->base = base;
+    t->stride = stride;
     return 0;
 }
 
-static inline int64_t table_find(const table_t *t, uint64_t key)
+static inline int32_t table_find(const table_t *t, uint64_t key)
 {
-    for (uint64_t i = home_of(key) & t->mask;; i = (i + 1) & t->mask) {
-        const slot_t *s = &t->slots[i];
-        if (s->idx == NIL || s->key == key)
-            return s->idx;
+    uint32_t fp = fp_of(key);
+    for (uint64_t i = home_of(fp) & t->mask;; i = (i + 1) & t->mask) {
+        slot_t s = t->slots[i];
+        if (s.idx == NIL || (s.fp == fp && key_at(t, s.idx) == key))
+            return s.idx;
     }
 }
 
-static int table_insert(table_t *t, uint64_t key, int64_t idx)
+static int table_insert(table_t *t, uint64_t key, int32_t idx)
 {
     if ((uint64_t)(t->count + 1) * 2 > t->mask + 1) {
-        table_t bigger;
-        if (table_init(&bigger, (t->mask + 1) * 2) < 0)
+        uint64_t size = (t->mask + 1) * 2;
+        slot_t *slots = PyMem_Malloc(sizeof(slot_t) * size);
+        if (!slots)
             return -1;
+        for (uint64_t i = 0; i < size; i++)
+            slots[i].idx = NIL;
         for (uint64_t i = 0; i <= t->mask; i++)
             if (t->slots[i].idx != NIL) {
-                uint64_t j = home_of(t->slots[i].key) & bigger.mask;
-                while (bigger.slots[j].idx != NIL)
-                    j = (j + 1) & bigger.mask;
-                bigger.slots[j] = t->slots[i];
+                uint64_t j = home_of(t->slots[i].fp) & (size - 1);
+                while (slots[j].idx != NIL)
+                    j = (j + 1) & (size - 1);
+                slots[j] = t->slots[i];
             }
-        bigger.count = t->count;
         PyMem_Free(t->slots);
-        *t = bigger;
+        t->slots = slots;
+        t->mask = size - 1;
     }
-    uint64_t i = home_of(key) & t->mask;
+    uint32_t fp = fp_of(key);
+    uint64_t i = home_of(fp) & t->mask;
     while (t->slots[i].idx != NIL)
         i = (i + 1) & t->mask;
-    t->slots[i] = (slot_t){key, idx};
+    t->slots[i] = (slot_t){fp, idx};
     t->count++;
     return 0;
 }
 
-static void table_delete(table_t *t, uint64_t key)
+static void table_delete(table_t *t, int32_t idx)
 {
-    uint64_t mask = t->mask, i = home_of(key) & mask;
-    while (t->slots[i].key != key || t->slots[i].idx == NIL)
+    uint64_t mask = t->mask, i = home_of(fp_of(key_at(t, idx))) & mask;
+    while (t->slots[i].idx != idx)
         i = (i + 1) & mask;
     for (uint64_t j = (i + 1) & mask;; j = (j + 1) & mask) { /* backward shift */
         slot_t *s = &t->slots[j];
         if (s->idx == NIL)
             break;
-        if (((j - (home_of(s->key) & mask)) & mask) >= ((j - i) & mask)) {
+        if (((j - (home_of(s->fp) & mask)) & mask) >= ((j - i) & mask)) {
             t->slots[i] = *s;
             i = j;
         }
@@ -135,8 +156,8 @@ typedef struct {
     uint64_t key;
     int64_t stamp, size;
     int32_t prev, next;
-    uint32_t place, crc;
-    int32_t list;
+    uint32_t place;
+    uint8_t list;
 } node_t;
 
 /* A key of the eight weight miniatures: its place on each one's lists, or NONE. */
@@ -177,7 +198,8 @@ typedef struct {
 static int store_init(store_t *s)
 {
     memset(s, 0, sizeof(*s));
-    if (pool_init(&s->pool, sizeof(node_t)) < 0 || table_init(&s->table, 128) < 0)
+    if (pool_init(&s->pool, sizeof(node_t)) < 0 ||
+        table_init(&s->table, 128, &s->pool.mem, sizeof(node_t)) < 0)
         return -1;
     for (int i = 0; i < 3; i++)
         s->lists[i] = (list_t){NIL, NIL, 0};
@@ -242,8 +264,8 @@ static int32_t pool_take(pool_t *p, size_t width, int32_t *next_of_free)
 }
 
 /* A new node at the tail of `list`; NIL when out of memory (the error set). */
-static int32_t store_add(store_t *s, uint64_t key, uint32_t place, uint32_t crc, int32_t list,
-                         int64_t stamp, int64_t size)
+static int32_t store_add(store_t *s, uint64_t key, uint32_t place, int32_t list, int64_t stamp,
+                         int64_t size)
 {
     int32_t head = s->pool.free_head;
     int32_t n = pool_take(&s->pool, sizeof(node_t), head != NIL ? &NODE(s, head).next : NULL);
@@ -254,7 +276,6 @@ static int32_t store_add(store_t *s, uint64_t key, uint32_t place, uint32_t crc,
     node_t *x = &NODE(s, n);
     x->key = key;
     x->place = place;
-    x->crc = crc;
     x->stamp = stamp;
     x->size = size;
     list_append(s, n, list);
@@ -264,7 +285,8 @@ static int32_t store_add(store_t *s, uint64_t key, uint32_t place, uint32_t crc,
 static void store_del(store_t *s, int32_t n)
 {
     list_unlink(s, n);
-    table_delete(&s->table, NODE(s, n).key);
+    table_delete(&s->table, n);
+    NODE(s, n).list = NONE;
     NODE(s, n).next = s->pool.free_head;
     s->pool.free_head = n;
 }
@@ -288,7 +310,8 @@ typedef struct {
 static int joint_init(joint_t *j)
 {
     memset(j, 0, sizeof(*j));
-    if (pool_init(&j->pool, sizeof(wnode_t)) < 0 || table_init(&j->table, 128) < 0)
+    if (pool_init(&j->pool, sizeof(wnode_t)) < 0 ||
+        table_init(&j->table, 128, &j->pool.mem, sizeof(wnode_t)) < 0)
         return -1;
     for (int w = 0; w < NWEIGHTS; w++)
         for (int i = 0; i < 3; i++)
@@ -368,7 +391,7 @@ static inline void joint_release(joint_t *j, int32_t n)
 {
     if (--WNODE(j, n).refs > 0)
         return;
-    table_delete(&j->table, WNODE(j, n).key);
+    table_delete(&j->table, n);
     WNODE(j, n).next[0] = j->pool.free_head;
     j->pool.free_head = n;
 }
@@ -573,7 +596,7 @@ static int weights_access(mini_t *m, const ref_t *r, int64_t size)
 {
     joint_t *j = &m->joint;
     int64_t clock = ++m->wclock;
-    int32_t n = (int32_t)table_find(&j->table, r->key);
+    int32_t n = table_find(&j->table, r->key);
     if (n == NIL && (n = joint_add(j, r->key, clock, size)) == NIL)
         return -1;
     WNODE(j, n).refs++; /* pinned: a weight's ghost trim must not free it */
@@ -705,7 +728,7 @@ static int shadow_sample(mini_t *m, ref_t *r, int64_t size)
 static int mini_access(mini_t *m, int shadow, ref_t *r, int64_t size, int64_t *delta)
 {
     store_t *s = &m->store;
-    int32_t n = (int32_t)table_find(&s->table, r->key);
+    int32_t n = table_find(&s->table, r->key);
     if (n != NIL && NODE(s, n).list != GHOST) {
         if (!shadow) {
             store_move(s, n, MAIN, 0);
@@ -721,15 +744,15 @@ static int mini_access(mini_t *m, int shadow, ref_t *r, int64_t size, int64_t *d
     *delta += 1 - victims;
     m->used += size;
     if (!shadow)
-        return store_add(s, r->key, r->place, 0, MAIN, 0, size) == NIL ? -1 : 0;
+        return store_add(s, r->key, r->place, MAIN, 0, size) == NIL ? -1 : 0;
     if (!m->has_shadows && m->threshold == 0 && start_shadows(m, size) < 0)
         return -1;
     m->tick++;
-    n = (int32_t)table_find(&s->table, r->key);
+    n = table_find(&s->table, r->key);
     if (n != NIL) { /* a ghost comes back to main */
         NODE(s, n).size = size;
         store_move(s, n, MAIN, m->tick);
-    } else if (store_add(s, r->key, r->place, 0, FRESH, m->tick, size) == NIL) {
+    } else if (store_add(s, r->key, r->place, FRESH, m->tick, size) == NIL) {
         return -1;
     }
     return shadow_sample(m, r, size) < 0 ? -1 : 0;
@@ -738,7 +761,7 @@ static int mini_access(mini_t *m, int shadow, ref_t *r, int64_t size, int64_t *d
 static int64_t mini_remove(mini_t *m, int shadow, uint64_t key)
 {
     store_t *s = &m->store;
-    int32_t n = (int32_t)table_find(&s->table, key);
+    int32_t n = table_find(&s->table, key);
     if (n == NIL || NODE(s, n).list == GHOST)
         return 0;
     m->used -= NODE(s, n).size;
@@ -783,8 +806,8 @@ typedef struct {
     int64_t accesses, hot_refs, hot_hits, top_sampled, sampled_bytes, review_at;
     tally_t hot[MAX_HOT];
     int nhot;
-    tally_t *candidates; /* first keys this window, in order */
-    int64_t ncand, cand_cap;
+    char *cand_mem; /* tally_t: first keys this window, in order */
+    int32_t ncand, cand_cap;
     table_t cand_index; /* key -> index into candidates */
 } Curve;
 
@@ -826,11 +849,12 @@ static int curve_review(Curve *c)
             c->hot[kept++] = (tally_t){c->hot[i].key, 0, 0};
     }
     c->nhot = kept;
-    qsort(c->candidates, (size_t)c->ncand, sizeof(tally_t), tally_cmp);
-    for (int64_t i = 0; i < c->ncand; i++) {
-        if ((double)c->candidates[i].count < keep || c->nhot >= MAX_HOT)
+    tally_t *cand = (tally_t *)c->cand_mem;
+    qsort(cand, (size_t)c->ncand, sizeof(tally_t), tally_cmp);
+    for (int32_t i = 0; i < c->ncand; i++) {
+        if ((double)cand[i].count < keep || c->nhot >= MAX_HOT)
             break;
-        uint64_t key = c->candidates[i].key;
+        uint64_t key = cand[i].key;
         c->hot[c->nhot++] = (tally_t){key, 0, 0};
         for (Py_ssize_t k = 0; k < c->n; k++)
             c->held -= mini_remove(&c->minis[k], c->shadow, key);
@@ -853,25 +877,29 @@ static int curve_review(Curve *c)
 static int curve_first(Curve *c, uint64_t key)
 {
     if (hot_find(c, key) < 0) {
-        int64_t at = table_find(&c->cand_index, key);
+        int32_t at = table_find(&c->cand_index, key);
         if (at != NIL) {
-            c->candidates[at].count++;
+            ((tally_t *)c->cand_mem)[at].count++;
         } else {
             if (c->ncand == c->cand_cap) {
-                int64_t cap = c->cand_cap ? 2 * c->cand_cap : 256;
-                tally_t *more = PyMem_Realloc(c->candidates, sizeof(tally_t) * (size_t)cap);
+                if (c->cand_cap > INT32_MAX / 4) {
+                    PyErr_NoMemory();
+                    return -1;
+                }
+                int32_t cap = c->cand_cap ? 2 * c->cand_cap : 256;
+                char *more = PyMem_Realloc(c->cand_mem, sizeof(tally_t) * (size_t)cap);
                 if (!more) {
                     PyErr_NoMemory();
                     return -1;
                 }
-                c->candidates = more;
+                c->cand_mem = more;
                 c->cand_cap = cap;
             }
+            ((tally_t *)c->cand_mem)[c->ncand] = (tally_t){key, 1, c->ncand};
             if (table_insert(&c->cand_index, key, c->ncand) < 0) {
                 PyErr_NoMemory();
                 return -1;
             }
-            c->candidates[c->ncand] = (tally_t){key, 1, c->ncand};
             c->ncand++;
         }
     }
@@ -903,6 +931,16 @@ static int curve_sampled(Curve *c, ref_t *r, int64_t size)
     }
     c->top_sampled++;
     c->sampled_bytes += size;
+    /* The miniatures' tables are apart in memory: ask for every slot the key's probe starts
+     * at (and each list's oldest node, a miss's victim) at once, so the misses overlap. */
+    uint64_t home = home_of(fp_of(r->key));
+    for (Py_ssize_t i = 0; i < c->n && r->place < c->thresholds[i]; i++) {
+        store_t *s = &c->minis[i].store;
+        __builtin_prefetch(&s->table.slots[home & s->table.mask]);
+        for (int list = FRESH; list <= GHOST; list++)
+            if (s->lists[list].head != NIL)
+                __builtin_prefetch(&NODE(s, s->lists[list].head));
+    }
     int64_t delta = 0;
     for (Py_ssize_t i = 0; i < c->n; i++) {
         if (r->place >= c->thresholds[i])
@@ -1156,7 +1194,7 @@ static void Curve_dealloc(Curve *self)
     PyMem_Free(self->thresholds);
     PyMem_Free(self->hits);
     PyMem_Free(self->sampled);
-    PyMem_Free(self->candidates);
+    PyMem_Free(self->cand_mem);
     PyMem_Free(self->cand_index.slots);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1198,7 +1236,7 @@ static int Curve_init(Curve *self, PyObject *args, PyObject *kwds)
     self->hits = PyMem_Calloc(cells, sizeof(int64_t));
     self->sampled = PyMem_Calloc(cells, sizeof(int64_t));
     if (!self->minis || !self->thresholds || !self->hits || !self->sampled ||
-        table_init(&self->cand_index, 256) < 0) {
+        table_init(&self->cand_index, 256, &self->cand_mem, sizeof(tally_t)) < 0) {
         PyMem_Free(caps);
         PyErr_NoMemory();
         return -1;
