@@ -53,11 +53,15 @@ typedef struct {
     int64_t count;
     char **base; /* the nodes' memory (a pool's, which may move) */
     size_t stride;
+    uint64_t salt; /* each table its own: a key's probe starts at other offsets in others */
 } table_t;
 
 static inline uint32_t fp_of(uint64_t key) { return (uint32_t)(key >> 32); }
 
-static inline uint64_t home_of(uint32_t fp) { return ((uint64_t)fp * 0x9E3779B97F4A7C15ull) >> 24; }
+static inline uint64_t home_of(const table_t *t, uint32_t fp)
+{
+    return (((uint64_t)fp * 0x9E3779B97F4A7C15ull) >> 24) ^ t->salt;
+}
 
 static inline uint64_t key_at(const table_t *t, int32_t idx)
 {
@@ -66,8 +70,11 @@ static inline uint64_t key_at(const table_t *t, int32_t idx)
     return key;
 }
 
+static uint64_t tables_made;
+
 static int table_init(table_t *t, uint64_t size, char **base, size_t stride)
 {
+    t->salt = (++tables_made * 0xD6E8FEB86659FD93ull) >> 20;
     t->slots = PyMem_Malloc(sizeof(slot_t) * size);
     if (!t->slots)
         return -1;
@@ -83,7 +90,7 @@ static int table_init(table_t *t, uint64_t size, char **base, size_t stride)
 static inline int32_t table_find(const table_t *t, uint64_t key)
 {
     uint32_t fp = fp_of(key);
-    for (uint64_t i = home_of(fp) & t->mask;; i = (i + 1) & t->mask) {
+    for (uint64_t i = home_of(t, fp) & t->mask;; i = (i + 1) & t->mask) {
         slot_t s = t->slots[i];
         if (s.idx == NIL || (s.fp == fp && key_at(t, s.idx) == key))
             return s.idx;
@@ -101,7 +108,7 @@ static int table_insert(table_t *t, uint64_t key, int32_t idx)
             slots[i].idx = NIL;
         for (uint64_t i = 0; i <= t->mask; i++)
             if (t->slots[i].idx != NIL) {
-                uint64_t j = home_of(t->slots[i].fp) & (size - 1);
+                uint64_t j = home_of(t, t->slots[i].fp) & (size - 1);
                 while (slots[j].idx != NIL)
                     j = (j + 1) & (size - 1);
                 slots[j] = t->slots[i];
@@ -111,7 +118,7 @@ static int table_insert(table_t *t, uint64_t key, int32_t idx)
         t->mask = size - 1;
     }
     uint32_t fp = fp_of(key);
-    uint64_t i = home_of(fp) & t->mask;
+    uint64_t i = home_of(t, fp) & t->mask;
     while (t->slots[i].idx != NIL)
         i = (i + 1) & t->mask;
     t->slots[i] = (slot_t){fp, idx};
@@ -121,14 +128,14 @@ static int table_insert(table_t *t, uint64_t key, int32_t idx)
 
 static void table_delete(table_t *t, int32_t idx)
 {
-    uint64_t mask = t->mask, i = home_of(fp_of(key_at(t, idx))) & mask;
+    uint64_t mask = t->mask, i = home_of(t, fp_of(key_at(t, idx))) & mask;
     while (t->slots[i].idx != idx)
         i = (i + 1) & mask;
     for (uint64_t j = (i + 1) & mask;; j = (j + 1) & mask) { /* backward shift */
         slot_t *s = &t->slots[j];
         if (s->idx == NIL)
             break;
-        if (((j - (home_of(s->fp) & mask)) & mask) >= ((j - i) & mask)) {
+        if (((j - (home_of(t, s->fp) & mask)) & mask) >= ((j - i) & mask)) {
             t->slots[i] = *s;
             i = j;
         }
@@ -933,10 +940,10 @@ static int curve_sampled(Curve *c, ref_t *r, int64_t size)
     c->sampled_bytes += size;
     /* The miniatures' tables are apart in memory: ask for every slot the key's probe starts
      * at (and each list's oldest node, a miss's victim) at once, so the misses overlap. */
-    uint64_t home = home_of(fp_of(r->key));
+    uint32_t fp = fp_of(r->key);
     for (Py_ssize_t i = 0; i < c->n && r->place < c->thresholds[i]; i++) {
         store_t *s = &c->minis[i].store;
-        __builtin_prefetch(&s->table.slots[home & s->table.mask]);
+        __builtin_prefetch(&s->table.slots[home_of(&s->table, fp) & s->table.mask]);
         for (int list = FRESH; list <= GHOST; list++)
             if (s->lists[list].head != NIL)
                 __builtin_prefetch(&NODE(s, s->lists[list].head));
