@@ -23,7 +23,7 @@ from ucm.autotune._mrc import exact_curve, sampled_curve
 from ucm.autotune._traces import Request, read_jsonl
 from ucm.bench.policy import chat_trace, zipf_scan_trace, zipf_trace
 from ucm.kernel import Kernel, Load, Lookup, Store
-from ucm.kernel._mrc import MissRatioCurve
+from ucm.kernel._mrc import MissRatioCurve, default_min_blocks
 
 TRACE = "/work/shared/data/mooncake-traces/conversation_trace.jsonl"
 KiB, MiB = 1 << 10, 1 << 20
@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacities", default="1000,2000,4000,8000,16000,32000,64000",
                         help="--accuracy, on the trace (blocks)")
     parser.add_argument("--rate", type=float, help="default: 0.01 (cost), 0.1 (--accuracy)")
-    parser.add_argument("--min-blocks", type=int, help="default: 0 (cost), 1000 (--accuracy)")
+    parser.add_argument("--min-blocks", type=int,
+                        help="default: the kernel's (1000 where the curve runs in C, else 0; "
+                        "cost), 1000 (--accuracy)")
     parser.add_argument("--max-keys", type=int, default=16384)
     parser.add_argument("--workloads", default="trace,zipf,zipf+scan,chat",
                         help="--accuracy: which of trace, zipf, zipf+scan, chat")
@@ -177,6 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.rate is None:
         args.rate = 0.1 if args.accuracy else 0.01
     if args.min_blocks is None:
-        args.min_blocks = 1000 if args.accuracy else 0
+        args.min_blocks = 1000 if args.accuracy else default_min_blocks(args.policy)
     (accuracy if args.accuracy else overhead)(args)
     return 0

@@ -54,7 +54,7 @@ from ucm.kernel._flight import FlightTable
 from ucm.kernel._groups import unwrap_single
 from ucm.kernel._holds import Holds
 from ucm.kernel._movement import Background, Movement
-from ucm.kernel._mrc import MissRatioCurve
+from ucm.kernel._mrc import MissRatioCurve, default_min_blocks
 from ucm.kernel._policy import make_policy
 from ucm.kernel._tier import Tier, keys_of
 
@@ -532,5 +532,8 @@ def _mrc_of(config: UCMConfig, capacity: int | None) -> MissRatioCurve | None:
         sizes = [max(1, int(capacity * f)) for f in MRC_FRACTIONS]
     else:
         return None
+    min_blocks = mrc.min_blocks
+    if min_blocks is None:
+        min_blocks = default_min_blocks(config.eviction)
     return MissRatioCurve(config.eviction, sizes, rate=mrc.sample_rate,
-                          max_keys=mrc.max_keys, min_blocks=mrc.min_blocks)
+                          max_keys=mrc.max_keys, min_blocks=min_blocks)

@@ -362,6 +362,15 @@ class Front(Protocol):
     def weights(self) -> list[float]: ...
 
 
+NATIVE_MIN_BLOCKS = 1000  # `mrc.min_blocks` where the curve runs in C (docs/autotune.md)
+
+
+def default_min_blocks(policy: str) -> int:
+    """`mrc.min_blocks` when the config leaves it null: NATIVE_MIN_BLOCKS where `policy`'s
+    curve runs in C, else 0 (the Python miniatures cost about 30 times the C ones)."""
+    return NATIVE_MIN_BLOCKS if policy in NATIVE_POLICIES and _NativeCurve is not None else 0
+
+
 def make_front(policy: str, capacities: Sequence[int], max_keys: int,
                events: Callable[[int, int], None], native: bool | None = None) -> Front:
     """`ucm._mrcsim.Curve` (C) for `lru` and `shadow` where it is built and `native` is not
