@@ -127,6 +127,25 @@ finally:
 print(f"  {len(blocks)} blocks stored and loaded back, bytes equal")
 EOF
 
+say "the live miss-ratio curve on a memory tier (in C where the wheel has ucm._mrcsim)"
+run - <<'EOF' || fail "miss-ratio curve"
+import hashlib, importlib.util
+from ucm.kernel import Kernel, Store
+from ucm.kernel._mrc import MissRatioCurve
+
+config = {"tiers": [{"driver": "memory", "name": "mem", "capacity": "4MiB"}], "mrc": {}}
+keys = [hashlib.blake2b(b"%d" % (i % 300), digest_size=16).digest() for i in range(1200)]
+with Kernel(config) as kernel:
+    for i in range(0, len(keys), 12):
+        assert kernel.submit(Store(keys[i:i + 12], buffers=[bytes(16384)] * 12)).result(60).ok
+    snap = kernel.statistics()["tier.mem.mrc"]
+native = importlib.util.find_spec("ucm._mrcsim") is not None
+front = type(MissRatioCurve("shadow", [4]).front).__module__
+assert front == ("ucm._mrcsim" if native else "ucm.kernel._mrc"), front
+assert snap["accesses"] > 0 and snap["sampled"] > 0, snap
+print(f"  {snap['accesses']} references, {snap['sampled']} sampled, front {front}")
+EOF
+
 say "ucm --help, ucm-trace --help"
 "$venv/bin/ucm" --help >"$work/ucm-help.txt" || fail "ucm --help"
 "$venv/bin/ucm-trace" --help >"$work/trace-help.txt" || fail "ucm-trace --help"
