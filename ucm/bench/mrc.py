@@ -116,14 +116,49 @@ def accuracy_row(label: str, requests: Sequence[Request], policy: str,
                  ) -> dict[str, Any]:
     exact = exact_curve(requests, policy, capacities)
     worst = [0.0] * len(exact)
+    estimates = []
     for seed in range(seeds):
         curve, _ = sampled_curve(requests, policy, capacities, rate=rate,
                                  min_blocks=min_blocks, seed=seed)
+        estimates.append([h for _, h in curve])
         worst = [max(w, abs(a - b)) for w, (_, a), (_, b) in zip(worst, curve, exact,
                                                                  strict=True)]
     return {"workload": label, "policy": policy, "exact": [h for _, h in exact],
-            "references": sum(len(r.blocks) for r in requests),
+            "references": sum(len(r.blocks) for r in requests), "estimates": estimates,
             "max_error_points": [100 * w for w in worst], "capacities": list(capacities)}
+
+
+def plot_accuracy(rows: Sequence[dict[str, Any]], out: str, rate: float,
+                  min_blocks: int) -> None:
+    """One panel a workload: each policy's exact curve, and its estimates (one a seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.8),
+                             squeeze=False)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        for n, row in enumerate(r for r in rows if r["workload"] == workload):
+            color = f"C{n}"
+            caps = row["capacities"]
+            ax.plot(caps, row["exact"], color=color, label=f"{row['policy']} exact")
+            for i, estimate in enumerate(row["estimates"]):
+                ax.plot(caps, estimate, color=color, linestyle="none", marker="x", alpha=0.6,
+                        label=f"{row['policy']} estimated" if i == 0 else None)
+        ax.set_xscale("log")
+        refs = next(r["references"] for r in rows if r["workload"] == workload)
+        ax.set_title(f"{workload} ({refs:,} references)")
+        ax.set_xlabel("capacity (blocks)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("hit ratio")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"live miss-ratio curve against the exact one: rate {rate}, min_blocks "
+                 f"{min_blocks}, one x per hash seed")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 def accuracy(args: argparse.Namespace) -> None:
@@ -144,6 +179,9 @@ def accuracy(args: argparse.Namespace) -> None:
                 rows.append(accuracy_row(name, synthetic(name, n=args.synthetic_refs), policy,
                                          (500, 2000, 5000, 10000), args.rate,
                                          args.min_blocks, args.seeds))
+    if args.plot:
+        plot_accuracy(rows, args.plot, args.rate, args.min_blocks)
+        print(f"plot: {args.plot}")
     for row in rows:
         print(f"{row['workload']:>10} {row['policy']:>7} "
               f"({row['references']} references): " + ", ".join(
@@ -174,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--accuracy: references of each synthetic workload (over 20,000 "
                         "blocks)")
     parser.add_argument("--seeds", type=int, default=4, help="--accuracy: samples drawn")
+    parser.add_argument("--plot", metavar="PNG", help="--accuracy: the curves as a plot")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
     if args.rate is None:
