@@ -36,9 +36,12 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ucm.kernel._policy import Policy, ShadowLRUPolicy, _Group, _WeightCaches, make_policy
+
+if TYPE_CHECKING:
+    from ucm._mrcsim import Curve
 
 try:  # the front and the miniatures in C (native/mrcsim.c), an optional extension
     from ucm._mrcsim import Curve as _NativeCurve
@@ -332,34 +335,9 @@ class _PyFront:
             self._events(2, 0)
 
 
-class Front(Protocol):
-    """What the curve asks of its front (`_PyFront`, or `ucm._mrcsim.Curve`)."""
-
-    @property
-    def hits(self) -> list[int]: ...
-    @property
-    def sampled(self) -> list[int]: ...
-    @property
-    def held(self) -> int: ...
-    @property
-    def accesses(self) -> int: ...
-    @property
-    def hot_refs(self) -> int: ...
-    @property
-    def hot_hits(self) -> int: ...
-    @property
-    def top_sampled(self) -> int: ...
-    @property
-    def sampled_bytes(self) -> int: ...
-    @property
-    def hot_count(self) -> int: ...
-    @property
-    def sized(self) -> bool: ...
-    def access(self, key: bytes, size: int = 1, first: bool = False, /) -> None: ...
-    def access_many(self, keys: Sequence[bytes], size: int = 1, /) -> None: ...
-    def configure(self, thresholds: Sequence[int], capacities: Sequence[int], /) -> int: ...
-    def lengths(self) -> list[int]: ...
-    def weights(self) -> list[float]: ...
+# What the curve asks of its front: `_PyFront`, or the C `ucm._mrcsim.Curve` (its stub
+# ucm/_mrcsim.pyi lists the same attributes and methods).
+Front: TypeAlias = "_PyFront | Curve"
 
 
 NATIVE_MIN_BLOCKS = 1000  # `mrc.min_blocks` where the curve runs in C (docs/autotune.md)
