@@ -142,3 +142,21 @@ def test_without_mrc_config_no_curve():
     with Kernel({"tiers": [{"driver": "memory", "capacity": "1MiB"}]}) as kernel:
         kernel.submit(Store(_keys(2, 2), buffers=[bytes(BLOCK)] * 2)).result(10)
         assert not any(k.endswith(".mrc") for k in kernel.statistics())
+
+
+@pytest.mark.parametrize("eviction", ["shadow", "lru", "s3fifo"])
+def test_the_default_floor_is_the_c_curves_where_it_runs(eviction):
+    """`min_blocks: null`: a floor of 1,000 blocks where the curve runs in C (lru and shadow
+    with ucm._mrcsim built), none where it runs in Python (about 30 times the CPU); an
+    explicit value wins."""
+    from ucm.kernel._core import _mrc_of
+    from ucm.kernel._mrc import NATIVE_MIN_BLOCKS, NATIVE_POLICIES, _NativeCurve
+
+    tiers = [{"driver": "memory", "capacity": "64MiB"}]
+    mrc = _mrc_of(load_config({"tiers": tiers, "eviction": eviction, "mrc": {}}), 64 << 20)
+    native = eviction in NATIVE_POLICIES and _NativeCurve is not None
+    assert mrc is not None and mrc.min_blocks == (NATIVE_MIN_BLOCKS if native else 0)
+    assert (type(mrc.front).__module__ == "ucm._mrcsim") == native
+    chosen = _mrc_of(load_config({"tiers": tiers, "eviction": eviction,
+                                  "mrc": {"min_blocks": 7}}), 64 << 20)
+    assert chosen is not None and chosen.min_blocks == 7
