@@ -90,9 +90,10 @@ def test_holds_expire_on_the_traces_clock_as_predicted(tiny_model, tmp_path):
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not here")
 def test_end_and_prefetch_hints_as_predicted(tiny_model, tmp_path, engine_pool):
     """The same slice with `end` and `prefetch` hints: with holds, each conversation's second
-    request (here its last: 2, 14, 16) sends `end` instead of nothing; in both engines, before each
-    request of a conversation seen earlier (2, 11, 14, 16) the client sends a request of the
-    context it shares with the previous one carrying the session's `prefetch` hint. Each
+    request (2, 14, 16) sends `end` instead of a hold or nothing (A's third, 11, sends no
+    hint); in both engines, before each request of a conversation seen earlier (2, 11, 14,
+    16) the client sends a request of the context it shares with the previous one carrying
+    the session's `prefetch` hint. Each
     replayed request's hits by tier, the prefetch requests' own included, and the kernel's
     release and prefetch counters as `predict_holds` says."""
     from ucm.bench.models import ModelSpec
