@@ -85,3 +85,60 @@ def test_holds_expire_on_the_traces_clock_as_predicted(tiny_model, tmp_path):
     # and its blocks were evicted, from posix, as without holds
     assert out["measured_by_request"][13] == [11, 0]
     assert out["measured_by_request"][15] == [1, 10]
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="the Mooncake trace is not here")
+def test_end_and_prefetch_hints_as_predicted(tiny_model, tmp_path, engine_pool):
+    """The same slice with `end` and `prefetch` hints: with holds, each conversation's second
+    request (2, 14, 16) sends `end` instead of a hold or nothing (A's third, 11, sends no
+    hint); in both engines, before each request of a conversation seen earlier (2, 11, 14,
+    16) the client sends a request of the context it shares with the previous one carrying
+    the session's `prefetch` hint. Each
+    replayed request's hits by tier, the prefetch requests' own included, and the kernel's
+    release and prefetch counters as `predict_holds` says."""
+    from ucm.bench.models import ModelSpec
+    from ucm.bench.validate import validate_retention
+
+    spec = ModelSpec(max_positions=33792)  # tiny_model's
+
+    def one(retain: bool) -> dict:
+        return validate_retention(TRACE, tiny_model, retain=retain, vocab=spec.vocab,
+                                  end_after=2 if retain else None, prefetch=True,
+                                  block_bytes=spec.kv_bytes_per_token() * 32,
+                                  log_path=str(tmp_path / f"engine-hints-{retain}.log"))
+
+    futures = {r: engine_pool.submit(one, r) for r in (False, True)}
+    runs = {r: f.result() for r, f in futures.items()}
+    off, on = runs[False], runs[True]
+    labels = on["labels"]
+    assert labels == off["labels"] == [
+        "1", "p2", "2", *map(str, range(3, 11)), "p11", "11", "12", "13", "p14", "14", "15",
+        "p16", "16"]
+    for out in runs.values():
+        assert out["measured_by_request"] == out["predicted_by_request"]
+        assert out["prefetch_counters"] == out["predicted_prefetch_counters"]
+        assert out["promoted"] == out["predicted_promoted"] == out["prefetch_counters"][
+            "prefetched"]  # promotion off: every copy is a prefetch's
+        assert out["sessions"] == out["predicted_sessions"]
+    assert on["hint_counts"] == {"hold": 3, "end": 3, "prefetch": 4}
+    assert off["hint_counts"] == {"hold": 0, "end": 0, "prefetch": 4}
+    # every op applied: 3 holds, 3 ends, 4 prefetches; 4 prefetches
+    assert on["session_ops"].get("session_ops") == 10
+    assert off["session_ops"].get("session_ops") == 4
+    # the ends release chain-219 (at 2) and chain-12456 (at 14); chain-7047's hold went
+    # over sessions.max_pinned when chain-12456 held (without ends: two, test above), so its
+    # end at 16 releases nothing and is not counted
+    assert on["sessions"] == {"session_holds": 3, "session_releases.end": 2,
+                              "session_releases.cap": 1}
+    assert off["sessions"] == {}
+    by = {r: dict(zip(labels, out["measured_by_request"], strict=True))
+          for r, out in runs.items()}
+    # 16's conversation lost its hold (cap) and its blocks went to posix: its prefetch
+    # request loads them from there and copies them up, so 16 is served from memory
+    assert by[True]["p16"] == [1, 11] and by[True]["16"] == [11, 0]
+    # 14's conversation is still held: its prefetch finds every block in memory
+    assert by[True]["p14"] == [12, 0] and by[False]["p14"] == [1, 11]
+    assert on["prefetch_counters"] == {"prefetched": 13, "tier.memory.prefetch_hits": 12,
+                                       "tier.memory.prefetch_evicted": 0}
+    assert off["prefetch_counters"] == {"prefetched": 24, "tier.memory.prefetch_hits": 22,
+                                        "tier.memory.prefetch_evicted": 1}

@@ -18,7 +18,7 @@ import os
 import random
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +137,8 @@ def tier_stack(policy: str, capacity_blocks: int, block_bytes: int, *,
 def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
                   retain_s: float | None, max_pinned: str = "50%",
                   times: Sequence[float] | None = None, promote: bool = False,
+                  ends: Sequence[str | None] | None = None,
+                  prefetches: Sequence[bool] | None = None,
                   ) -> tuple[list[list[int]], dict[str, int]]:
     """Each request's hits by tier (fastest first) as the kernel serves them with session
     holds in the first tier: the kernel's store (`simulate(..., kernel_stores=True)`, no
@@ -155,11 +157,24 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     `promote`: a request's hits from a slower tier are copied into the tiers above after its
     load, one store each (as `simulate(..., kernel_stores=True, promote=True)` models the
     kernel's promotion, which is not exact: the kernel promotes in the background), counted
-    as the kernel's `promoted` (blocks that reached every tier above)."""
+    as the kernel's `promoted` (blocks that reached every tier above).
+
+    `ends`: each request's session that its `end` hint releases after it (None: no hint), as
+    `Kernel.release` does: at once, no expiry check first (a hold whose time has passed but
+    that nothing released yet is counted as ended), `session_releases.end` where the session
+    held anything. `prefetches`: whether each request carries a `prefetch` hint: after it
+    (and its hold), its blocks that the first tier lacks are copied into it from the tier
+    below that holds them (`Movement.prefetch`: one store per source tier, within the holds'
+    cap; no lower tier is touched), counted as the kernel counts them (`prefetched`, and
+    `promoted` too; `tier.<first>.prefetch_hits`: later loads from the first tier of blocks a
+    prefetch brought, `prefetch_evicted`: such blocks evicted before any load). Both as the
+    engine applies them with the requests replayed one at a time, each request's session
+    ops finished before the next starts (`Phase.wait_stores`)."""
     from ucm.config import SessionsConfig
 
-    if times is not None and len(times) != len(requests):
-        raise ValueError(f"{len(times)} times for {len(requests)} requests")
+    for name, per in (("times", times), ("ends", ends), ("prefetches", prefetches)):
+        if per is not None and len(per) != len(requests):
+            raise ValueError(f"{len(per)} {name} for {len(requests)} requests")
     now = [times[0] if times else 0.0]
 
     def clock() -> float:
@@ -172,6 +187,19 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
     if retain_s is not None:
         cap = SessionsConfig(max_pinned=max_pinned).cap_bytes(tiers[0].capacity_bytes)
         holds = Holds(policies[0], cap, stats, clock=clock)
+    prefetched: set[bytes] = set()  # `Tier.prefetched` of the first tier
+    top = f"tier.{tiers[0].name}"
+
+    def evicted(victims: Sequence[bytes]) -> None:  # `Tier._evicted`, first tier
+        for key in victims:
+            if key in prefetched:
+                prefetched.discard(key)
+                stats[f"{top}.prefetch_evicted"] += 1
+
+    def store(depth: int, keys: Sequence[bytes]) -> None:
+        _store_held(policies[depth], tiers[depth], keys, holds if depth == 0 else None,
+                    evicted if depth == 0 else None)
+
     out = []
     for n, request in enumerate(requests):
         if times is not None:
@@ -183,42 +211,68 @@ def predict_holds(requests: Sequence[Request], tiers: Sequence[SimTier], *,
         for i, depth in enumerate(sources):
             per_tier[depth] += 1
             policies[depth].touch(blocks[i], i)
+            if depth == 0 and blocks[i] in prefetched:  # `Tier.touch`
+                prefetched.discard(blocks[i])
+                stats[f"{top}.prefetch_hits"] += 1
         out.append(per_tier)
         if promote:
             for depth, keys in _by_source(sources, blocks).items():
                 for above in range(depth):
-                    _store_held(policies[above], tiers[above], keys,
-                                holds if above == 0 else None)
+                    store(above, keys)
                 stats["promoted"] += sum(1 for k in keys  # the kernel's count: every tier
                                          if all(k in indexes[a] for a in range(depth)))
         hit = len(sources)
         if hit < len(blocks):
-            for depth, (policy, tier) in enumerate(zip(policies, tiers, strict=True)):
-                _store_held(policy, tier, blocks[hit:], holds if depth == 0 else None)
+            for depth in range(len(tiers)):
+                store(depth, blocks[hit:])
+        end = ends[n] if ends is not None else None
+        if holds is not None and end is not None:
+            holds.release(end, "end")
         if holds is not None and request.session is not None and blocks:
             holds.hold(request.session, blocks, retain_s)  # type: ignore[arg-type]
+        if prefetches is not None and prefetches[n] and len(tiers) > 1:
+            absent = [k for k in dict.fromkeys(blocks) if k not in indexes[0]]
+            # where each is below, looked up once before any copy (`Core.lookup_in`)
+            below = {k: next((d for d in range(1, len(tiers)) if k in indexes[d]), None)
+                     for k in absent}
+            copied = 0
+            for depth in range(1, len(tiers)):
+                batch = [k for k in absent if below[k] == depth]
+                if batch:
+                    store(0, batch)
+                    copied += sum(1 for k in batch if k in indexes[0])
+            if copied:
+                prefetched.update(k for k in absent if k in indexes[0])
+                stats["prefetched"] += copied
+                stats["promoted"] += copied  # `Movement._copy` counts every copy
     if holds is not None:
         holds.expire()  # the engine's statistics at the end
     return out, dict(stats)
 
 
 def _store_held(policy: Policy, tier: SimTier, keys: Sequence[bytes],
-                holds: Holds | None) -> None:
+                holds: Holds | None,
+                evicted: Callable[[Sequence[bytes]], None] | None = None) -> None:
     """`_simulate._store_batch` (one kernel Store into one tier), telling the holds of each
-    block indexed as `Tier.add` does."""
-    if holds is None:
+    block indexed as `Tier.add` does, and `evicted` of the victims `Tier.reserve` made."""
+    if holds is None and evicted is None:
         _store_batch(policy, tier, keys)
         return
-    holds.expire()  # as `Tier.reserve` does before it makes room
+    if holds is not None:
+        holds.expire()  # as `Tier.reserve` does before it makes room
     need = tier.block_bytes + tier.header_bytes
     reserved = 0
     chosen = []
     for key in keys:
-        if policy.make_room(need + reserved) is None:
+        victims = policy.make_room(need + reserved)
+        if victims is None:
             continue
+        if evicted is not None and victims:
+            evicted(victims)
         reserved += need
         chosen.append(key)
     for key in chosen:
         old = policy.size_of(key)
         policy.insert(key, tier.block_bytes)
-        holds.added(key, old)
+        if holds is not None:
+            holds.added(key, old)

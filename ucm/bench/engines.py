@@ -98,8 +98,9 @@ class Phase:
     # computes have them: vLLM leaves the rows of cached and loaded tokens uninitialised.
     logprob_tail: int = 0
     ignore_eos: bool = True  # False: a request ends at its end-of-sequence token (real models)
-    # Wait for the ucm worker's stores before answering, so that the next phase's lookups
-    # see them (requests replayed one at a time in a simulator's order).
+    # Wait for the ucm worker's stores (and session hints' prefetches) before answering, so
+    # that the next phase's lookups see them (requests replayed one at a time in a
+    # simulator's order).
     wait_stores: bool = False
     # Each prompt's `kv_transfer_params` (None: none), e.g. a ucm session hint.
     hints: list[Any] | None = None
@@ -249,13 +250,14 @@ def _tail_logprobs(prompt: list[int], out: Any, tail: int) -> list[float]:
 
 
 def _wait_stores(timeout: float = 120.0) -> bool:
-    """Waits for the stores the ucm worker posted; False if they did not finish in time."""
+    """Waits for the stores the ucm worker posted, then for its session ops' kernel work (a
+    prefetch hint's copies); False if they did not finish in time."""
     try:
         from ucm.vllm_hook.connector import live_connectors
     except ImportError:
         return True
-    return all(conn.worker.wait_for_stores(timeout) for conn in live_connectors()
-               if conn.worker is not None)
+    return all(conn.worker.wait_for_stores(timeout) and conn.worker.wait_for_sessions(timeout)
+               for conn in live_connectors() if conn.worker is not None)
 
 
 def _worker_counters() -> dict[str, int]:

@@ -17,7 +17,10 @@ scaled slice of the trace with the returning conversations' requests asking for 
 without holds (`ucm.bench.validate.validate_retention`; docs/autotune.md, Session retention).
 With `--time-scale S` the holds' replay runs on the trace's clock scaled by S (each request
 sent at its arrival x S, holds of `--retain-s` x S), so holds expire over the trace's longer
-pauses, on the engine and in the prediction alike.
+pauses, on the engine and in the prediction alike. `--end-after N`: a conversation's N-th
+request (or its last) sends `end` instead of a hold; `--prefetch`: before each returning
+request the client sends the session's `prefetch` hint on a request of the context it knows
+(both compared request by request, with the release and prefetch counters).
 """
 
 from __future__ import annotations
@@ -189,7 +192,8 @@ def run_validation(args: Any) -> list[dict[str, Any]]:
             requests=args.requests, sample=args.sample, max_blocks=args.max_blocks,
             capacity_blocks=args.capacity_blocks, max_pinned=f"{args.max_pinned * 100:g}%",
             retain_s=args.retain_s, time_scale=args.time_scale, promote=args.promote,
-            block_size=block_size, vocab=spec.vocab,
+            end_after=args.end_after, prefetch=args.prefetch, block_size=block_size,
+            vocab=spec.vocab,
             block_bytes=spec.kv_bytes_per_token() * block_size, log_path=args.log))
     return out
 
@@ -207,7 +211,11 @@ def print_validation(runs: Sequence[dict[str, Any]]) -> None:
                   f"{first['capacity_blocks']} blocks ({first['policy']}) over posix, "
                   f"promotion {'on' if first.get('promote') else 'off'}, holds of "
                   f"{first['retain_s']:g} s within "
-                  f"{first['max_pinned']}" + (
+                  f"{first['max_pinned']}"
+                  + (f", end on each conversation's request {first['end_after']} or last"
+                     if first.get("end_after") else "")
+                  + (", a prefetch (pN) before each returning request"
+                     if first.get("prefetch") else "") + (
                       "" if first.get("time_scale") is None else
                       f", the holds' replay on the trace's clock x {first['time_scale']:g} "
                       f"(holds of {first['retain_s'] * first['time_scale']:g} s)"))
@@ -216,8 +224,9 @@ def print_validation(runs: Sequence[dict[str, Any]]) -> None:
         label = "holds" if run["retain"] else "no holds"
         table.add_column(f"{label}: predicted", justify="right")
         table.add_column(f"{label}: measured", justify="right")
+    labels = first.get("labels") or [str(n + 1) for n in range(first["requests"])]
     for i in range(first["requests"]):
-        table.add_row(str(i + 1), *("/".join(map(str, run[k][i])) for run in runs
+        table.add_row(labels[i], *("/".join(map(str, run[k][i])) for run in runs
                                     for k in ("predicted_by_request", "measured_by_request")))
     table.add_row("all", *(f"{run[k + '_fast']}/{run[k + '_hits'] - run[k + '_fast']}"
                            for run in runs for k in ("predicted", "measured")))
@@ -227,7 +236,9 @@ def print_validation(runs: Sequence[dict[str, Any]]) -> None:
               f"requests differ; hints {run['hints']}; holds predicted "
               f"{run['predicted_sessions']}, measured {run['sessions']}"
               + (f"; blocks promoted predicted {run['predicted_promoted']}, measured "
-                 f"{run['promoted']}" if run.get("promote") else ""))
+                 f"{run['promoted']}" if run.get("promote") or run.get("prefetch") else "")
+              + (f"; prefetch counters predicted {run['predicted_prefetch_counters']}, "
+                 f"measured {run['prefetch_counters']}" if run.get("prefetch") else ""))
     for run in runs:
         if not run["retain"] or "holds" not in run:
             continue
@@ -288,6 +299,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="--validate: the kernel promotes posix hits into memory (predicted "
                         "as one copy after the load; not exact, the kernel copies in the "
                         "background)")
+    parser.add_argument("--end-after", type=int, default=None, metavar="N",
+                        help="--validate: with holds, a conversation's N-th request (or its "
+                        "last, if it has fewer) sends `end` instead of a hold, and its later "
+                        "ones no hint")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="--validate: before each request of a conversation seen earlier, "
+                        "a request of the context it shares with the previous one carrying "
+                        "the session's `prefetch` hint (both engines)")
     parser.add_argument("--log", metavar="FILE", help="--validate: the engines' log")
     args = parser.parse_args(argv)
     if not 0 < args.max_pinned <= 1:
@@ -297,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--retain-s and --time-scale must be > 0")
         if args.agents:
             parser.error("--validate replays --trace, not --agents")
+        if args.end_after is not None and args.end_after < 2:
+            parser.error("--end-after must be at least 2")
         runs = run_validation(args)
         print_validation(runs)
         if args.json:

@@ -177,6 +177,7 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
                        capacity_blocks: int = 24, posix_blocks: int = 4096,
                        retain_s: float = 600.0, max_pinned: str = "50%",
                        time_scale: float | None = None, promote: bool = False,
+                       end_after: int | None = None, prefetch: bool = False,
                        block_size: int = 32, vocab: int = 2048, block_bytes: int,
                        log_path: str | None = None) -> dict[str, Any]:
     """Predicted against measured hits by tier, request by request, of a scaled slice of
@@ -197,22 +198,63 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
     (promotion off), so that replay does not wait. `clock_ambiguous` lists the (hold, check)
     request pairs whose order the measured start and end times do not fix (the engine holds
     and checks expiry somewhere between a request's start and end): empty when the
-    prediction's clock and the engine's agree on every expiry."""
+    prediction's clock and the engine's agree on every expiry.
+
+    `end_after` N (with holds): a conversation's N-th request in the slice, or its last if
+    it has fewer (and more than one), sends `end` instead of a hold; its later requests send
+    no hint (the client ended the session). `prefetch` (with holds and without): before each
+    request of a conversation that was seen earlier in the slice, the client sends the
+    session's `prefetch` hint on a request of the context it knows (`prefetch_prompt`: the
+    full blocks the request shares with the conversation's previous one, and one token), sent
+    at the same arrival; that request is replayed and compared like the others (it loads
+    those blocks itself; after it the kernel copies those not in memory up from posix).
+    `labels` names each replayed request: its number in the slice, "pN" the prefetch before
+    request N."""
     import shutil
     import tempfile
 
     slice_ = read_slice(trace, requests=requests, sample=sample, max_blocks=max_blocks)
-    prompts = [scale_prompt(r, block_size, vocab) for r in slice_]
+    trace_prompts = [scale_prompt(r, block_size, vocab) for r in slice_]
     sessions = [trace_session(r) for r in slice_]
-    returning = [s if s is not None and s in sessions[i + 1:] else None
-                 for i, s in enumerate(sessions)]
+    plan = hint_plan(sessions, end_after=end_after if retain else None)
+    held = [p["hold"] if retain else None for p in plan]
     arrivals = None
     hold_s = retain_s
     if time_scale is not None:
         arrivals = [(r.timestamp - slice_[0].timestamp) * time_scale for r in slice_]
         hold_s = retain_s * time_scale
-    hints = [{"ucm": {"session": s, "retain_s": hold_s}} if retain and s else None
-             for s in returning]
+    # what the client sends, in order: each trace request, after its prefetch where asked
+    labels: list[str] = []
+    prompts: list[list[int]] = []
+    hints: list[dict[str, Any] | None] = []
+    holding: list[str | None] = []
+    ends: list[str | None] = []
+    prefetches: list[bool] = []
+    times: list[float] = []
+    for i, p in enumerate(plan):
+        ask = None
+        if prefetch and p["previous"] is not None:
+            ask = prefetch_prompt(trace_prompts[p["previous"]], trace_prompts[i], block_size)
+        if ask is not None:
+            labels.append(f"p{i + 1}")
+            prompts.append(ask)
+            hints.append({"ucm": {"session": sessions[i], "prefetch": True}})
+            holding.append(None)
+            ends.append(None)
+            prefetches.append(True)
+            if arrivals is not None:
+                times.append(arrivals[i])
+        end = p["end"] if retain else None
+        labels.append(str(i + 1))
+        prompts.append(trace_prompts[i])
+        hints.append({"ucm": {"session": held[i], "retain_s": hold_s}} if held[i]
+                     else {"ucm": {"session": end, "end": True}} if end else None)
+        holding.append(held[i])
+        ends.append(end)
+        prefetches.append(False)
+        if arrivals is not None:
+            times.append(arrivals[i])
+    clocked = times if retain and arrivals is not None else None
     root = tempfile.mkdtemp(prefix="ucm-validate-")
     try:
         tiers, sim_tiers = tier_stack(policy, capacity_blocks, block_bytes,
@@ -220,7 +262,7 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
         got = measure(
             model, prompts, {"tiers": tiers, "eviction": policy, "promote": promote,
                              "sessions": {"max_pinned": max_pinned}},
-            hints=hints, arrivals=arrivals if retain else None, block_size=block_size,
+            hints=hints, arrivals=clocked, block_size=block_size,
             # the connector promotes a step's loads only with promote_loads (lookups never)
             extra={"promote_loads": True} if promote else None,
             max_model_len=max(4096, max(len(p) for p in prompts) + 16), log_path=log_path)
@@ -228,17 +270,23 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
         shutil.rmtree(root, ignore_errors=True)
     _check_block_bytes(got, sim_tiers)
     reqs = [r._replace(session=s) for r, s in
-            zip(vllm_requests(prompts, block_size, got["namespace"]), returning, strict=True)]
+            zip(vllm_requests(prompts, block_size, got["namespace"]), holding, strict=True)]
     pred, sim_stats = predict_holds(reqs, sim_tiers, retain_s=hold_s if retain else None,
-                                       max_pinned=max_pinned,
-                                       times=arrivals if retain else None, promote=promote)
+                                       max_pinned=max_pinned, times=clocked, promote=promote,
+                                       ends=ends, prefetches=prefetches)
     measured = got["by_request_tier"]
-    out = {"trace": trace, "requests": len(prompts), "sample": sample,
+    top = f"tier.{sim_tiers[0].name}"
+    counted = ("prefetched", f"{top}.prefetch_hits", f"{top}.prefetch_evicted")
+    out = {"trace": trace, "requests": len(prompts), "trace_requests": len(slice_),
+           "labels": labels, "sample": sample,
            "max_blocks": max_blocks, "capacity_blocks": capacity_blocks,
            "posix_blocks": posix_blocks, "policy": policy, "retain": retain,
            "retain_s": retain_s, "max_pinned": max_pinned, "block_bytes": block_bytes,
            "time_scale": time_scale, "hint_retain_s": hold_s, "promote": promote,
+           "end_after": end_after, "prefetch": prefetch,
            "hints": sum(1 for h in hints if h),
+           "hint_counts": {"hold": sum(1 for h in holding if h),
+                           "end": sum(1 for e in ends if e), "prefetch": sum(prefetches)},
            "lookup_blocks": sum(r.lookup or 0 for r in reqs),
            "predicted_by_request": pred, "measured_by_request": measured,
            "predicted_fast": sum(p[0] for p in pred), "measured_fast": sum(m[0] for m in measured),
@@ -248,17 +296,72 @@ def validate_retention(trace: str, model: str, *, retain: bool, policy: str = "l
            "sessions": {k: v for k, v in got["kernel"].items() if k.startswith("session")},
            "predicted_sessions": {k: v for k, v in sim_stats.items() if k.startswith("session")},
            "promoted": int(got["kernel"].get("promoted", 0)),
-           "predicted_promoted": sim_stats.get("promoted", 0)}
+           "predicted_promoted": sim_stats.get("promoted", 0),
+           "prefetch_counters": {k: int(got["kernel"].get(k, 0)) for k in counted},
+           "predicted_prefetch_counters": {k: int(sim_stats.get(k, 0)) for k in counted},
+           "session_ops": {k: v for k, v in got["worker"].items() if k.startswith("session")}}
     if time_scale is not None:
         stamps = [r.timestamp for r in slice_]
-        out["holds"] = hold_pauses(sessions, returning, stamps, retain_s)
-        if retain and arrivals is not None:
-            out.update(arrivals=arrivals, starts=got["starts"], ends=got["ends"],
+        out["holds"] = hold_pauses(sessions, held, stamps, retain_s)
+        if clocked is not None:
+            out.update(arrivals=clocked, starts=got["starts"], ends=got["ends"],
                        finished=got["finished"],
-                       max_lag_s=max(e - a for e, a in zip(got["ends"], arrivals, strict=True)),
-                       clock_ambiguous=clock_ambiguous(arrivals, got["starts"], got["ends"],
-                                                       got["finished"], returning, hold_s))
+                       max_lag_s=max(e - a for e, a in zip(got["ends"], clocked, strict=True)),
+                       clock_ambiguous=[
+                           (labels[i - 1], labels[c - 1] if c <= len(labels) else "end")
+                           for i, c in clock_ambiguous(clocked, got["starts"], got["ends"],
+                                                       got["finished"], holding, hold_s,
+                                                       ended=ends)])
     return out
+
+
+def hint_plan(sessions: Sequence[str | None], *, end_after: int | None = None,
+              ) -> list[dict[str, Any]]:
+    """Each slice request's hints by its conversation (`sessions`): `hold`, its session
+    where it asks for a hold (the conversation comes back later in the slice and has not
+    ended); `end`, its session where it sends `end` (`end_after` N: the conversation's N-th
+    request, or its last where it has fewer, in a conversation of more than one request);
+    `previous`, the index of the conversation's previous request (None: its first)."""
+    if end_after is not None and end_after < 2:
+        raise ValueError("end_after must be at least 2 (a first request holds nothing)")
+    count: dict[str, int] = {}
+    for s in sessions:
+        if s is not None:
+            count[s] = count.get(s, 0) + 1
+    seen: dict[str, int] = {}
+    last: dict[str, int] = {}
+    out: list[dict[str, Any]] = []
+    for i, s in enumerate(sessions):
+        if s is None:
+            out.append({"hold": None, "end": None, "previous": None})
+            continue
+        n = seen[s] = seen.get(s, 0) + 1
+        total = count[s]
+        stop = None if end_after is None or total < 2 else min(end_after, total)
+        out.append({"hold": s if n < total and (stop is None or n < stop) else None,
+                    "end": s if n == stop else None, "previous": last.get(s)})
+        last[s] = i
+    return out
+
+
+def prefetch_prompt(previous: Sequence[int], prompt: Sequence[int], block_size: int,
+                    ) -> list[int] | None:
+    """The prompt of a prefetch ahead of `prompt`: the full blocks it shares with the
+    conversation's `previous` prompt (the context the client knows) and one more token of
+    `prompt`, so that its lookup covers those blocks and it stores none (a partial block is
+    never stored); None when they share no full block."""
+    shared = 0
+    for a, b in zip(previous, prompt, strict=False):
+        if a != b:
+            break
+        shared += 1
+    full = shared // block_size * block_size
+    if full == 0:
+        return None
+    # the token after them: the prompt's own where it goes on, else the previous prompt's
+    tail = prompt[full] if len(prompt) > full else previous[full] if len(previous) > full \
+        else previous[-1]
+    return [*previous[:full], tail]
 
 
 def hold_pauses(sessions: Sequence[str | None], returning: Sequence[str | None],
@@ -279,14 +382,16 @@ def hold_pauses(sessions: Sequence[str | None], returning: Sequence[str | None],
 
 def clock_ambiguous(arrivals: Sequence[float], starts: Sequence[float],
                     ends: Sequence[float], finished: float, held: Sequence[str | None],
-                    hold_s: float) -> list[tuple[int, int]]:
+                    hold_s: float, *, ended: Sequence[str | None] | None = None,
+                    ) -> list[tuple[int, int]]:
     """The (hold, check) request pairs (1-based; check len + 1: the statistics read at the
     end) where the prediction's clock and the engine's may disagree on whether the hold had
     expired. `held`: each request's session that it holds (None: no hold). The prediction
     holds at request i's arrival and checks expiry at request c's; the engine holds
     somewhere in [starts[i], ends[i]] and checks in [starts[c], ends[c]] (the end's read by
     `finished`), so the order is fixed only where the whole intervals fall on the predicted
-    side. A hold is followed up to its session's next hold, which restarts it."""
+    side. A hold is followed up to its session's next hold, which restarts it, or its `end`
+    (`ended`: each request's session that it ends, None: none)."""
     last = len(arrivals) - 1
     checks = [(c, arrivals[c], starts[c], ends[c]) for c in range(len(arrivals))]
     checks.append((last + 1, arrivals[last], starts[last], finished))
@@ -294,7 +399,8 @@ def clock_ambiguous(arrivals: Sequence[float], starts: Sequence[float],
     for i, session in enumerate(held):
         if session is None:
             continue
-        until = next((k for k in range(i + 1, len(held)) if held[k] == session), last + 1)
+        until = next((k for k in range(i + 1, len(held)) if held[k] == session
+                      or (ended is not None and ended[k] == session)), last + 1)
         for c, at, lo, hi in checks:
             if c <= i or c > until:
                 continue

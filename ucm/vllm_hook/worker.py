@@ -99,6 +99,8 @@ class WorkerSide:
                                       list[tuple[str, int, int]]]] = {}
         self._stores_idle = threading.Event()
         self._stores_idle.set()
+        # session ops' kernel work in flight (a prefetch copies blocks in the background)
+        self._session_pending: set[concurrent.futures.Future[Any]] = set()
 
     @property
     def kernel(self) -> Any:
@@ -488,7 +490,23 @@ class WorkerSide:
                 log.debug("ucm: session %s: %s", op.session, exc)
                 continue
             self.stats["session_ops"] += 1
+        for completion in done:
+            with self._lock:
+                self._session_pending.add(completion)
+            completion.add_done_callback(self._session_done)
         return done
+
+    def _session_done(self, completion: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._session_pending.discard(completion)
+
+    def wait_for_sessions(self, timeout: float | None = None) -> bool:
+        """Blocks until the kernel work of every applied session op (holds, releases,
+        prefetches) finished, failed or not; False if some did not in time (for tests and
+        benches that replay requests one at a time)."""
+        with self._lock:
+            pending = list(self._session_pending)
+        return not concurrent.futures.wait(pending, timeout).not_done
 
     def _post_store(self) -> None:
         staging, rows = self._save_staging, self._save_rows
