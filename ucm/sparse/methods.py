@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ucm.ops.score import mean_scores, quest_scores
@@ -176,6 +177,36 @@ def hamming_similarity(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 8 * nbytes - popcount(torch.bitwise_xor(a, b))
 
 
+def best_similarity_reference(query_codes: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """(Hkv, G, nbytes) query codes and (Hkv, nb, bs, nbytes) key codes -> (Hkv, G, nb)
+    int32: each block's best Hamming similarity to each query code, in torch's ops (the
+    reference of `best_similarity`, and its path off the CPU or on odd byte counts)."""
+    return hamming_similarity(query_codes[:, :, None, None], codes[:, None]).amax(-1)
+
+
+# numpy >= 2.0 counts bits with the CPU's popcount instruction, one ufunc over the codes
+_BITWISE_COUNT = hasattr(np, "bitwise_count")
+
+
+def best_similarity(query_codes: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """`best_similarity_reference`'s result, bit for bit, fast on the CPU: numpy XORs the
+    codes as int64 words against the query's words tiled along a block's row (an inner loop
+    over bs * nbytes / 8 contiguous words, no per-token broadcast) and counts bits with
+    `np.bitwise_count`, where torch took a dozen SWAR passes over a broadcast copy."""
+    hkv, nb, bs, nbytes = codes.shape
+    on_cpu = codes.device.type == "cpu" and query_codes.device.type == "cpu"
+    if not (_BITWISE_COUNT and on_cpu and nbytes % 8 == 0 and nb and bs):
+        return best_similarity_reference(query_codes, codes)
+    g, nw = query_codes.shape[1], nbytes // 8
+    keys = codes.contiguous().numpy().view(np.uint64).reshape(hkv, 1, nb, bs * nw)
+    q = query_codes.contiguous().numpy().view(np.uint64).reshape(hkv, g, 1, nw)
+    counts = np.bitwise_count(np.bitwise_xor(keys, np.tile(q, bs)))  # uint8, <= 64 each
+    counts = counts.reshape(hkv, g, nb, bs, nw)
+    # a token's distance sums its words' counts; uint8 holds up to 255 bits
+    dist = counts[..., 0] if nw == 1 else counts.sum(-1, dtype=np.uint8 if nw < 4 else np.int32)
+    return torch.from_numpy(np.subtract(8 * nbytes, dist.min(-1), dtype=np.int32))
+
+
 class GSA(SparseMethod):
     """UCM's GSA scoring: keys hashed to sign bits of a fixed random projection at prefill,
     each block ranked by the best Hamming similarity of its tokens' codes to the newest
@@ -220,9 +251,8 @@ class GSA(SparseMethod):
         hq = query.shape[0]
         if hq % hkv:
             raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-        qc = self.hash(query.to(codes.device)).reshape(hkv, hq // hkv, 1, 1, nbytes)
-        sim = hamming_similarity(qc, codes[:, None])  # (Hkv, G, nb, bs)
-        return sim.amax(-1).reshape(hq, nb)
+        qc = self.hash(query.to(codes.device)).reshape(hkv, hq // hkv, nbytes)
+        return best_similarity(qc, codes).reshape(hq, nb)
 
     def block_scores(self, reps: BlockReps, queries: torch.Tensor) -> torch.Tensor:
         sim = self.block_similarity(reps, queries[-1]).float()
