@@ -75,3 +75,17 @@ def test_gsa_block_similarity_is_the_reference_on_hashed_keys(hash_bits):
         qc = m.hash(q).reshape(3, 3, hash_bits // 8)
         want = best_similarity_reference(qc, reps.per_block["codes"]).reshape(9, 20)
         assert torch.equal(m.block_similarity(reps, q), want)
+
+
+def test_pack_bits_numpy_equals_the_torch_reference():
+    from ucm.sparse.methods import pack_bits, pack_bits_reference
+
+    g = torch.Generator().manual_seed(9)
+    for shape in [(9, 128), (3, 7, 32, 64), (5, 8), (2, 0, 16)]:
+        bits = torch.rand(shape, generator=g) > 0.5
+        got = pack_bits(bits)
+        assert got.dtype == torch.uint8 and torch.equal(got, pack_bits_reference(bits))
+    bits = (torch.rand(16, 4, generator=g) > 0.5).t()  # not contiguous
+    assert torch.equal(pack_bits(bits), pack_bits_reference(bits))
+    with pytest.raises(ValueError):
+        pack_bits(torch.ones(3, 12, dtype=torch.bool))
