@@ -215,7 +215,8 @@ def best_similarity(query_codes: torch.Tensor, codes: torch.Tensor) -> torch.Ten
     dist = counts[..., 0]
     for w in range(1, nw):
         dist = np.add(dist, counts[..., w], dtype=np.uint8 if nw < 4 else np.int32)
-    return torch.from_numpy(np.subtract(8 * nbytes, dist.min(-1), dtype=np.int32))
+    best = torch.from_numpy(dist).amin(-1).numpy()  # torch's min over bs: 2x numpy's here
+    return torch.from_numpy(np.subtract(8 * nbytes, best, dtype=np.int32))
 
 
 class GSA(SparseMethod):
