@@ -63,46 +63,42 @@ def main(spec: dict[str, Any]) -> None:
     window: list[dict[str, Any]] = []  # the frees of blocks the moving window left
     freer = scheduler.sparse_blocks
     if freer is not None:
-        free = freer._free
+        def counted(free: Any, record: Any) -> Any:
+            """`free` wrapped: a free that gave blocks back is recorded with the pool's free
+            count before and after it."""
+            def observed(req_id: str, *args: Any) -> Any:
+                pool = freer.kv_manager.block_pool
+                before = pool.get_num_free_blocks()
+                out = free(req_id, *args)
+                if out is not None:
+                    record(req_id, out, {"before": before, "after": pool.get_num_free_blocks(),
+                                         "slots": len(out.slots), "req_id": req_id,
+                                         "phase": len(phases), "step": clock["step"]})
+                return out
+            return observed
 
-        def observed(req_id: str, *args: Any) -> Any:
-            pool = freer.kv_manager.block_pool
-            before = pool.get_num_free_blocks()
-            out = free(req_id, *args)
-            if out is not None:
-                frees.append({"before": before, "after": pool.get_num_free_blocks(),
-                              "offloaded": len(out.freed), "slots": len(out.slots),
-                              "kept": freer.freed[-1]["kept_shared"], "req_id": req_id,
-                              "phase": len(phases), "step": clock["step"]})
-                if noise["armed"]:
-                    noise["armed"] = False
-                    noise["stored"].append(_restore_noise(worker, out))
-                if noise["drop"]:
-                    noise["drop"] = False
-                    keys = [rank_key(d, 0, 1) for d in out.digests]
-                    worker.kernel.submit(Delete(keys)).result(30)
-                    noise["dropped"] += len(keys)
-                    noise["dropping"].append(req_id)
-            return out
+        def first_free(req_id: str, out: Any, row: dict[str, Any]) -> None:
+            frees.append({**row, "offloaded": len(out.freed),
+                          "kept": freer.freed[-1]["kept_shared"]})
+            if noise["armed"]:
+                noise["armed"] = False
+                noise["stored"].append(_restore_noise(worker, out))
+            if noise["drop"]:
+                noise["drop"] = False
+                keys = [rank_key(d, 0, 1) for d in out.digests]
+                worker.kernel.submit(Delete(keys)).result(30)
+                noise["dropped"] += len(keys)
+                noise["dropping"].append(req_id)
 
-        freer._free = observed
-        free_window = freer._free_window
+        def window_free(req_id: str, out: Any, row: dict[str, Any]) -> None:
+            window.append({**row, "freed": out.freed})
+            if req_id in noise["dropping"]:  # its first free's blocks were deleted
+                keys = [rank_key(d, 0, 1) for d in out.digests]
+                worker.kernel.submit(Delete(keys)).result(30)
+                noise["dropped"] += len(keys)
 
-        def observed_window(req_id: str, *args: Any) -> Any:
-            pool = freer.kv_manager.block_pool
-            before = pool.get_num_free_blocks()
-            out = free_window(req_id, *args)
-            if out is not None:
-                window.append({"before": before, "after": pool.get_num_free_blocks(),
-                               "freed": out.freed, "slots": len(out.slots),
-                               "req_id": req_id, "phase": len(phases), "step": clock["step"]})
-                if req_id in noise["dropping"]:  # its first free's blocks were deleted
-                    keys = [rank_key(d, 0, 1) for d in out.digests]
-                    worker.kernel.submit(Delete(keys)).result(30)
-                    noise["dropped"] += len(keys)
-            return out
-
-        freer._free_window = observed_window
+        freer._free = counted(freer._free, first_free)
+        freer._free_window = counted(freer._free_window, window_free)
         start = freer.start
 
         def started(req_id: str, computed_tokens: int) -> None:
