@@ -980,14 +980,11 @@ static int parse_key(PyObject *obj, ref_t *r)
     return 0;
 }
 
-static int curve_reference(Curve *c, PyObject *key, int64_t size)
+static int curve_reference(Curve *c, ref_t *r, int64_t size)
 {
-    ref_t r;
-    if (parse_key(key, &r) < 0)
-        return -1;
-    if (r.place < c->top)
-        return curve_sampled(c, &r, size);
-    curve_hot(c, r.key);
+    if (r->place < c->top)
+        return curve_sampled(c, r, size);
+    curve_hot(c, r->key);
     return 0;
 }
 
@@ -1003,13 +1000,13 @@ static PyObject *Curve_access(Curve *self, PyObject *const *args, Py_ssize_t nar
     int first = 0;
     if (nargs > 2 && (first = PyObject_IsTrue(args[2])) < 0)
         return NULL;
+    ref_t r;
+    if (parse_key(args[0], &r) < 0)
+        return NULL;
     self->accesses++;
-    if (first) {
-        ref_t r;
-        if (parse_key(args[0], &r) < 0 || curve_first(self, r.key) < 0)
-            return NULL;
-    }
-    if (curve_reference(self, args[0], size) < 0)
+    if (first && curve_first(self, r.key) < 0)
+        return NULL;
+    if (curve_reference(self, &r, size) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1031,10 +1028,11 @@ static PyObject *Curve_access_many(Curve *self, PyObject *const *args, Py_ssize_
     if (count) {
         self->accesses += count;
         ref_t r;
-        if (parse_key(items[0], &r) < 0 || curve_first(self, r.key) < 0)
+        if (parse_key(items[0], &r) < 0 || curve_first(self, r.key) < 0 ||
+            curve_reference(self, &r, size) < 0)
             goto fail;
-        for (Py_ssize_t i = 0; i < count; i++)
-            if (curve_reference(self, items[i], size) < 0)
+        for (Py_ssize_t i = 1; i < count; i++)
+            if (parse_key(items[i], &r) < 0 || curve_reference(self, &r, size) < 0)
                 goto fail;
     }
     Py_DECREF(fast);
